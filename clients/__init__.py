@@ -1,0 +1,1 @@
+"""The worker: shard store, model engine, per-unit clipped gradients."""

@@ -1,0 +1,1 @@
+"""The userdp wire protocol (``userdp.v1``): ``.proto`` sources and generated modules."""

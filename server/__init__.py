@@ -1,0 +1,1 @@
+"""The coordinator: step loop, task planning, aggregation, noise, ledger-first release."""

@@ -1,0 +1,1 @@
+"""Strategies: the DP mechanism as one object (unit, sampler, clipping, noise, event)."""

@@ -1,0 +1,31 @@
+"""``userdp config check FILE`` and ``userdp config show [FILE]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from userdp.config import Config, load_config
+
+
+def _check(args: argparse.Namespace) -> int:
+    load_config(args.file)
+    print(f"{args.file}: ok")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    config = load_config(args.file) if args.file else Config()
+    print(json.dumps(config.model_dump(), indent=2))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("config", help="validate or show a userdp TOML config")
+    sub = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    check = sub.add_parser("check", help="validate FILE; exit 2 with one line per problem")
+    check.add_argument("file")
+    check.set_defaults(handler=_check)
+    show = sub.add_parser("show", help="print the full config (defaults filled in) as JSON")
+    show.add_argument("file", nargs="?")
+    show.set_defaults(handler=_show)

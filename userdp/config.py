@@ -1,0 +1,200 @@
+"""The one TOML config shared by ``train``, ``simulate``, ``coordinator``, ``worker`` and ``audit``.
+
+Every section is a frozen pydantic model that forbids unknown keys, so a typo is an error, not a
+silently ignored setting. :func:`load_config` turns validation failures into :class:`ConfigError`
+whose message names the key, the bad value and the allowed range, e.g.
+``privacy.delta must be in (0, 1), got 1.5``.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """The config file is missing, not TOML, or fails validation (one line per problem)."""
+
+
+def _interval(lo: float, hi: float, lo_open: bool = True, hi_open: bool = True):
+    """A validator for a real number in an interval; its message states the interval."""
+    left = "(" if lo_open else "["
+    right = ")" if hi_open else "]"
+    shown_hi = "inf" if math.isinf(hi) else f"{hi:g}"
+    text = f"{left}{lo:g}, {shown_hi}{right}"
+
+    def check(value: float) -> float:
+        ok_lo = value > lo if lo_open else value >= lo
+        ok_hi = value < hi if hi_open else value <= hi
+        if not (ok_lo and ok_hi) or math.isnan(value):
+            raise ValueError(f"must be in {text}, got {value:g}")
+        return value
+
+    return AfterValidator(check)
+
+
+Positive = Annotated[float, _interval(0.0, math.inf)]
+NonNegative = Annotated[float, _interval(0.0, math.inf, lo_open=False)]
+Probability = Annotated[float, _interval(0.0, 1.0, hi_open=False)]
+OpenUnit = Annotated[float, _interval(0.0, 1.0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Section):
+    """Where the user-partitioned shards are and how a worker selects a user's examples."""
+
+    shards: str | None = None
+    """Directory written by ``userdp shard`` (holds ``manifest.json``). None = the embedded demo corpus."""
+    demo_users: PositiveInt = 400
+    """Number of users of the embedded synthetic corpus when ``shards`` is not set."""
+    eval_fraction: Annotated[float, _interval(0.0, 1.0, lo_open=False, hi_open=True)] = 0.1
+    """Fraction of users held out (user-level split) for evaluation; they are never trained on."""
+    selection: Literal["random", "longest", "shortest", "random_chunk"] = "random"
+    """How a user's examples are chosen each step (seed 003)."""
+    seq_len: PositiveInt = 128
+    """Maximum tokens per example fed to the model."""
+
+
+class ModelConfig(_Section):
+    """The causal LM; built from a transformers config (no hub downloads)."""
+
+    preset: Literal["gpt2-tiny", "gpt2-small", "gpt2-medium"] | None = "gpt2-tiny"
+    path: str | None = None
+    """A local directory with a transformers model (config.json, weights); overrides ``preset``."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    zero_stage: Annotated[int, Field(ge=0, le=2)] = 0
+    lora_rank: NonNegativeInt = 0
+    """0 = full fine-tuning; > 0 trains LoRA adapters of this rank (needs the ``peft`` extra)."""
+
+
+class StrategyConfig(_Section):
+    """The DP mechanism: privacy unit, sampling, clipping, server update."""
+
+    name: Literal[
+        "uls",
+        "els",
+        "group-privacy",
+        "dp-fedavg",
+        "adaptive-clipping",
+        "randomized-clipping",
+        "blt-dp-ftrl",
+    ] = "uls"
+    sampling: Literal["poisson", "balls-in-bins-fixed", "balls-in-bins-epoch", "shuffle", "padding"] = (
+        "poisson"
+    )
+    sampling_prob: Probability = 0.05
+    """q: each user (ULS) or example of D_sub (ELS) is included in a step with this probability."""
+    group_size: PositiveInt = 8
+    """G: examples per user per step (ULS) or the contribution bound per user (ELS)."""
+    clip_norm: Positive = 1.0
+    """C: every unit's gradient is clipped to this L2 norm."""
+    steps: PositiveInt = 100
+    engine: Literal["loop", "vectorized", "randomized"] = "vectorized"
+    probes: PositiveInt = 32
+    """k: Hutchinson probes for the randomized engine."""
+    server_optimizer: Literal["sgd", "momentum", "adam", "adafactor"] = "adam"
+    server_lr: Positive = 1e-3
+    momentum: Annotated[float, _interval(0.0, 1.0, lo_open=False)] = 0.9
+    local_steps: PositiveInt = 1
+    """DP-FedAvg only: local optimizer steps per user before the model delta is clipped."""
+
+
+class PrivacyConfig(_Section):
+    """The privacy target. With ``noise_multiplier`` unset, σ is calibrated to (epsilon, delta)."""
+
+    epsilon: Positive = 8.0
+    delta: OpenUnit | None = None
+    """None = 1 / N^1.1 with N the number of training users."""
+    noise_multiplier: Positive | None = None
+    allow_unaccounted_sampling: bool = False
+    """Must be true to use ``shuffle`` sampling, for which no tight accountant exists."""
+
+
+class CoordinatorConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """0 = pick a free port (simulate); a deployment sets a fixed one."""
+    step_deadline_s: Positive = 300.0
+    checkpoint_every: PositiveInt = 10
+    max_message_mb: Annotated[int, Field(ge=1, le=2047)] = 64
+    auth_token_file: str | None = None
+    tls_dir: str | None = None
+    """Directory with ca.pem, <role>.pem and <role>.key for mTLS (see ``userdp certs``)."""
+
+
+class WorkersConfig(_Section):
+    count: PositiveInt = 2
+    replicas: PositiveInt = 1
+    """How many workers hold each shard; > 1 lets a step finish when a worker dies."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    token_budget: PositiveInt = 8192
+    """Tokens per micro-batch; bounds worker memory."""
+
+
+class OutputConfig(_Section):
+    dir: str = "runs/latest"
+    plots: bool = True
+    seed: NonNegativeInt | None = None
+    """Seeds sampling and model init for reproducible research runs; noise is always from os.urandom."""
+
+
+class Config(_Section):
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    strategy: StrategyConfig = StrategyConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    workers: WorkersConfig = WorkersConfig()
+    output: OutputConfig = OutputConfig()
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    key = ".".join(str(part) for part in err["loc"])
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        return f"{key}: unknown key (check the spelling; see `userdp config show` for all keys)"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    message = err["msg"]
+    if message.startswith("Value error, "):
+        return f"{key} {message.removeprefix('Value error, ')}"
+    return f"{key}: {message[0].lower() + message[1:]}, got {value!r}"
+
+
+def parse_config(raw: dict[str, Any]) -> Config:
+    """Validate a parsed TOML document; raise ConfigError naming every bad key."""
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_format_error(err) for err in exc.errors()]
+        raise ConfigError("; ".join(lines)) from None
+    if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
+        raise ConfigError(
+            "strategy.sampling = 'shuffle' has no tight accountant: set "
+            "privacy.allow_unaccounted_sampling = true to run it anyway (the report will say so)"
+        )
+    return config
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML config file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text") from None
+    return parse_config(raw)
