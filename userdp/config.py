@@ -88,9 +88,9 @@ class StrategyConfig(_Section):
         "randomized-clipping",
         "blt-dp-ftrl",
     ] = "uls"
-    sampling: Literal["poisson", "balls-in-bins-fixed", "balls-in-bins-epoch", "shuffle", "padding"] = (
-        "poisson"
-    )
+    sampling: Literal[
+        "poisson", "balls-in-bins-fixed", "balls-in-bins-epoch", "shuffle", "padding"
+    ] = "poisson"
     sampling_prob: Probability = 0.05
     """q: each user (ULS) or example of D_sub (ELS) is included in a step with this probability."""
     group_size: PositiveInt = 8

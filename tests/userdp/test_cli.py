@@ -1,0 +1,34 @@
+"""The console script: version, help, and the exit-code convention."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import userdp
+from userdp.cli import build_parser
+
+
+def _userdp() -> str:
+    return str(Path(sys.executable).parent / "userdp")
+
+
+def test_console_script_version() -> None:
+    result = subprocess.run([_userdp(), "--version"], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == f"userdp {userdp.__version__}"
+
+
+def test_help_lists_every_registered_command() -> None:
+    parser = build_parser()
+    result = subprocess.run([_userdp(), "--help"], capture_output=True, text=True, check=True)
+    subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert subparsers.choices, "no subcommands registered"
+    for name in subparsers.choices:
+        assert name in result.stdout
+
+
+def test_no_command_prints_help_and_exits_2() -> None:
+    result = subprocess.run([_userdp()], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "usage: userdp" in result.stdout

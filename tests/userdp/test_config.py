@@ -1,0 +1,90 @@
+"""The TOML schema: defaults validate, every bad value is named with its allowed range."""
+
+from __future__ import annotations
+
+import pytest
+
+from userdp.cli import main
+from userdp.config import Config, ConfigError, load_config, parse_config
+
+
+def test_defaults_are_valid() -> None:
+    config = parse_config({})
+    assert config == Config()
+    assert config.privacy.delta is None  # resolved to 1/N^1.1 once N is known
+
+
+def test_full_sections_parse(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        "[data]\nseq_len = 64\n[model]\npreset = 'gpt2-tiny'\n"
+        "[strategy]\nname = 'els'\nsampling_prob = 0.01\ngroup_size = 4\nclip_norm = 0.5\n"
+        "[privacy]\nepsilon = 2.0\ndelta = 1e-6\n[coordinator]\nport = 50051\n"
+        "[workers]\ncount = 3\n[output]\ndir = 'out'\n"
+    )
+    config = load_config(path)
+    assert config.strategy.name == "els"
+    assert config.privacy.delta == 1e-6
+    assert config.workers.count == 3
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("[privacy]\ndelta = 1.5\n", "privacy.delta must be in (0, 1), got 1.5"),
+        ("[privacy]\ndelta = 0.0\n", "privacy.delta must be in (0, 1), got 0"),
+        ("[privacy]\nepsilon = -1\n", "privacy.epsilon must be in (0, inf), got -1"),
+        ("[privacy]\nepsilon = nan\n", "privacy.epsilon must be in (0, inf), got nan"),
+        ("[strategy]\nsampling_prob = 0\n", "strategy.sampling_prob must be in (0, 1], got 0"),
+        ("[strategy]\nsampling_prob = 1.2\n", "strategy.sampling_prob must be in (0, 1], got 1.2"),
+        ("[strategy]\nclip_norm = -0.1\n", "strategy.clip_norm must be in (0, inf), got -0.1"),
+        ("[strategy]\ngroup_size = 0\n", "strategy.group_size: input should be greater than"),
+        ("[strategy]\nclipnorm = 1.0\n", "strategy.clipnorm: unknown key"),
+        ("[nonsense]\nx = 1\n", "nonsense: unknown key"),
+        ("[strategy]\nname = 'magic'\n", "strategy.name: input should be"),
+        ("[strategy]\nsampling = 'shuffle'\n", "privacy.allow_unaccounted_sampling = true"),
+    ],
+)
+def test_bad_values_are_named(tmp_path, toml: str, expected: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_shuffle_allowed_only_when_acknowledged() -> None:
+    config = parse_config(
+        {"strategy": {"sampling": "shuffle"}, "privacy": {"allow_unaccounted_sampling": True}}
+    )
+    assert config.strategy.sampling == "shuffle"
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "config file not found"),
+        ("[privacy\nepsilon = 1", "is not valid TOML"),
+        ("[privacy]\nbogus = 1\n", "privacy.bogus: unknown key"),
+        ("[privacy]\nepsilon = 0\n", "privacy.epsilon must be in (0, inf), got 0"),
+        ("[privacy]\ndelta = 2\n", "privacy.delta must be in (0, 1), got 2"),
+        ("[strategy]\nsampling_prob = 3\n", "strategy.sampling_prob must be in (0, 1], got 3"),
+        ("[strategy]\nclip_norm = -1\n", "strategy.clip_norm must be in (0, inf), got -1"),
+    ],
+)
+def test_config_check_cli_exit_code_and_one_line(tmp_path, capsys, content, expected) -> None:
+    path = tmp_path / "run.toml"
+    if content is not None:
+        path.write_text(content)
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert err.count("\n") == 1
+
+
+def test_config_check_accepts_valid_file(tmp_path, capsys) -> None:
+    path = tmp_path / "ok.toml"
+    path.write_text("[privacy]\nepsilon = 4.0\n")
+    assert main(["config", "check", str(path)]) == 0
+    assert "ok" in capsys.readouterr().out
