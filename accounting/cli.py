@@ -1,0 +1,261 @@
+"""``userdp account epsilon | calibrate | max-steps``: the accountants from the command line.
+
+Examples::
+
+    userdp account epsilon --mechanism els --noise-multiplier 1 --steps 2000 \\
+        --sampling-prob 0.01 --group-size 16 --delta 1e-6 --json
+    userdp account calibrate --mechanism uls --epsilon 4 --delta 1e-9 --steps 10000 \\
+        --sampling-prob 0.0015
+    userdp account max-steps --mechanism uls --noise-multiplier 1 --sampling-prob 0.01 \\
+        --epsilon 8 --delta 1e-6
+
+Bad input raises ValueError with the offending flag named; ``userdp`` prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from userdp.accounting import api, calibration
+from userdp.accounting.mechanisms import (
+    BIN_SEMANTICS,
+    ESTIMATORS,
+    BallsInBinsMechanism,
+    ElsMechanism,
+    GroupPrivacyMechanism,
+    InvalidMechanismError,
+    Mechanism,
+    RandomizedClippingMechanism,
+    UlsMechanism,
+)
+
+MECHANISMS = ("uls", "els", "group-privacy", "balls-in-bins", "randomized-clipping")
+DEFAULT_DELTA = 1e-6
+
+# Parameter names in error messages → the flag the user typed.
+_FLAGS = {
+    "noise_multiplier": "--noise-multiplier",
+    "sampling_prob": "--sampling-prob",
+    "group_size": "--group-size",
+    "bins": "--bins",
+    "epochs": "--epochs",
+    "bin_semantics": "--bin-semantics",
+    "probes": "--probes",
+    "estimator": "--estimator",
+    "target_epsilon": "--epsilon",
+    "epsilon": "--epsilon",
+    "delta": "--delta",
+    "steps": "--steps",
+    "value_discretization_interval": "--discretization",
+}
+
+# Which flags each mechanism needs (beyond --noise-multiplier).
+_REQUIRED = {
+    "uls": ("sampling_prob",),
+    "els": ("sampling_prob", "group_size"),
+    "group-privacy": ("sampling_prob", "group_size"),
+    "balls-in-bins": ("bins", "epochs"),
+    "randomized-clipping": ("sampling_prob", "probes"),
+}
+
+
+class AccountCliError(ValueError):
+    """Bad ``userdp account`` input; the message names the flag."""
+
+
+def build_mechanism(args: argparse.Namespace, noise_multiplier: float) -> Mechanism:
+    """The mechanism the flags describe; missing or out-of-range flags raise AccountCliError."""
+    kind = args.mechanism
+    for name in _REQUIRED[kind]:
+        if getattr(args, name) is None:
+            raise AccountCliError(f"{_FLAGS[name]} is required for --mechanism {kind}")
+    with _flag_names():
+        if kind == "uls":
+            return UlsMechanism(noise_multiplier, args.sampling_prob)
+        if kind == "els":
+            return ElsMechanism(noise_multiplier, args.sampling_prob, args.group_size)
+        if kind == "group-privacy":
+            return GroupPrivacyMechanism(noise_multiplier, args.sampling_prob, args.group_size)
+        if kind == "balls-in-bins":
+            return BallsInBinsMechanism(
+                noise_multiplier, args.bins, args.epochs, bin_semantics=args.bin_semantics
+            )
+        return RandomizedClippingMechanism(
+            noise_multiplier, args.sampling_prob, args.probes, estimator=args.estimator
+        )
+
+
+@contextlib.contextmanager
+def _flag_names() -> Iterator[None]:
+    """Re-raise InvalidMechanismError with the parameter name replaced by the user's flag."""
+    try:
+        yield
+    except AccountCliError:
+        raise
+    except InvalidMechanismError as exc:
+        message = str(exc)
+        for name, flag in _FLAGS.items():
+            if message.startswith(f"{name}="):
+                message = flag + message[len(name) :]
+                break
+        raise AccountCliError(message) from None
+
+
+def _monte_carlo(args: argparse.Namespace) -> dict[str, Any]:
+    if args.mechanism != "balls-in-bins":
+        return {}
+    out: dict[str, Any] = {}
+    if args.samples is not None:
+        out["num_samples"] = args.samples
+    if args.seed is not None:
+        out["seed"] = args.seed
+    return out
+
+
+COMPARISON_ONLY = (
+    "group-privacy is a black-box conversion kept for comparison only; "
+    "report the els accountant for DP-SGD-ELS runs"
+)
+
+
+def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> int:
+    if args.mechanism == "group-privacy":
+        result = {**result, "note": COMPARISON_ONLY}
+        text = f"{text}\nnote: {COMPARISON_ONLY}"
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        print(text)
+    return 0
+
+
+def _epsilon(args: argparse.Namespace) -> int:
+    if args.noise_multiplier is None:
+        raise AccountCliError("--noise-multiplier is required for `account epsilon`")
+    if args.steps is None:
+        raise AccountCliError("--steps is required for `account epsilon`")
+    mechanism = build_mechanism(args, args.noise_multiplier)
+    with _flag_names():
+        eps = api.epsilon(
+            mechanism,
+            args.steps,
+            args.delta,
+            value_discretization_interval=args.discretization,
+            **_monte_carlo(args),
+        )
+    result = {
+        "epsilon": eps if math.isfinite(eps) else None,
+        "delta": args.delta,
+        "steps": args.steps,
+        "mechanism": mechanism.to_dict(),
+    }
+    text = f"epsilon = {eps:.6g} at delta = {args.delta:g} after {args.steps} steps of {mechanism}"
+    return _emit(args, result, text)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    if args.epsilon is None:
+        raise AccountCliError("--epsilon is required for `account calibrate`")
+    if args.steps is None:
+        raise AccountCliError("--steps is required for `account calibrate`")
+    template = build_mechanism(args, 1.0)
+    with _flag_names():
+        sigma = calibration.calibrate_noise_multiplier(
+            template,
+            args.epsilon,
+            args.delta,
+            args.steps,
+            rtol=args.rtol,
+            value_discretization_interval=args.discretization,
+            use_cache=not args.no_cache,
+            **_monte_carlo(args),
+        )
+    mechanism = build_mechanism(args, sigma)
+    result = {
+        "noise_multiplier": sigma,
+        "epsilon": args.epsilon,
+        "delta": args.delta,
+        "steps": args.steps,
+        "mechanism": mechanism.to_dict(),
+    }
+    text = f"noise_multiplier = {sigma:.6g} for epsilon <= {args.epsilon:g}, delta = {args.delta:g}"
+    return _emit(args, result, text)
+
+
+def _max_steps(args: argparse.Namespace) -> int:
+    if args.noise_multiplier is None:
+        raise AccountCliError("--noise-multiplier is required for `account max-steps`")
+    if args.epsilon is None:
+        raise AccountCliError("--epsilon is required for `account max-steps`")
+    mechanism = build_mechanism(args, args.noise_multiplier)
+    with _flag_names():
+        steps = calibration.max_steps(
+            mechanism,
+            args.epsilon,
+            args.delta,
+            limit=args.limit,
+            value_discretization_interval=args.discretization,
+            use_cache=not args.no_cache,
+            **_monte_carlo(args),
+        )
+    result = {
+        "max_steps": steps,
+        "epsilon": args.epsilon,
+        "delta": args.delta,
+        "mechanism": mechanism.to_dict(),
+    }
+    text = f"max_steps = {steps} for epsilon <= {args.epsilon:g}, delta = {args.delta:g}"
+    return _emit(args, result, text)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mechanism", required=True, choices=MECHANISMS)
+    parser.add_argument("--sampling-prob", type=float, help="q (users) or p (examples), in (0, 1]")
+    parser.add_argument("--group-size", type=int, help="G: examples per user (els, group-privacy)")
+    parser.add_argument("--bins", type=int, help="balls-in-bins: steps per epoch")
+    parser.add_argument("--epochs", type=int, help="balls-in-bins: epochs")
+    parser.add_argument("--bin-semantics", choices=BIN_SEMANTICS, default="per-epoch")
+    parser.add_argument("--probes", type=int, help="randomized clipping: probes per norm estimate")
+    parser.add_argument("--estimator", choices=ESTIMATORS, default="hutchinson")
+    parser.add_argument("--samples", type=int, help="balls-in-bins: Monte Carlo samples")
+    parser.add_argument("--seed", type=int, help="balls-in-bins: Monte Carlo seed")
+    parser.add_argument("--delta", type=float, default=DEFAULT_DELTA, help="δ in (0, 1)")
+    parser.add_argument(
+        "--discretization",
+        type=float,
+        default=api.DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+        help="PLD value_discretization_interval (default 1e-4)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("account", help="privacy accounting: ε, σ calibration, steps")
+    sub = parser.add_subparsers(dest="account_command", metavar="ACTION", required=True)
+
+    eps = sub.add_parser("epsilon", help="ε(δ) after --steps steps at --noise-multiplier")
+    _common(eps)
+    eps.add_argument("--noise-multiplier", type=float)
+    eps.add_argument("--steps", type=int)
+    eps.set_defaults(handler=_epsilon)
+
+    cal = sub.add_parser("calibrate", help="smallest σ with ε ≤ --epsilon after --steps steps")
+    _common(cal)
+    cal.add_argument("--epsilon", type=float)
+    cal.add_argument("--steps", type=int)
+    cal.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance on σ")
+    cal.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
+    cal.set_defaults(handler=_calibrate)
+
+    mx = sub.add_parser("max-steps", help="largest step count with ε ≤ --epsilon")
+    _common(mx)
+    mx.add_argument("--noise-multiplier", type=float)
+    mx.add_argument("--epsilon", type=float)
+    mx.add_argument("--limit", type=int, default=10**7, help="search no further than this")
+    mx.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
+    mx.set_defaults(handler=_max_steps)

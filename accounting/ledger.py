@@ -1,0 +1,402 @@
+"""The privacy ledger: an append-only, fsync'd JSON-lines file of released steps.
+
+Contract (DESIGN.md, "Ledger first"): a step's mechanism is durably appended *before* its noisy
+update leaves the coordinator, and the ε spent is recomputed from this file alone.
+
+File format (one JSON object per line, canonical JSON: sorted keys, no spaces):
+
+* line 1, the header: ``{"type": "header", "schema_version", "run_id", "budget_epsilon",
+  "budget_delta", "created", "prev_hash": "", "hash"}``
+* every other line: ``{"type": "step", "step", "mechanism": <Mechanism.to_dict()>, "time",
+  "run_id", "prev_hash", "hash"}``
+
+``hash`` is sha256 over the canonical JSON of the record without ``hash``; ``prev_hash`` is the
+previous line's ``hash``, so editing, deleting or reordering any line breaks the chain.
+One writer at a time: the ledger holds an exclusive ``fcntl.flock`` on ``<path>.lock``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from userdp.accounting.api import compose_epsilon
+from userdp.accounting.mechanisms import Mechanism, mechanism_from_dict
+
+SCHEMA_VERSION = 1
+
+
+class LedgerError(RuntimeError):
+    """Base class for ledger problems."""
+
+
+class LedgerCorruptError(LedgerError):
+    """A line of the ledger is not what was written (bad JSON, broken hash chain, bad record)."""
+
+
+class LedgerTruncatedError(LedgerError):
+    """The last line is partial (a crash mid-write); nothing is dropped without the caller's say."""
+
+
+class LedgerLockedError(LedgerError):
+    """Another process holds the ledger's writer lock."""
+
+
+class BudgetExceededError(LedgerError):
+    """Appending the step would spend more than the ledger's (ε, δ) budget."""
+
+
+class StepOrderError(LedgerError):
+    """A step number that is not strictly greater than the last one (a duplicate release)."""
+
+
+def canonical_json(record: dict[str, Any]) -> str:
+    """The one serialization that is hashed and written: sorted keys, no whitespace."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def record_hash(record: dict[str, Any]) -> str:
+    """sha256 (hex) of the canonical JSON of ``record`` without its ``hash`` field."""
+    body = {k: v for k, v in record.items() if k != "hash"}
+    return hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Ledger:
+    """An open ledger file holding the writer lock. Use :meth:`create` or :meth:`open`.
+
+    Close it (or use it as a context manager) to release the lock.
+    """
+
+    def __init__(self, path: Path, header: dict[str, Any], records: list[dict[str, Any]]):
+        self.path = path
+        self.header = header
+        self._records = records
+        self._lock_fd: int | None = None
+
+    # ---- opening -------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        budget_epsilon: float | None = None,
+        delta: float | None = None,
+        run_id: str | None = None,
+    ) -> Ledger:
+        """Create a new ledger (refuses an existing file) and write its header durably."""
+        path = Path(path)
+        if (budget_epsilon is None) != (delta is None):
+            raise ValueError(
+                f"budget_epsilon={budget_epsilon!r}, delta={delta!r}: give both or neither"
+            )
+        if budget_epsilon is not None and not budget_epsilon > 0:
+            raise ValueError(f"budget_epsilon={budget_epsilon!r} is not allowed; expected > 0")
+        if delta is not None and not 0 < delta < 1:
+            raise ValueError(f"delta={delta!r} is not allowed; expected 0 < delta < 1")
+        lock_fd = _acquire_lock(path)
+        try:
+            if path.exists():
+                raise FileExistsError(f"ledger {path} already exists; open it with Ledger.open")
+            header = {
+                "type": "header",
+                "schema_version": SCHEMA_VERSION,
+                "run_id": run_id or uuid.uuid4().hex,
+                "budget_epsilon": budget_epsilon,
+                "budget_delta": delta,
+                "created": _utc_now(),
+                "prev_hash": "",
+            }
+            header["hash"] = record_hash(header)
+            ledger = cls(path, header, [])
+            ledger._lock_fd = lock_fd
+            ledger._write_line(header, mode="x")
+            _fsync_dir(path.parent)
+            return ledger
+        except BaseException:
+            _release_lock(lock_fd)
+            raise
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        create: bool = False,
+        budget_epsilon: float | None = None,
+        delta: float | None = None,
+        repair_truncated_tail: bool = False,
+    ) -> Ledger:
+        """Open an existing ledger, verifying every line and the hash chain.
+
+        ``create=True`` creates it (with the budget) when missing. An existing ledger's budget
+        wins; a different budget passed here raises, so a resumed run cannot widen its budget.
+        ``repair_truncated_tail=True`` drops a partial final line (a crash mid-write, which was
+        never fsync'd and so never released); without it such a file raises
+        :class:`LedgerTruncatedError`.
+        """
+        path = Path(path)
+        if create and not path.exists():
+            return cls.create(path, budget_epsilon=budget_epsilon, delta=delta)
+        lock_fd = _acquire_lock(path)
+        try:
+            header, records, tail_offset = _read_and_verify(path, repair_truncated_tail)
+            if tail_offset is not None:
+                with open(path, "r+b") as f:
+                    f.truncate(tail_offset)
+                    f.flush()
+                    os.fsync(f.fileno())
+            if budget_epsilon is not None and (
+                budget_epsilon != header["budget_epsilon"] or delta != header["budget_delta"]
+            ):
+                raise ValueError(
+                    f"budget (epsilon={budget_epsilon}, delta={delta}) differs from the ledger's "
+                    f"(epsilon={header['budget_epsilon']}, delta={header['budget_delta']}) in "
+                    f"{path}; a run's budget cannot change after its ledger is created"
+                )
+            ledger = cls(path, header, records)
+            ledger._lock_fd = lock_fd
+            return ledger
+        except BaseException:
+            _release_lock(lock_fd)
+            raise
+
+    def close(self) -> None:
+        """Release the writer lock."""
+        if self._lock_fd is not None:
+            _release_lock(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- reading -------------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str:
+        return self.header["run_id"]
+
+    @property
+    def budget(self) -> tuple[float, float] | None:
+        """(ε, δ) budget from the header, or None when the ledger has none."""
+        if self.header["budget_epsilon"] is None:
+            return None
+        return (self.header["budget_epsilon"], self.header["budget_delta"])
+
+    @property
+    def records(self) -> tuple[dict[str, Any], ...]:
+        """The step records, in file order (copies are not made: do not mutate)."""
+        return tuple(self._records)
+
+    @property
+    def last_step(self) -> int | None:
+        return self._records[-1]["step"] if self._records else None
+
+    @property
+    def steps(self) -> int:
+        """Number of released steps."""
+        return len(self._records)
+
+    def phases(self) -> list[tuple[Mechanism, int]]:
+        """Consecutive records with the same mechanism grouped as ``(mechanism, count)``."""
+        return group_phases(self._records)
+
+    def spent(self, delta: float, **accountant_options: Any) -> float:
+        """ε(δ) of every released step, recomputed from the file alone."""
+        return compose_epsilon(self.phases(), delta, **accountant_options)
+
+    def epsilon_after(self, mechanism: Mechanism, delta: float, **accountant_options: Any) -> float:
+        """ε(δ) if one more step of ``mechanism`` were released."""
+        phases = self.phases() + [(mechanism, 1)]
+        return compose_epsilon(phases, delta, **accountant_options)
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def check_budget(self, mechanism: Mechanism, **accountant_options: Any) -> float:
+        """Raise :class:`BudgetExceededError` if one more step would exceed the budget.
+
+        Returns the ε after the step. Without a budget in the header it only returns ε at the
+        header's δ (or raises ValueError when there is no δ either).
+        """
+        if self.budget is None:
+            raise ValueError(f"ledger {self.path} has no budget; create it with budget_epsilon")
+        budget_epsilon, budget_delta = self.budget
+        after = self.epsilon_after(mechanism, budget_delta, **accountant_options)
+        if after > budget_epsilon:
+            spent = self.spent(budget_delta, **accountant_options) if self._records else 0.0
+            raise BudgetExceededError(
+                f"step {self._next_step_hint()} of {mechanism.kind} would raise ε from "
+                f"{spent:.6g} to {after:.6g} at δ={budget_delta:g}, over the budget "
+                f"ε={budget_epsilon:g}; stop training or start a new run with a larger budget"
+            )
+        return after
+
+    def append(self, step: int, mechanism: Mechanism, *, enforce_budget: bool = True) -> dict:
+        """Durably record one released step (write, flush, fsync) and return the record.
+
+        Refuses a step number not strictly greater than the last one, and (when the ledger has a
+        budget and ``enforce_budget``) a step that would exceed it; both before any write.
+        """
+        if self._lock_fd is None:
+            raise LedgerError(f"ledger {self.path} is closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} is not allowed; expected an integer >= 0")
+        if self.last_step is not None and step <= self.last_step:
+            raise StepOrderError(
+                f"step={step} is not after the last recorded step {self.last_step} in "
+                f"{self.path}; a step is released once (a duplicate would spend privacy twice)"
+            )
+        mechanism_dict = mechanism.to_dict()
+        mechanism_from_dict(mechanism_dict)  # must round-trip or the ledger can't re-account
+        if enforce_budget and self.budget is not None:
+            self.check_budget(mechanism)
+        previous = self._records[-1] if self._records else self.header
+        record = {
+            "type": "step",
+            "step": step,
+            "mechanism": mechanism_dict,
+            "time": _utc_now(),
+            "run_id": self.run_id,
+            "prev_hash": previous["hash"],
+        }
+        record["hash"] = record_hash(record)
+        self._write_line(record, mode="a")
+        self._records.append(record)
+        return record
+
+    def _next_step_hint(self) -> str:
+        return "after " + str(self.last_step) if self._records else "1"
+
+    def _write_line(self, record: dict[str, Any], mode: str) -> None:
+        line = (canonical_json(record) + "\n").encode("utf-8")
+        with open(self.path, mode + "b") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def group_phases(records: Sequence[dict[str, Any]]) -> list[tuple[Mechanism, int]]:
+    """Consecutive step records with the same mechanism as ``(mechanism, count)`` phases."""
+    phases: list[tuple[Mechanism, int]] = []
+    last_dict: dict[str, Any] | None = None
+    for record in records:
+        if record["mechanism"] == last_dict:
+            mechanism, count = phases[-1]
+            phases[-1] = (mechanism, count + 1)
+        else:
+            phases.append((mechanism_from_dict(record["mechanism"]), 1))
+            last_dict = record["mechanism"]
+    return phases
+
+
+def _acquire_lock(path: Path) -> int:
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LedgerLockedError(
+            f"ledger {path} is held by another writer (lock {lock_path}); only one coordinator "
+            "may append to a ledger; stop the other process first"
+        ) from None
+    return fd
+
+
+def _release_lock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def read_ledger(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Read and verify a ledger without taking the writer lock (for reports): header, records."""
+    header, records, _ = _read_and_verify(Path(path), repair_truncated_tail=False)
+    return header, records
+
+
+def _read_and_verify(
+    path: Path, repair_truncated_tail: bool
+) -> tuple[dict[str, Any], list[dict[str, Any]], int | None]:
+    """Parse and verify ``path``; returns header, step records, and the offset to truncate to
+    (only when ``repair_truncated_tail`` and the last line is partial)."""
+    if not path.exists():
+        raise FileNotFoundError(f"ledger {path} does not exist")
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    # ``data`` ending in "\n" leaves one empty final element; anything else is a partial line.
+    partial = lines.pop()
+    truncate_at: int | None = None
+    if partial:
+        if not repair_truncated_tail:
+            raise LedgerTruncatedError(
+                f"ledger {path} line {len(lines) + 1} is incomplete (no trailing newline: a crash "
+                "while writing it). That step was never fsync'd and so never released. Reopen "
+                "with repair_truncated_tail=True (CLI: --repair-ledger) to drop only that line"
+            )
+        truncate_at = len(data) - len(partial)
+    if not lines:
+        raise LedgerCorruptError(f"ledger {path} has no header line")
+    parsed: list[dict[str, Any]] = []
+    prev_hash = ""
+    for number, raw in enumerate(lines, start=1):
+        where = f"ledger {path} line {number}"
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LedgerCorruptError(
+                f"{where} is not valid JSON ({e}); the file was modified"
+            ) from None
+        if not isinstance(record, dict):
+            raise LedgerCorruptError(f"{where} is not a JSON object; the file was modified")
+        if record.get("hash") != record_hash(record):
+            raise LedgerCorruptError(f"{where} does not match its hash; the line was modified")
+        if record.get("prev_hash") != prev_hash:
+            raise LedgerCorruptError(
+                f"{where} breaks the hash chain (a line was removed, inserted or reordered)"
+            )
+        prev_hash = record["hash"]
+        expected_type = "header" if number == 1 else "step"
+        if record.get("type") != expected_type:
+            raise LedgerCorruptError(
+                f"{where} has type {record.get('type')!r}, not {expected_type}"
+            )
+        if number == 1 and record.get("schema_version") != SCHEMA_VERSION:
+            raise LedgerCorruptError(
+                f"{where}: schema_version {record.get('schema_version')!r} is not supported "
+                f"(this userdp reads {SCHEMA_VERSION})"
+            )
+        if number > 1:
+            if parsed[1:] and record["step"] <= parsed[-1]["step"]:
+                raise LedgerCorruptError(f"{where}: step {record['step']} is not increasing")
+            try:
+                mechanism_from_dict(record["mechanism"])
+            except (KeyError, ValueError) as e:
+                raise LedgerCorruptError(f"{where}: bad mechanism ({e})") from None
+        parsed.append(record)
+    return parsed[0], parsed[1:], truncate_at

@@ -1,0 +1,407 @@
+"""What one step of a private training mechanism is, as a value the accountants can read.
+
+A *mechanism* here is a frozen description of ONE step (one noisy release) of a training
+algorithm, in the spirit of dp_accounting's ``dp_event.py``: it carries the parameters that
+determine the privacy loss of that step and nothing else — no behaviour beyond validation and
+JSON (de)serialization. Accountants (``userdp.accounting.api``) turn ``(mechanism, steps, delta)``
+into an ε.
+
+Stability rule: the meaning of a ``kind`` and of each of its parameters never changes once
+released. A ledger written today must re-account identically later. A new mechanism, or a new
+meaning, gets a new class and a new ``kind``.
+
+All mechanisms are stated in normalized units: the clip norm is 1 and ``noise_multiplier`` σ is
+the noise standard deviation divided by the clip norm. Adjacency is add-or-remove one *user*
+(``NeighboringRelation.ADD_OR_REMOVE_ONE`` in dp_accounting) unless a class says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = [
+    "BIN_SEMANTICS",
+    "ESTIMATORS",
+    "BallsInBinsMechanism",
+    "CorrelationSpec",
+    "ElsMechanism",
+    "GroupPrivacyMechanism",
+    "InvalidMechanismError",
+    "Mechanism",
+    "NoDpEventError",
+    "RandomizedClippingMechanism",
+    "UlsMechanism",
+    "dp_event",
+    "mechanism_from_dict",
+]
+
+BIN_SEMANTICS: tuple[str, ...] = ("fixed", "per-epoch")
+ESTIMATORS: tuple[str, ...] = ("hutchinson", "hutch++")
+
+
+class InvalidMechanismError(ValueError):
+    """A mechanism parameter is out of range; the message names it, its value and what is allowed."""
+
+
+class NoDpEventError(ValueError):
+    """The mechanism has no dp_accounting event (it is accounted another way)."""
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers (one line per message: parameter, bad value, allowed range)
+
+
+def _positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidMechanismError(f"{name}={value!r} is not a number; expected a float > 0")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise InvalidMechanismError(
+            f"{name}={value!r} is out of range; expected a finite float > 0"
+        )
+    return value
+
+
+def _probability(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidMechanismError(f"{name}={value!r} is not a number; expected a float in (0, 1]")
+    value = float(value)
+    if not (0.0 < value <= 1.0):
+        raise InvalidMechanismError(f"{name}={value!r} is out of range; expected a float in (0, 1]")
+    return value
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise InvalidMechanismError(f"{name}={value!r} is not an integer; expected an integer >= 1")
+    if isinstance(value, numbers.Integral):
+        value = int(value)
+    elif isinstance(value, numbers.Real) and float(value).is_integer():
+        value = int(value)
+    else:
+        raise InvalidMechanismError(f"{name}={value!r} is not an integer; expected an integer >= 1")
+    if value < 1:
+        raise InvalidMechanismError(f"{name}={value!r} is out of range; expected an integer >= 1")
+    return value
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise InvalidMechanismError(f"{name}={value!r} is not allowed; expected one of {allowed}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# mechanisms
+
+
+@dataclass(frozen=True)
+class UlsMechanism:
+    """User-level sampling (DP-SGD-ULS / DP-FedSGD), one step.
+
+    Each user is included independently with probability q (Poisson); each included user's
+    clipped update (norm ≤ 1) is summed and N(0, σ²I) is added:
+        returns Σ_{u ∈ cohort} clip(g_u) + z,  z ~ N(0, σ²I),  cohort ~ Poisson(q).
+    Dominating pair: N(0, σ²) vs N(Bern(q), σ²) (Theorem 2 of arXiv 2407.07737).
+    """
+
+    kind: ClassVar[str] = "uls"
+    noise_multiplier: float
+    sampling_prob: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
+        )
+        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "sampling_prob": self.sampling_prob,
+        }
+
+
+@dataclass(frozen=True)
+class ElsMechanism:
+    """Example-level sampling (DP-SGD-ELS) seen at the USER level, one step.
+
+    Each user owns at most G examples of the pooled dataset; each example is included with
+    probability p (Poisson), clipped per example and summed, then N(0, σ²I) is added. One user's
+    contribution has norm ≤ Binom(G, p), so the step is dominated by the mixture of Gaussians
+        N(0, σ²)  vs  Σ_{k=0}^{G} Binom(G, p)(k) · N(k, σ²)
+    (Theorem 1 of arXiv 2407.07737; dp_accounting ``MixtureOfGaussiansDpEvent``).
+    """
+
+    kind: ClassVar[str] = "els"
+    noise_multiplier: float
+    sampling_prob: float
+    group_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
+        )
+        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
+        object.__setattr__(self, "group_size", _positive_int("group_size", self.group_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "sampling_prob": self.sampling_prob,
+            "group_size": self.group_size,
+        }
+
+
+@dataclass(frozen=True)
+class GroupPrivacyMechanism:
+    """COMPARISON ONLY: example-level DP-SGD turned into user-level DP by black-box group privacy.
+
+    The step is the same as :class:`ElsMechanism` (Poisson examples with probability p, per-example
+    clipping, N(0, σ²I)), but the user-level guarantee is derived loosely: the T-step example-level
+    (ε₀, δ₀) is converted to (G·ε₀, δ₀·(e^{G ε₀} − 1)/(e^{ε₀} − 1)) for groups of G examples
+    (Vadhan 2017), minimized over ε₀. It is never tighter than the ELS mixture accountant; it exists
+    to reproduce the paper's comparison (Fig. 1 of arXiv 2407.07737). Do not report it as the
+    guarantee of a run.
+    """
+
+    kind: ClassVar[str] = "group-privacy"
+    noise_multiplier: float
+    sampling_prob: float
+    group_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
+        )
+        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
+        object.__setattr__(self, "group_size", _positive_int("group_size", self.group_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "sampling_prob": self.sampling_prob,
+            "group_size": self.group_size,
+        }
+
+
+@dataclass(frozen=True)
+class CorrelationSpec:
+    """A named noise-correlation matrix C (lower-triangular, non-negative), e.g. ``blt`` or ``banded``.
+
+    ``params`` is a sorted tuple of (name, value) pairs so the value is hashable and its JSON
+    form is canonical. ``None`` in place of a CorrelationSpec means the identity (plain DP-SGD).
+    """
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidMechanismError(
+                f"correlation.name={self.name!r} is not allowed; expected a non-empty string"
+            )
+        raw = self.params if isinstance(self.params, Mapping) else dict(self.params)
+        items = raw.items()
+        object.__setattr__(
+            self, "params", tuple(sorted((str(k), _json_value(v)) for k, v in items))
+        )
+
+    @classmethod
+    def of(cls, name: str, **params: Any) -> CorrelationSpec:
+        return cls(name=name, params=tuple(params.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "params": {k: _json_out(v) for k, v in self.params}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CorrelationSpec:
+        return cls(name=d["name"], params=tuple(dict(d.get("params", {})).items()))
+
+
+def _json_value(value: Any) -> Any:
+    """Freeze a JSON-like parameter value (lists become tuples) so the spec stays hashable."""
+    if isinstance(value, bool | str) or value is None:
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, list | tuple):
+        return tuple(_json_value(v) for v in value)
+    raise InvalidMechanismError(
+        f"correlation parameter value {value!r} is not allowed; expected numbers, strings or lists"
+    )
+
+
+def _json_out(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_json_out(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class BallsInBinsMechanism:
+    """Balls-in-bins sampling: each unit lands in exactly one of ``bins`` steps per epoch.
+
+    Every unit is assigned to one uniformly random bin (step) among ``bins``; step t releases
+    Σ_{units in bin t} clip(g) + σ·(C⁻¹z)_t, z ~ N(0, I), for a non-negative lower-triangular
+    correlation matrix C (``correlation``; None = identity = plain DP-SGD noise).
+    ``bin_semantics``: ``"fixed"`` draws the bin once for the whole run (b-min-sep structure for
+    matrix mechanisms, seed 004); ``"per-epoch"`` redraws it every epoch (random allocation,
+    composes per epoch; far better for plain DP-SGD). ``steps`` counts releases: ε after
+    ``steps`` is the ε of ⌈steps / bins⌉ full epochs, at most ``epochs``. Accounted by Monte Carlo
+    (``userdp.accounting.balls_in_bins``), which cannot be composed with PLD mechanisms.
+    """
+
+    kind: ClassVar[str] = "balls-in-bins"
+    noise_multiplier: float
+    bins: int
+    epochs: int
+    bin_semantics: str = "per-epoch"
+    correlation: CorrelationSpec | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
+        )
+        object.__setattr__(self, "bins", _positive_int("bins", self.bins))
+        object.__setattr__(self, "epochs", _positive_int("epochs", self.epochs))
+        _choice("bin_semantics", self.bin_semantics, BIN_SEMANTICS)
+        corr = self.correlation
+        if isinstance(corr, Mapping):
+            object.__setattr__(self, "correlation", CorrelationSpec.from_dict(corr))
+        elif corr is not None and not isinstance(corr, CorrelationSpec):
+            raise InvalidMechanismError(
+                f"correlation={corr!r} is not allowed; expected None (identity) or a CorrelationSpec"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "bins": self.bins,
+            "epochs": self.epochs,
+            "bin_semantics": self.bin_semantics,
+            "correlation": None if self.correlation is None else self.correlation.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class RandomizedClippingMechanism:
+    """DP-SGD with randomized clipping (DP-SGD-RC, notes/001.md), one step at the user level.
+
+    Users are Poisson-sampled with probability q; each user's gradient norm is *estimated* with
+    ``probes`` random probes (Hutchinson or Hutch++) and clipped by the estimate, so the realized
+    sensitivity can exceed 1 with small probability; the envelope accountant in
+    ``userdp.accounting.randomized_clipping`` bounds the resulting privacy loss.
+    """
+
+    kind: ClassVar[str] = "randomized-clipping"
+    noise_multiplier: float
+    sampling_prob: float
+    probes: int
+    estimator: str = "hutchinson"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
+        )
+        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
+        object.__setattr__(self, "probes", _positive_int("probes", self.probes))
+        _choice("estimator", self.estimator, ESTIMATORS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "sampling_prob": self.sampling_prob,
+            "probes": self.probes,
+            "estimator": self.estimator,
+        }
+
+
+Mechanism = (
+    UlsMechanism
+    | ElsMechanism
+    | GroupPrivacyMechanism
+    | BallsInBinsMechanism
+    | RandomizedClippingMechanism
+)
+
+MECHANISM_CLASSES: dict[str, type] = {
+    cls.kind: cls
+    for cls in (
+        UlsMechanism,
+        ElsMechanism,
+        GroupPrivacyMechanism,
+        BallsInBinsMechanism,
+        RandomizedClippingMechanism,
+    )
+}
+
+
+def mechanism_from_dict(d: Mapping[str, Any]) -> Mechanism:
+    """Inverse of ``mechanism.to_dict()``; unknown kinds or keys raise InvalidMechanismError."""
+    if not isinstance(d, Mapping) or "kind" not in d:
+        raise InvalidMechanismError(
+            f"mechanism={d!r} is not allowed; expected a dict with a 'kind'"
+        )
+    kind = d["kind"]
+    cls = MECHANISM_CLASSES.get(kind)
+    if cls is None:
+        raise InvalidMechanismError(
+            f"kind={kind!r} is not allowed; expected one of {tuple(MECHANISM_CLASSES)}"
+        )
+    params = {k: v for k, v in d.items() if k != "kind"}
+    allowed = {f.name for f in cls.__dataclass_fields__.values()}  # type: ignore[attr-defined]
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise InvalidMechanismError(
+            f"{kind} mechanism key {unknown[0]!r} is not allowed; expected keys {sorted(allowed)}"
+        )
+    try:
+        return cls(**params)
+    except TypeError as exc:  # missing required parameter
+        raise InvalidMechanismError(f"{kind} mechanism: {exc}") from None
+
+
+def dp_event(mechanism: Mechanism) -> Any:
+    """The dp_accounting DpEvent of one step, where one exists.
+
+    ULS → ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``; ELS → ``MixtureOfGaussiansDpEvent(σ,
+    0..G, Binom(G, p).pmf)``. Group privacy, balls-in-bins and randomized clipping have no
+    user-level DpEvent and raise :class:`NoDpEventError`.
+    """
+    import dp_accounting
+    from dp_accounting import dp_event as dpe
+
+    if isinstance(mechanism, UlsMechanism):
+        return dp_accounting.PoissonSampledDpEvent(
+            mechanism.sampling_prob, dp_accounting.GaussianDpEvent(mechanism.noise_multiplier)
+        )
+    if isinstance(mechanism, ElsMechanism):
+        sensitivities, probs = binomial_sensitivities(mechanism.group_size, mechanism.sampling_prob)
+        return dpe.MixtureOfGaussiansDpEvent(mechanism.noise_multiplier, sensitivities, probs)
+    raise NoDpEventError(
+        f"mechanism kind {mechanism.kind!r} has no user-level dp_accounting event; "
+        "use userdp.accounting.epsilon() instead"
+    )
+
+
+def binomial_sensitivities(
+    group_size: int, sampling_prob: float
+) -> tuple[list[float], list[float]]:
+    """Sensitivities 0..G and their Binomial(G, p) probabilities (the ELS mixture weights)."""
+    from scipy import stats
+
+    sensitivities = [float(k) for k in range(group_size + 1)]
+    probs = [float(x) for x in stats.binom.pmf(range(group_size + 1), group_size, sampling_prob)]
+    return sensitivities, probs

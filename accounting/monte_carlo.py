@@ -1,0 +1,110 @@
+"""Monte Carlo estimates of a hockey-stick divergence from privacy-loss samples, and their error.
+
+For a dominating pair (P, Q) and the privacy loss Y = log P(X)/Q(X), X ~ P (seed 004 §3.2):
+
+    δ(ε) = H_{e^ε}(P, Q) = E[(1 − e^{ε − Y})₊],
+
+so δ̂(ε) = mean of the m terms (1 − e^{ε − Yⱼ})₊, each in [0, 1). This module turns samples of Y
+into δ̂, its standard error, a one-sided KL-Chernoff upper confidence bound, and the
+Estimate-Verify-Release (EVR) test of Wang et al. 2023 (Theorem 2.1 in seed 004). It knows
+nothing about the mechanism; :mod:`userdp.accounting.balls_in_bins` supplies the samples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import optimize
+
+__all__ = [
+    "delta_terms",
+    "delta_from_losses",
+    "epsilon_from_losses",
+    "kl_bernoulli",
+    "kl_upper_confidence_bound",
+    "evr_passes",
+    "evr_min_samples",
+]
+
+
+def delta_terms(losses: np.ndarray, epsilon: float) -> np.ndarray:
+    """(1 − e^{ε − Y})₊ for each loss sample Y (an unbiased sample of H_{e^ε}(P, Q))."""
+    return -np.expm1(np.minimum(epsilon - np.asarray(losses, dtype=np.float64), 0.0))
+
+
+def delta_from_losses(losses: np.ndarray, epsilon: float, num_samples: int) -> tuple[float, float]:
+    """(δ̂, standard error) at ``epsilon``; ``losses`` may hold only the samples with Y > 0 (the
+    others contribute 0 for every ε ≥ 0), ``num_samples`` is the full sample count m."""
+    terms = delta_terms(losses, epsilon)
+    mean = float(terms.sum()) / num_samples
+    second = float(np.square(terms).sum()) / num_samples
+    var = max(second - mean * mean, 0.0)
+    return mean, math.sqrt(var / max(num_samples - 1, 1))
+
+
+def epsilon_from_losses(loss_sets: list[np.ndarray], delta: float, num_samples: int) -> float:
+    """The smallest ε ≥ 0 with max over the sets of δ̂(ε) ≤ ``delta`` (δ̂ is continuous and
+    non-increasing in ε, so this is a root find on the same samples)."""
+
+    def excess(eps: float) -> float:
+        return max(delta_from_losses(y, eps, num_samples)[0] for y in loss_sets) - delta
+
+    if excess(0.0) <= 0.0:
+        return 0.0
+    hi = max(float(np.max(y)) if len(y) else 0.0 for y in loss_sets)
+    if excess(hi) > 0.0:  # cannot happen: δ̂(max Y) = 0 < δ
+        return math.inf
+    return float(optimize.brentq(excess, 0.0, hi, xtol=1e-10, rtol=1e-12))
+
+
+def kl_bernoulli(q: float, p: float) -> float:
+    """KL(Bern(q) ‖ Bern(p)), with 0·log 0 = 0; +∞ when p ∈ {0, 1} and q differs."""
+    if p <= 0.0:
+        return 0.0 if q <= 0.0 else math.inf
+    if p >= 1.0:
+        return 0.0 if q >= 1.0 else math.inf
+    out = 0.0
+    if q > 0.0:
+        out += q * math.log(q / p)
+    if q < 1.0:
+        out += (1.0 - q) * math.log((1.0 - q) / (1.0 - p))
+    return out
+
+
+def kl_upper_confidence_bound(mean: float, num_samples: int, failure_prob: float) -> float:
+    """The smallest p ≥ mean with m·KL(mean ‖ p) ≥ log(1/failure_prob).
+
+    For i.i.d. terms in [0, 1] with true mean H, Pr[δ̂ ≤ q] ≤ exp(−m·KL(q ‖ H)) for q < H
+    (Chernoff–Hoeffding, KL form), so H ≤ this bound with probability ≥ 1 − failure_prob.
+    """
+    target = math.log(1.0 / failure_prob) / num_samples
+    mean = min(max(mean, 0.0), 1.0)
+    if mean >= 1.0 or kl_bernoulli(mean, 1.0 - 1e-16) < target:
+        return 1.0
+    return float(
+        optimize.brentq(
+            lambda p: kl_bernoulli(mean, p) - target, mean, 1.0 - 1e-16, xtol=1e-300, rtol=1e-12
+        )
+    )
+
+
+def evr_passes(delta_hat: float, num_samples: int, delta: float) -> bool:
+    """The EVR verifier: accept a FIXED target ``delta`` iff δ̂ < δ and exp(−m·KL(δ̂ ‖ δ)) ≤ δ.
+
+    If the true H > δ then Pr[accept] ≤ exp(−m·KL(δ̂_thr ‖ H)) ≤ exp(−m·KL(δ̂_thr ‖ δ)) ≤ δ, which is
+    the premise of Theorem 2.1 (seed 004, Thm 9 of Wang et al. 2023) with τδ = δ: releasing only
+    when this passes is (ε, δ)-DP. ``delta`` must be chosen before the samples are drawn, and the
+    samples must be fresh (independent of how σ was chosen).
+    """
+    if not delta_hat < delta:
+        return False
+    return num_samples * kl_bernoulli(delta_hat, delta) >= math.log(1.0 / delta)
+
+
+def evr_min_samples(delta: float, safety: float) -> int:
+    """Fresh samples needed so that δ̂ = ``safety``·δ passes :func:`evr_passes` at ``delta``:
+    m ≥ log(1/δ) / KL(safety·δ ‖ δ) (≈ 5.4·10⁷ for δ = 1e-5, safety = 0.8, as in seed 004 §3.5)."""
+    if not 0.0 < safety < 1.0:
+        raise ValueError(f"safety={safety!r} is out of range; expected a float in (0, 1)")
+    return math.ceil(math.log(1.0 / delta) / kl_bernoulli(safety * delta, delta))

@@ -1,0 +1,254 @@
+"""Accountant for DP-SGD with randomized clipping (DP-SGD-RC, seed 001; notes/001.md §7–§8).
+
+Each sampled unit's squared gradient norm is estimated with k Gaussian probes (Hutchinson,
+P ~ N(0, 1/k)^{p×k}, fresh every step) and clipped by the estimate, so its contribution has norm
+C·Z with Z = ‖g‖/√n̂ (random, unbounded). The step is treated as a Gaussian mechanism with a
+random mean shift Z/σ that is revealed to the adversary (notes §8.1):
+
+    P = (Z, (1 − q)·N(0, 1) + q·N(Z/σ, 1))   vs   Q = (Z, N(0, 1))     (and the reverse pair).
+
+THE BOUND IMPLEMENTED: the conservative envelope of notes/001.md §8.4,
+
+    Z_cons = max(1, √(k / χ²_k)),
+
+i.e. the rank-1 (worst-spectrum) law of Z on Z ≥ 1 with all remaining mass at Z = 1 (no credit
+for over-estimated norms). It is stochastically larger than Z(λ) for every gradient spectrum λ
+if the rank-1 spectrum maximizes P(Σ λᵢχ²ᵢ(k)/k < x) for every x ≤ 1 — the right segment of the
+paper's three-segment envelope (notes §8.4; checked numerically there, proved in the paper's
+appendix, which we have not seen). Larger shifts are less private (Blackwell order of Gaussian
+shifts), so the mechanism is a post-processing of the Z_cons mechanism.
+
+Computation (pessimistic throughout): Z_cons is discretized by rounding UP onto a geometric grid
+1 = z₀ < … < z_J; the mass above z_J (``0.01·δ/steps`` per step) goes to infinite privacy loss.
+For each atom z the dp_accounting PLD of the Poisson-subsampled Gaussian with noise σ/z is built
+(pessimistic rounding); since Z is revealed and has the same law under P and Q, the step's PLD
+is the Z-weighted mixture of those PLDs (both directions). It is composed over the steps with
+dp_accounting's FFT self-composition. Only ``estimator="hutchinson"``: the Hutch++ analysis
+(adversary knows the head sketch, notes §8.5) is not specified enough to implement.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+from dp_accounting.pld import pld_pmf
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from scipy import integrate, stats
+
+__all__ = [
+    "ESTIMATORS",
+    "RandomizedClippingError",
+    "UnsupportedEstimatorError",
+    "calibrate_noise_multiplier",
+    "envelope_atoms",
+    "epsilon",
+    "privacy_loss_distribution",
+    "single_step_delta",
+]
+
+ESTIMATORS = ("hutchinson",)
+DEFAULT_VALUE_DISCRETIZATION_INTERVAL = 1e-3
+DEFAULT_ATOMS = 48
+
+
+class RandomizedClippingError(ValueError):
+    """Bad input to the randomized-clipping accountant; the message names the parameter."""
+
+
+class UnsupportedEstimatorError(NotImplementedError, RandomizedClippingError):
+    """The norm estimator has no accountant here (Hutch++)."""
+
+
+def _check_estimator(estimator: str) -> None:
+    if estimator == "hutch++":
+        raise UnsupportedEstimatorError(
+            "estimator='hutch++' has no accountant yet (its envelope is not specified in "
+            "notes/001.md §8.5); use estimator='hutchinson'"
+        )
+    if estimator not in ESTIMATORS:
+        raise RandomizedClippingError(
+            f"estimator={estimator!r} is not allowed; expected one of {ESTIMATORS}"
+        )
+
+
+def envelope_atoms(
+    probes: int, tail_mass: float, atoms: int = DEFAULT_ATOMS
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Z_cons rounded up onto a grid: (z values, their masses, mass above the last z).
+
+    P(Z_cons ≤ z) = P(χ²_k ≥ k/z²) for z ≥ 1; the atom z₀ = 1 carries P(χ²_k ≥ k).
+    """
+    probes = _positive_int("probes", probes)
+    k = float(probes)
+    z_max = math.sqrt(k / max(float(stats.chi2.ppf(tail_mass, k)), 1e-300))
+    z_max = max(z_max, 1.0 + 1e-9)
+    # No finer than 0.1 % steps in z (rounding Z up by 0.1 % changes ε by about as much).
+    atoms = int(min(atoms, max(2, math.ceil(math.log(z_max) / math.log1p(1e-3)) + 1)))
+    grid = np.geomspace(1.0, z_max, atoms)
+    cdf = stats.chi2.sf(k / grid**2, k)  # P(Z_cons ≤ z); at z = 1 this is the atom at 1
+    masses = np.diff(cdf, prepend=0.0)
+    tail = float(max(1.0 - cdf[-1], 0.0))
+    return grid, masses, tail
+
+
+def privacy_loss_distribution(
+    noise_multiplier: float,
+    sampling_prob: float,
+    probes: int,
+    *,
+    tail_mass: float = 1e-12,
+    value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    atoms: int = DEFAULT_ATOMS,
+) -> pld_lib.PrivacyLossDistribution:
+    """Pessimistic PLD of ONE step (both adjacency directions) under the Z_cons envelope."""
+    sigma = _positive_float("noise_multiplier", noise_multiplier)
+    q = _probability("sampling_prob", sampling_prob, upper_open=False)
+    grid, masses, tail = envelope_atoms(probes, tail_mass, atoms)
+    mix_remove: Any = None
+    mix_add: Any = None
+    total = 0.0
+    for z, w in zip(grid, masses, strict=True):
+        if w <= 0.0:
+            continue
+        pld = pld_lib.from_gaussian_mechanism(
+            standard_deviation=sigma / z,
+            sampling_prob=q,
+            value_discretization_interval=value_discretization_interval,
+        )
+        remove, add = pld._pmf_remove, pld._pmf_add  # noqa: SLF001 (no public accessor)
+        if mix_remove is None:
+            mix_remove, mix_add = remove, add
+        else:
+            keep = total / (total + w)
+            mix_remove = mix_remove.compute_mixture(remove, keep)
+            mix_add = mix_add.compute_mixture(add, keep)
+        total += w
+    if tail > 0.0:  # Z above the grid: charge it as infinite privacy loss
+        infinite = pld_pmf.DensePLDPmf(
+            value_discretization_interval, 0, np.zeros(1), 1.0, pessimistic_estimate=True
+        )
+        keep = total / (total + tail)
+        mix_remove = mix_remove.compute_mixture(infinite, keep)
+        mix_add = mix_add.compute_mixture(infinite, keep)
+    return pld_lib.PrivacyLossDistribution(mix_remove, mix_add)
+
+
+def epsilon(
+    noise_multiplier: float,
+    sampling_prob: float,
+    steps: int,
+    probes: int,
+    delta: float,
+    *,
+    estimator: str = "hutchinson",
+    value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    atoms: int = DEFAULT_ATOMS,
+) -> float:
+    """ε(δ) after ``steps`` Poisson-subsampled RC steps (add/remove one unit), an upper bound."""
+    _check_estimator(estimator)
+    steps = _positive_int("steps", steps)
+    delta = _probability("delta", delta, upper_open=True)
+    pld = privacy_loss_distribution(
+        noise_multiplier,
+        sampling_prob,
+        probes,
+        tail_mass=0.01 * delta / steps,
+        value_discretization_interval=value_discretization_interval,
+        atoms=atoms,
+    )
+    return float(pld.self_compose(steps).get_epsilon_for_delta(delta))
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sampling_prob: float,
+    steps: int,
+    probes: int,
+    *,
+    estimator: str = "hutchinson",
+    rtol: float = 1e-3,
+    value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+) -> float:
+    """The smallest σ (to relative ``rtol``, rounded up) with ε(σ) ≤ ``target_epsilon``."""
+    _check_estimator(estimator)
+    target = _positive_float("target_epsilon", target_epsilon)
+
+    def eps_at(sigma: float) -> float:
+        return epsilon(
+            sigma,
+            sampling_prob,
+            steps,
+            probes,
+            delta,
+            value_discretization_interval=value_discretization_interval,
+        )
+
+    lo, hi = 0.25, 1.0
+    while eps_at(hi) > target:
+        lo, hi = hi, hi * 2.0
+        if hi > 1e4:
+            raise RandomizedClippingError(f"target_epsilon={target} needs noise_multiplier > 1e4")
+    while lo > 1e-3 and eps_at(lo) <= target:
+        lo, hi = lo / 2.0, lo
+    while hi / lo > 1.0 + rtol:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if eps_at(mid) <= target else (mid, hi)
+    return hi
+
+
+def single_step_delta(noise_multiplier: float, probes: int, epsilon: float) -> float:
+    """Exact δ(ε) of ONE un-subsampled step under Z_cons: E_Z[δ_Gauss(ε; μ = Z/σ)] by quadrature
+    (notes/001.md §8.2/§8.7; no discretization, for checks and intuition)."""
+    sigma = _positive_float("noise_multiplier", noise_multiplier)
+    k = float(_positive_int("probes", probes))
+
+    def gauss(mu: float) -> float:
+        return float(
+            stats.norm.cdf(-epsilon / mu + mu / 2)
+            - math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2)
+        )
+
+    # y = χ²_k / k; Z = 1/√y when y < 1, else Z = 1.
+    at_one = float(stats.chi2.sf(k, k)) * gauss(1.0 / sigma)
+
+    def integrand(y: float) -> float:
+        return gauss(1.0 / (sigma * math.sqrt(y))) * k * float(stats.chi2.pdf(k * y, k))
+
+    tail, _ = integrate.quad(integrand, 0.0, 1.0, limit=200, epsabs=1e-14, epsrel=1e-10)
+    return at_one + tail
+
+
+# --------------------------------------------------------------------------------------------
+# input checks
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise RandomizedClippingError(f"{name}={value!r} is out of range; expected an integer >= 1")
+    return int(value)
+
+
+def _positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RandomizedClippingError(f"{name}={value!r} is not a number; expected a float > 0")
+    if not (math.isfinite(value) and value > 0):
+        raise RandomizedClippingError(
+            f"{name}={value!r} is out of range; expected a finite float > 0"
+        )
+    return float(value)
+
+
+def _probability(name: str, value: Any, *, upper_open: bool) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    if ok:
+        ok = 0.0 < value < 1.0 if upper_open else 0.0 < value <= 1.0
+    if not ok:
+        allowed = "(0, 1)" if upper_open else "(0, 1]"
+        raise RandomizedClippingError(
+            f"{name}={value!r} is out of range; expected a float in {allowed}"
+        )
+    return float(value)

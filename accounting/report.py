@@ -1,0 +1,254 @@
+"""The privacy report: what ε(δ) a run spent, and every assumption that number rests on.
+
+DESIGN.md, "The report states the assumptions": sampling scheme, adjacency (add/remove vs
+zero-out) and whether the implemented sampling matches the accountant. Which sampling implies
+which adjacency and caveats lives in one table, :data:`SAMPLING_SCHEMES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from userdp.accounting.api import ACCOUNTANT_VERSION, compose_epsilon
+from userdp.accounting.ledger import group_phases, read_ledger
+
+ADD_REMOVE = "add/remove one {unit}"
+ZERO_OUT = "zero-out one {unit}"
+
+SHUFFLE_CAVEAT = (
+    "Sampling was a fixed-size shuffle, but ε was computed as if sampling were Poisson. "
+    "Shuffling can be less private than Poisson sampling (Chua et al. 2024), so the printed ε "
+    "does NOT hold; use it only to compare runs, never to report a guarantee."
+)
+ZERO_OUT_CAVEAT = (
+    "Cohorts were padded/truncated to a fixed size. The guarantee holds under zero-out adjacency "
+    "(a {unit}'s contribution replaced by zero), not add/remove: under add/remove, adding a {unit} "
+    "to a full cohort can push out another one, doubling the per-step sensitivity."
+)
+BIB_FIXED_CAVEAT = (
+    "Balls-in-bins with bins fixed for the whole run: the Monte Carlo accountant must use the "
+    "fixed-bin (whole-run) semantics; bins redrawn per epoch are a different mechanism."
+)
+BIB_PER_EPOCH_CAVEAT = (
+    "Balls-in-bins with bins redrawn every epoch: accounted by composing epochs; bins fixed for "
+    "the whole run are a different mechanism."
+)
+GROUP_PRIVACY_CAVEAT = (
+    "Group-privacy conversion is a loose black-box bound reported for comparison only; the "
+    "mixture-of-Gaussians (ELS) accountant is the tight one."
+)
+MONTE_CARLO_CAVEAT = (
+    "ε comes from a Monte Carlo accountant: it holds except with the accountant's small "
+    "verification failure probability (Estimate-Verify-Release)."
+)
+NON_PRIVATE_HYPERPARAMETERS_CAVEAT = (
+    "The clip norm and other hyperparameters were chosen without spending privacy budget; tuning "
+    "them on the private data is not covered by ε."
+)
+
+
+@dataclass(frozen=True)
+class SamplingScheme:
+    """One row of the table: what a sampling scheme implies for the guarantee."""
+
+    adjacency: str  # template with {unit}
+    accounting_matches_sampling: bool
+    caveats: tuple[str, ...]
+
+
+SAMPLING_SCHEMES: dict[str, SamplingScheme] = {
+    "poisson": SamplingScheme(ADD_REMOVE, True, ()),
+    "balls-in-bins-fixed": SamplingScheme(ADD_REMOVE, True, (BIB_FIXED_CAVEAT,)),
+    "balls-in-bins-per-epoch": SamplingScheme(ADD_REMOVE, True, (BIB_PER_EPOCH_CAVEAT,)),
+    "padding": SamplingScheme(ZERO_OUT, True, (ZERO_OUT_CAVEAT,)),
+    "shuffle": SamplingScheme(ADD_REMOVE, False, (SHUFFLE_CAVEAT,)),
+}
+
+# Mechanism kinds whose ε carries a caveat of its own, whatever the sampling.
+MECHANISM_CAVEATS: dict[str, tuple[str, ...]] = {
+    "group-privacy": (GROUP_PRIVACY_CAVEAT,),
+    "balls-in-bins": (MONTE_CARLO_CAVEAT,),
+}
+
+UNITS = ("user", "example")
+
+
+@dataclass(frozen=True)
+class PrivacyReport:
+    """The privacy guarantee of one run and the assumptions it rests on (issue 8's fields)."""
+
+    epsilon: float
+    delta: float
+    mechanism: dict[str, Any]  # the last phase's Mechanism.to_dict()
+    phases: list[dict[str, Any]]  # [{"mechanism": ..., "steps": n}, ...]
+    unit: str
+    sampling: str
+    adjacency: str
+    noise_multiplier: float
+    steps: int
+    expected_cohort_size: float | None
+    clip_norm: float | None
+    accounting_matches_sampling: bool
+    caveats: list[str]
+    run_id: str
+    budget_epsilon: float | None
+    accountant: str = f"userdp.accounting v{ACCOUNTANT_VERSION}"
+    epsilon_curve: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["epsilon_curve"] = [list(p) for p in self.epsilon_curve]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def to_markdown(self) -> str:
+        holds = "holds" if self.accounting_matches_sampling else "DOES NOT HOLD (see caveats)"
+        lines = [
+            "# Privacy report",
+            "",
+            f"**ε = {self.epsilon:.4g} at δ = {self.delta:.3g}** ({self.unit}-level, "
+            f"{self.adjacency}) — guarantee {holds}.",
+            "",
+        ]
+        if self.caveats:
+            lines += ["## Caveats", ""] + [f"- ⚠ {c}" for c in self.caveats] + [""]
+        lines += ["## Parameters", "", "| field | value |", "|---|---|"]
+        rows = [
+            ("mechanism", self.mechanism.get("kind")),
+            ("unit", self.unit),
+            ("sampling", self.sampling),
+            ("adjacency", self.adjacency),
+            ("accounting matches sampling", self.accounting_matches_sampling),
+            ("noise multiplier", self.noise_multiplier),
+            ("steps", self.steps),
+            ("expected cohort size", self.expected_cohort_size),
+            ("clip norm", self.clip_norm),
+            ("budget ε", self.budget_epsilon),
+            ("accountant", self.accountant),
+            ("run id", self.run_id),
+        ]
+        lines += [f"| {k} | {v} |" for k, v in rows]
+        lines += ["", "## Phases", "", "| steps | mechanism |", "|---|---|"]
+        lines += [
+            f"| {p['steps']} | `{json.dumps(p['mechanism'], sort_keys=True)}` |"
+            for p in self.phases
+        ]
+        if self.epsilon_curve:
+            lines += ["", "## ε by step", "", "| step | ε |", "|---|---|"]
+            lines += [f"| {s} | {e:.4g} |" for s, e in self.epsilon_curve]
+        return "\n".join(lines) + "\n"
+
+
+def assumptions(unit: str, sampling: str, mechanism_kinds: list[str]) -> tuple[str, bool, list]:
+    """(adjacency, accounting_matches_sampling, caveats) from the table, for a run."""
+    if unit not in UNITS:
+        raise ValueError(f"unit={unit!r} is not allowed; expected one of {UNITS}")
+    if sampling not in SAMPLING_SCHEMES:
+        raise ValueError(
+            f"sampling={sampling!r} is not allowed; expected one of {tuple(SAMPLING_SCHEMES)}"
+        )
+    scheme = SAMPLING_SCHEMES[sampling]
+    caveats = [c.format(unit=unit) for c in scheme.caveats]
+    for kind in dict.fromkeys(mechanism_kinds):
+        caveats += list(MECHANISM_CAVEATS.get(kind, ()))
+    caveats.append(NON_PRIVATE_HYPERPARAMETERS_CAVEAT)
+    return scheme.adjacency.format(unit=unit), scheme.accounting_matches_sampling, caveats
+
+
+def build_report(
+    ledger_path: str | os.PathLike[str],
+    delta: float,
+    *,
+    unit: str,
+    sampling: str,
+    clip_norm: float | None = None,
+    expected_cohort_size: float | None = None,
+    curve_points: int = 0,
+    extra_caveats: tuple[str, ...] = (),
+    **accountant_options: Any,
+) -> PrivacyReport:
+    """Build the report from the ledger file alone (ε recomputed, not trusted from metrics).
+
+    ``curve_points`` > 0 adds ε at that many evenly spaced steps (each costs one accounting).
+    """
+    header, records = read_ledger(ledger_path)
+    if not records:
+        raise ValueError(f"ledger {ledger_path} has no released steps; nothing to report")
+    phases = group_phases(records)
+    _check_sampling_matches_mechanisms(sampling, [m.to_dict() for m, _ in phases])
+    eps = compose_epsilon(phases, delta, **accountant_options)
+    adjacency, matches, caveats = assumptions(unit, sampling, [m.kind for m, _ in phases])
+    curve: list[tuple[int, float]] = []
+    if curve_points > 0:
+        n = len(records)
+        for k in sorted({max(1, round(n * i / curve_points)) for i in range(1, curve_points + 1)}):
+            curve.append(
+                (
+                    records[k - 1]["step"],
+                    compose_epsilon(group_phases(records[:k]), delta, **accountant_options),
+                )
+            )
+    last = phases[-1][0]
+    return PrivacyReport(
+        epsilon=float(eps),
+        delta=delta,
+        mechanism=last.to_dict(),
+        phases=[{"mechanism": m.to_dict(), "steps": c} for m, c in phases],
+        unit=unit,
+        sampling=sampling,
+        adjacency=adjacency,
+        noise_multiplier=float(last.noise_multiplier),
+        steps=len(records),
+        expected_cohort_size=expected_cohort_size,
+        clip_norm=clip_norm,
+        accounting_matches_sampling=matches,
+        caveats=caveats + list(extra_caveats),
+        run_id=header["run_id"],
+        budget_epsilon=header["budget_epsilon"],
+        epsilon_curve=curve,
+    )
+
+
+def _check_sampling_matches_mechanisms(sampling: str, mechanisms: list[dict[str, Any]]) -> None:
+    """Balls-in-bins sampling and its accountant must agree on the bin semantics (DESIGN.md)."""
+    bib = {"balls-in-bins-fixed": "fixed", "balls-in-bins-per-epoch": "per-epoch"}
+    for d in mechanisms:
+        if d["kind"] == "balls-in-bins" and bib.get(sampling) != d.get("bin_semantics"):
+            raise ValueError(
+                f"sampling={sampling!r} does not match the ledger's balls-in-bins accountant "
+                f"(bin_semantics={d.get('bin_semantics')!r}); expected "
+                f"sampling='balls-in-bins-{d.get('bin_semantics')}'"
+            )
+
+
+def write_report(report: PrivacyReport, run_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """Write privacy_report.json and privacy_report.md in ``run_dir`` atomically (temp + replace)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    json_path = run_dir / "privacy_report.json"
+    md_path = run_dir / "privacy_report.md"
+    _atomic_write(json_path, report.to_json())
+    _atomic_write(md_path, report.to_markdown())
+    return json_path, md_path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

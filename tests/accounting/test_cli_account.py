@@ -1,0 +1,141 @@
+"""``userdp account …``: JSON output equals the Python API; bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from userdp.accounting import ElsMechanism, UlsMechanism, epsilon
+
+from userdp.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("USERDP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _run_json(capsys, *argv: str) -> dict:
+    assert main(["account", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def test_epsilon_uls_json(capsys) -> None:
+    result = _run_json(
+        capsys, "epsilon", "--mechanism", "uls", "--noise-multiplier", "1", "--steps", "2000",
+        "--sampling-prob", "0.01", "--delta", "1e-6",
+    )  # fmt: skip
+    assert result["epsilon"] == epsilon(UlsMechanism(1.0, 0.01), 2000, 1e-6)
+    assert result["epsilon"] == pytest.approx(2.95526, abs=1e-5)
+    assert result["delta"] == 1e-6
+    assert result["mechanism"] == {"kind": "uls", "noise_multiplier": 1.0, "sampling_prob": 0.01}
+
+
+def test_epsilon_els_json(capsys) -> None:
+    result = _run_json(
+        capsys, "epsilon", "--mechanism", "els", "--noise-multiplier", "1", "--steps", "2000",
+        "--sampling-prob", "0.01", "--group-size", "4", "--discretization", "1e-3",
+    )  # fmt: skip
+    assert result["epsilon"] == pytest.approx(14.535, rel=2e-4)  # notes/000.md §7.2
+    assert result["mechanism"]["group_size"] == 4
+
+
+def test_epsilon_text_output(capsys) -> None:
+    argv = ["account", "epsilon", "--mechanism", "uls", "--noise-multiplier", "2",
+            "--steps", "10", "--sampling-prob", "0.1"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("epsilon = ")
+
+
+def test_calibrate_json_is_private(capsys) -> None:
+    result = _run_json(
+        capsys, "calibrate", "--mechanism", "uls", "--epsilon", "1", "--delta", "1e-6",
+        "--steps", "256", "--sampling-prob", "0.015625",
+    )  # fmt: skip
+    sigma = result["noise_multiplier"]
+    assert sigma == pytest.approx(1.37700, abs=2e-4)  # notes/000.md §7.4
+    assert epsilon(UlsMechanism(sigma, 0.015625), 256, 1e-6) <= 1.0
+
+
+def test_calibrate_els_json(capsys) -> None:
+    result = _run_json(
+        capsys, "calibrate", "--mechanism", "els", "--epsilon", "1", "--delta", "1e-6",
+        "--steps", "256", "--sampling-prob", "0.015625", "--group-size", "16",
+        "--discretization", "1e-3", "--rtol", "1e-3",
+    )  # fmt: skip
+    sigma = result["noise_multiplier"]
+    assert sigma == pytest.approx(17.0461, rel=2e-3)
+    eps = epsilon(ElsMechanism(sigma, 0.015625, 16), 256, 1e-6, value_discretization_interval=1e-3)
+    assert eps <= 1.0
+
+
+def test_max_steps_json(capsys) -> None:
+    result = _run_json(
+        capsys, "max-steps", "--mechanism", "uls", "--noise-multiplier", "1",
+        "--sampling-prob", "0.02", "--epsilon", "1", "--discretization", "1e-3",
+    )  # fmt: skip
+    steps = result["max_steps"]
+    mech = UlsMechanism(1.0, 0.02)
+    assert epsilon(mech, steps, 1e-6, value_discretization_interval=1e-3) <= 1.0
+    assert epsilon(mech, steps + 1, 1e-6, value_discretization_interval=1e-3) > 1.0
+
+
+BASE = ["account", "epsilon", "--mechanism", "uls", "--noise-multiplier", "1", "--steps", "10",
+        "--sampling-prob", "0.1"]  # fmt: skip
+
+
+def _replace(argv: list[str], flag: str, value: str) -> list[str]:
+    out = list(argv)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (_replace(BASE, "--sampling-prob", "1.5"), "--sampling-prob=1.5"),
+        (_replace(BASE, "--sampling-prob", "0"), "--sampling-prob=0.0"),
+        (_replace(BASE, "--noise-multiplier", "0"), "--noise-multiplier=0.0"),
+        (_replace(BASE, "--noise-multiplier", "-2"), "--noise-multiplier=-2.0"),
+        (_replace(BASE, "--delta", "1"), "--delta=1.0"),
+        (_replace(BASE, "--delta", "0"), "--delta=0.0"),
+        (_replace(BASE, "--steps", "-3"), "--steps=-3"),
+        (_replace(_replace(BASE, "--mechanism", "els"), "--group-size", "0"), "--group-size=0"),
+        (_replace(BASE, "--mechanism", "els"), "--group-size is required"),
+        (_replace(BASE, "--mechanism", "balls-in-bins"), "--bins is required"),
+        (["account", "calibrate", "--mechanism", "uls", "--epsilon", "-1", "--steps", "10",
+          "--sampling-prob", "0.1"], "--epsilon=-1"),
+        (["account", "calibrate", "--mechanism", "uls", "--steps", "10",
+          "--sampling-prob", "0.1"], "--epsilon is required"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("userdp account: error: ")
+    assert needle in lines[0]
+
+
+def test_unknown_mechanism_is_an_argparse_error(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(_replace(BASE, "--mechanism", "dp-sgd"))
+    assert info.value.code == 2
+
+
+def test_group_privacy_is_available_for_comparison(capsys) -> None:
+    common = ["--noise-multiplier", "2", "--steps", "100", "--sampling-prob", "0.01",
+              "--discretization", "1e-3"]  # fmt: skip
+    black_box = _run_json(
+        capsys, "epsilon", "--mechanism", "group-privacy", "--group-size", "4", *common
+    )
+    tight = _run_json(capsys, "epsilon", "--mechanism", "els", "--group-size", "4", *common)
+    assert black_box["mechanism"]["kind"] == "group-privacy"
+    assert "comparison only" in black_box["note"]
+    assert black_box["epsilon"] > tight["epsilon"]

@@ -1,0 +1,149 @@
+"""The fast ELS (mixture-of-Gaussians) PLD against dp_accounting's own construction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld import privacy_loss_mechanism as plm
+from scipy import stats
+from userdp.accounting import ElsMechanism, UlsMechanism, epsilon
+from userdp.accounting.fast_pld import mixture_gaussian_deltas, mixture_gaussian_pld
+
+
+def _binomial(group: int, p: float) -> tuple[list[int], np.ndarray]:
+    sens = list(range(group + 1))
+    return sens, stats.binom.pmf(sens, group, p)
+
+
+@pytest.mark.parametrize("adjacency", [plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD])
+@pytest.mark.parametrize(("group", "sigma", "p"), [(1, 1.0, 0.01), (16, 1.0, 0.01), (5, 0.6, 0.3)])
+def test_hockey_stick_curve_matches_dp_accounting(adjacency, group, sigma, p) -> None:
+    sens, probs = _binomial(group, p)
+    loss = plm.MixtureGaussianPrivacyLoss(sigma, sens, probs, adjacency_type=adjacency)
+    bounds = loss.connect_dots_bounds()
+    eps = np.linspace(bounds.epsilon_lower, bounds.epsilon_upper, 1500)
+    reference = loss.get_delta_for_epsilon(eps)
+    fast = mixture_gaussian_deltas(loss, eps)
+    np.testing.assert_allclose(fast, reference, rtol=1e-9, atol=1e-13)
+    # Newton finds the exact maximizer x*, the library a 1e-6-rounded one: never below it.
+    assert np.all(fast >= reference - 1e-13)
+    assert np.all(np.diff(fast) <= 0)
+
+
+@pytest.mark.parametrize(("group", "sigma", "p"), [(2, 1.0, 0.1), (8, 2.0, 0.01), (1, 0.8, 0.5)])
+def test_pmfs_match_dp_accounting_both_directions(group, sigma, p) -> None:
+    sens, probs = _binomial(group, p)
+    fast = mixture_gaussian_pld(sigma, sens, probs, value_discretization_interval=3e-3)
+    ref = pld_lib.from_mixture_gaussian_mechanism(
+        sigma, sens, probs, value_discretization_interval=3e-3
+    )
+    for mine, theirs in ((fast._pmf_remove, ref._pmf_remove), (fast._pmf_add, ref._pmf_add)):
+        assert mine._lower_loss == theirs._lower_loss
+        assert mine._probs.shape == theirs._probs.shape
+        # δ differences of ~1e-13 (x* rounding in the library) are divided by e^Δ − 1 here.
+        np.testing.assert_allclose(mine._probs, theirs._probs, rtol=0, atol=1e-9)
+        assert mine._infinity_mass == pytest.approx(theirs._infinity_mass, rel=1e-9, abs=1e-15)
+        assert mine._pessimistic_estimate and theirs._pessimistic_estimate
+
+
+def _both(mechanism: ElsMechanism, steps: int, vdi: float) -> tuple[float, float]:
+    kwargs = {"value_discretization_interval": vdi}
+    fast = epsilon(mechanism, steps, 1e-6, **kwargs)
+    ref = epsilon(mechanism, steps, 1e-6, els_backend="dp_accounting", **kwargs)
+    return fast, ref
+
+
+@pytest.mark.parametrize(("group", "sigma", "p", "steps"), [(2, 1.0, 0.1, 10), (8, 2.0, 0.01, 50)])
+def test_epsilon_matches_dp_accounting_small_grid(group, sigma, p, steps) -> None:
+    fast, ref = _both(ElsMechanism(sigma, p, group), steps, 1e-3)
+    assert fast == pytest.approx(ref, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", [1, 2, 4, 16])
+@pytest.mark.parametrize("sigma", [0.5, 1.0, 4.0])
+@pytest.mark.parametrize("p", [0.01, 0.2])
+@pytest.mark.parametrize("steps", [1, 100, 2000])
+def test_epsilon_matches_dp_accounting_grid(group, sigma, p, steps) -> None:
+    fast, ref = _both(ElsMechanism(sigma, p, group), steps, 1e-3)
+    assert fast == pytest.approx(ref, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_paper_setting_at_fine_discretization() -> None:
+    # notes/000.md §3.6: dp_accounting gives 90.90121 at vdi 1e-4 (about 100 s).
+    fast, ref = _both(ElsMechanism(1.0, 0.01, 16), 2000, 1e-4)
+    assert fast == pytest.approx(ref, rel=1e-3)
+    assert fast == pytest.approx(90.90121, rel=1e-5)
+
+
+def test_group_size_one_equals_poisson_gaussian() -> None:
+    # notes/000.md §7.1: 2.95526 (T=2000, p=0.01, σ=1) and 3.70619 (T=1000, σ=0.8), δ=1e-6.
+    for sigma, steps, expected in ((1.0, 2000, 2.95526), (0.8, 1000, 3.70619)):
+        els = epsilon(ElsMechanism(sigma, 0.01, 1), steps, 1e-6)
+        uls = epsilon(UlsMechanism(sigma, 0.01), steps, 1e-6)
+        assert els == pytest.approx(uls, rel=1e-6)
+        assert els == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "group", "expected"),
+    [(1.0, 2, 6.4333), (1.0, 4, 14.535), (1.0, 8, 34.891), (1.0, 16, 90.901),
+     (2.0, 4, 4.7693), (4.0, 8, 4.4447), (0.5, 2, 42.137)],
+)  # fmt: skip
+def test_reference_table_fig1_setting(sigma, group, expected) -> None:
+    # notes/000.md §7.2: T=2000, p=0.01, δ=1e-6, vdi 1e-3 (dp_accounting 0.6.0 numbers).
+    eps = epsilon(ElsMechanism(sigma, 0.01, group), 2000, 1e-6, value_discretization_interval=1e-3)
+    assert eps == pytest.approx(expected, rel=2e-4)
+
+
+def test_full_sampling_is_a_gaussian_with_sensitivity_g() -> None:
+    # p = 1: the mixture is one Gaussian with sensitivity G, i.e. noise multiplier σ/G.
+    from dp_accounting import GaussianDpEvent, SelfComposedDpEvent
+    from dp_accounting.pld import PLDAccountant
+
+    accountant = PLDAccountant()
+    accountant.compose(SelfComposedDpEvent(GaussianDpEvent(4.0 / 3), 5))
+    assert epsilon(ElsMechanism(4.0, 1.0, 3), 5, 1e-6) == pytest.approx(
+        accountant.get_epsilon(1e-6), rel=1e-6
+    )
+
+
+def test_monotone_in_group_size_steps_and_noise() -> None:
+    def eps(sigma: float, group: int, steps: int) -> float:
+        mech = ElsMechanism(sigma, 0.02, group)
+        return epsilon(mech, steps, 1e-6, value_discretization_interval=1e-3)
+
+    assert eps(1.0, 2, 100) < eps(1.0, 4, 100) < eps(1.0, 8, 100)
+    assert eps(1.0, 4, 50) < eps(1.0, 4, 100) < eps(1.0, 4, 200)
+    assert eps(2.0, 4, 100) < eps(1.5, 4, 100) < eps(1.0, 4, 100)
+
+
+def test_chunked_evaluation_gives_the_same_curve(monkeypatch) -> None:
+    from userdp.accounting import fast_pld
+
+    sens, probs = _binomial(4, 0.1)
+    for adjacency in (plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD):
+        loss = plm.MixtureGaussianPrivacyLoss(1.0, sens, probs, adjacency_type=adjacency)
+        bounds = loss.connect_dots_bounds()
+        eps = np.linspace(bounds.epsilon_lower, bounds.epsilon_upper, 5000)
+        whole = mixture_gaussian_deltas(loss, eps)
+        monkeypatch.setattr(fast_pld, "_CHUNK_ELEMENTS", 5 * 1024)  # chunks of 1024 points
+        chunked = mixture_gaussian_deltas(loss, eps)
+        monkeypatch.undo()
+        np.testing.assert_allclose(chunked, whole, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize(("group", "steps"), [(1, 1), (3, 7), (4, 300)])
+def test_real_fft_self_composition_equals_the_library(group, steps) -> None:
+    from userdp.accounting.fast_pld import self_compose
+
+    sens, probs = _binomial(group, 0.05)
+    pld = mixture_gaussian_pld(1.0, sens, probs, value_discretization_interval=1e-3)
+    ref, mine = pld.self_compose(steps), self_compose(pld, steps)
+    for a, b in ((ref._pmf_remove, mine._pmf_remove), (ref._pmf_add, mine._pmf_add)):
+        assert a._lower_loss == b._lower_loss
+        assert a._infinity_mass == b._infinity_mass
+        np.testing.assert_allclose(b._probs, a._probs, rtol=0, atol=1e-15)
+    assert mine.get_epsilon_for_delta(1e-6) == pytest.approx(ref.get_epsilon_for_delta(1e-6))

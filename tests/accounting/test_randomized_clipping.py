@@ -1,0 +1,111 @@
+"""Randomized-clipping (Hutchinson) envelope accountant, notes/001.md §8."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import pld
+from scipy import stats
+from userdp.accounting import randomized_clipping as rc
+
+# notes/001.md §8.7: single step, no subsampling, Z_cons; (σ, ε) → (δ RC k=32, δ RC k=8).
+SECTION_8_7 = [
+    (1.0, 0.5, 2.64e-1, 3.04e-1),
+    (1.0, 1.0, 1.51e-1, 1.92e-1),
+    (1.0, 2.0, 3.24e-2, 6.28e-2),
+    (2.0, 1.0, 1.07e-2, 2.23e-2),
+    (2.0, 2.0, 8.27e-5, 1.85e-3),
+    (4.0, 1.0, 2.60e-5, 6.19e-4),
+    (4.0, 2.0, 4.9e-10, 1.7e-5),
+]
+
+
+@pytest.mark.parametrize(("sigma", "eps", "k32", "k8"), SECTION_8_7)
+def test_single_step_delta_matches_notes_table(sigma, eps, k32, k8) -> None:
+    digits = 3e-2 if k32 < 1e-9 else 5e-3  # the table prints 3 (or 2) significant digits
+    assert rc.single_step_delta(sigma, 32, eps) == pytest.approx(k32, rel=digits)
+    assert rc.single_step_delta(sigma, 8, eps) == pytest.approx(k8, rel=3e-2 if k8 < 1e-4 else 5e-3)
+
+
+def test_pld_of_one_full_batch_step_is_a_tight_upper_bound() -> None:
+    one = rc.privacy_loss_distribution(2.0, 1.0, 32, tail_mass=1e-12)
+    exact = rc.single_step_delta(2.0, 32, 1.0)
+    got = one.get_delta_for_epsilon(1.0)
+    assert exact <= got <= 1.15 * exact  # pessimistic (grid rounds Z up), and close
+
+
+def test_many_probes_recover_exact_clipping() -> None:
+    sigma, q, steps, delta = 1.0, 0.01, 200, 1e-5
+    acc = pld.PLDAccountant(value_discretization_interval=1e-3)
+    acc.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+        )
+    )
+    exact = acc.get_epsilon(delta)
+    got = rc.epsilon(sigma, q, steps, 10**7, delta)
+    assert exact - 1e-9 <= got <= exact * 1.003
+
+
+def test_epsilon_decreases_as_probes_grow_and_with_noise() -> None:
+    kwargs = dict(sampling_prob=0.05, steps=50, delta=1e-5)
+    by_k = [rc.epsilon(2.0, probes=k, **kwargs) for k in (16, 32, 128)]
+    assert by_k[0] > by_k[1] > by_k[2]
+    assert rc.epsilon(3.0, probes=32, **kwargs) < by_k[1]
+
+
+def test_envelope_dominates_random_spectra() -> None:
+    # RC-7: P(Z > z) for Dirichlet spectra is below the Z_cons tail (+ Monte Carlo error).
+    rng = np.random.default_rng(0)
+    k, d, draws = 8, 16, 40_000
+    lam = rng.dirichlet(np.full(d, 0.3), size=draws)
+    y = (lam * rng.chisquare(k, size=(draws, d)) / k).sum(axis=1)
+    z = 1 / np.sqrt(y)
+    grid, masses, tail = rc.envelope_atoms(k, 1e-9)
+    assert masses.sum() + tail == pytest.approx(1.0, abs=1e-12)
+    assert np.all(masses >= 0) and np.all(np.diff(grid) > 0)
+    for level in (1.0, 1.2, 1.5, 2.0):
+        envelope_tail = stats.chi2.cdf(k / level**2, k)
+        empirical = float(np.mean(z > level))
+        assert empirical <= envelope_tail + 4 * math.sqrt(envelope_tail / draws)
+
+
+def test_calibration_is_on_the_private_side() -> None:
+    kwargs = dict(sampling_prob=0.05, steps=20, probes=10**6)
+    sigma = rc.calibrate_noise_multiplier(2.0, 1e-5, rtol=1e-2, **kwargs)
+    assert rc.epsilon(sigma, delta=1e-5, **kwargs) <= 2.0
+    assert rc.epsilon(sigma / 1.02, delta=1e-5, **kwargs) > 2.0
+
+
+def test_hutch_plus_plus_is_refused_clearly() -> None:
+    with pytest.raises(NotImplementedError, match="hutch\\+\\+") as info:
+        rc.epsilon(1.0, 0.01, 10, 32, 1e-5, estimator="hutch++")
+    assert isinstance(info.value, ValueError)  # the CLI prints it as a one-line error
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(noise_multiplier=0.0), "noise_multiplier=0.0"),
+        (dict(sampling_prob=1.5), "sampling_prob=1.5"),
+        (dict(steps=0), "steps=0"),
+        (dict(probes=0), "probes=0"),
+        (dict(delta=1.0), "delta=1.0"),
+        (dict(estimator="exact"), "estimator='exact'"),
+    ],
+)
+def test_bad_input_is_a_one_line_value_error(kwargs, match) -> None:
+    args = dict(noise_multiplier=1.0, sampling_prob=0.01, steps=10, probes=32, delta=1e-5)
+    with pytest.raises(rc.RandomizedClippingError, match=match) as info:
+        rc.epsilon(**{**args, **kwargs})
+    assert "\n" not in str(info.value)
+
+
+def test_api_dispatch_reaches_this_accountant() -> None:
+    from userdp.accounting import RandomizedClippingMechanism, epsilon
+
+    mech = RandomizedClippingMechanism(2.0, 0.05, 32)
+    assert epsilon(mech, 20, 1e-5) == rc.epsilon(2.0, 0.05, 20, 32, 1e-5)

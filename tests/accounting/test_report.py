@@ -1,0 +1,125 @@
+"""Privacy report: ε from the ledger, the sampling→assumptions table, atomic JSON/Markdown."""
+
+import json
+
+import pytest
+from userdp.accounting import compose_epsilon
+from userdp.accounting.ledger import Ledger
+from userdp.accounting.mechanisms import GroupPrivacyMechanism, UlsMechanism
+from userdp.accounting.report import (
+    NON_PRIVATE_HYPERPARAMETERS_CAVEAT,
+    SAMPLING_SCHEMES,
+    assumptions,
+    build_report,
+    write_report,
+)
+
+ULS = UlsMechanism(noise_multiplier=1.0, sampling_prob=0.02)
+ISSUE_8_FIELDS = {
+    "epsilon", "delta", "mechanism", "unit", "sampling", "noise_multiplier", "steps",
+    "expected_cohort_size", "clip_norm", "accounting_matches_sampling", "caveats",
+}  # fmt: skip
+
+
+@pytest.fixture
+def ledger_path(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    with Ledger.create(path, budget_epsilon=10.0, delta=1e-5) as led:
+        for step in range(1, 21):
+            led.append(step, ULS)
+    return path
+
+
+# (sampling, unit) -> (adjacency, matches, words that must appear in the caveats)
+TABLE = [
+    ("poisson", "user", "add/remove one user", True, []),
+    ("poisson", "example", "add/remove one example", True, []),
+    ("shuffle", "user", "add/remove one user", False, ["does NOT hold", "Poisson"]),
+    ("padding", "user", "zero-out one user", True, ["zero-out", "add/remove"]),
+    ("balls-in-bins-fixed", "user", "add/remove one user", True, ["fixed for the whole run"]),
+    ("balls-in-bins-per-epoch", "user", "add/remove one user", True, ["redrawn every epoch"]),
+]
+
+
+@pytest.mark.parametrize(("sampling", "unit", "adjacency", "matches", "words"), TABLE)
+def test_assumption_table(sampling, unit, adjacency, matches, words):
+    got_adjacency, got_matches, caveats = assumptions(unit, sampling, ["uls"])
+    assert (got_adjacency, got_matches) == (adjacency, matches)
+    text = " ".join(caveats)
+    assert all(w in text for w in words)
+    assert NON_PRIVATE_HYPERPARAMETERS_CAVEAT in caveats
+
+
+def test_table_covers_every_scheme():
+    assert {row[0] for row in TABLE} == set(SAMPLING_SCHEMES)
+
+
+def test_mechanism_caveats():
+    _, _, caveats = assumptions("user", "poisson", ["group-privacy"])
+    assert any("comparison only" in c for c in caveats)
+    _, _, caveats = assumptions("user", "poisson", ["balls-in-bins"])
+    assert any("Monte Carlo" in c for c in caveats)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="sampling='random'"):
+        assumptions("user", "random", ["uls"])
+    with pytest.raises(ValueError, match="unit='group'"):
+        assumptions("group", "poisson", ["uls"])
+
+
+def test_report_from_ledger(ledger_path, tmp_path):
+    report = build_report(
+        ledger_path, 1e-5, unit="user", sampling="poisson", clip_norm=1.0,
+        expected_cohort_size=20.0, curve_points=4,
+    )  # fmt: skip
+    assert report.epsilon == pytest.approx(compose_epsilon([(ULS, 20)], 1e-5))
+    assert report.steps == 20 and report.noise_multiplier == 1.0
+    assert report.mechanism == ULS.to_dict() and report.budget_epsilon == 10.0
+    assert [s for s, _ in report.epsilon_curve] == [5, 10, 15, 20]
+    assert report.epsilon_curve[-1][1] == pytest.approx(report.epsilon)
+    eps = [e for _, e in report.epsilon_curve]
+    assert eps == sorted(eps)
+    json_path, md_path = write_report(report, tmp_path / "run")
+    loaded = json.loads(json_path.read_text())
+    assert ISSUE_8_FIELDS <= set(loaded)
+    assert loaded["epsilon"] == report.epsilon and loaded["accounting_matches_sampling"] is True
+    assert "ε = " in md_path.read_text()
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_shuffle_report_flags_it(ledger_path):
+    report = build_report(ledger_path, 1e-5, unit="user", sampling="shuffle")
+    assert report.accounting_matches_sampling is False
+    md = report.to_markdown()
+    assert "DOES NOT HOLD" in md.splitlines()[2]
+    assert md.index("## Caveats") < md.index("## Parameters")
+
+
+def test_group_privacy_report(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    mech = GroupPrivacyMechanism(noise_multiplier=2.0, sampling_prob=0.01, group_size=2)
+    with Ledger.create(path) as led:
+        for step in range(1, 4):
+            led.append(step, mech)
+    report = build_report(path, 1e-5, unit="user", sampling="poisson")
+    assert any("comparison only" in c for c in report.caveats)
+
+
+def test_empty_ledger_refused(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    Ledger.create(path).close()
+    with pytest.raises(ValueError, match="no released steps"):
+        build_report(path, 1e-5, unit="user", sampling="poisson")
+
+
+def test_balls_in_bins_semantics_must_match_sampling(tmp_path):
+    from userdp.accounting.mechanisms import BallsInBinsMechanism
+
+    path = tmp_path / "ledger.jsonl"
+    mech = BallsInBinsMechanism(noise_multiplier=2.0, bins=4, epochs=1, bin_semantics="fixed")
+    with Ledger.create(path) as led:
+        led.append(1, mech)
+    for sampling in ("poisson", "balls-in-bins-per-epoch"):
+        with pytest.raises(ValueError, match="bin_semantics='fixed'"):
+            build_report(path, 1e-5, unit="user", sampling=sampling)
