@@ -1,0 +1,103 @@
+"""Adaptive clipping by private quantile tracking (Andrew, Thakkar, McMahan, Ramaswamy 2021).
+
+The clip norm follows the γ-quantile of user-update norms: each step also releases a noisy count
+of users whose update norm was ≤ C_t, and the server moves C geometrically:
+
+    b̃_t = ( Σ_{u∈S_t} (b_u − ½) + N(0, σ_b²) ) / M + ½,     b_u = 1[‖g_u‖ ≤ C_t]
+    C_{t+1} = C_t · exp(−η_C (b̃_t − γ))
+
+M is the EXPECTED cohort qN (the realized |S_t| is private, so it is not used).
+
+Privacy cost and how it composes: the centered count Σ(b_u − ½) has add/remove sensitivity ½;
+the update sum has sensitivity C_t. Releasing both with independent Gaussian noise
+(std σ_Δ·C_t and σ_b) is ONE Gaussian mechanism on the concatenated, sensitivity-normalized
+vector, with noise multiplier z = (σ_Δ⁻² + (2σ_b)⁻²)^(−1/2) (Andrew et al., Thm. 1). So one
+step is exactly a Poisson-subsampled Gaussian with multiplier z, and the ledger records
+``UlsMechanism(z, q)``; the count costs no separate budget, it raises σ_Δ instead:
+σ_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2), which needs 2σ_b > z. The clip norm C_{t+1} is a function of
+released values only (post-processing), so adaptive composition over steps is the usual one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from userdp.strategies.base import ClipStatistics, Cohort, StrategyError
+from userdp.strategies.builtins import UserLevelSampling
+
+__all__ = ["AdaptiveClipping", "update_noise_multiplier"]
+
+
+def update_noise_multiplier(noise_multiplier: float, count_stddev: float) -> float:
+    """σ_Δ such that (σ_Δ⁻² + (2σ_b)⁻²)^(−1/2) = z (Andrew et al. 2021, Thm. 1)."""
+    if not 2.0 * count_stddev > noise_multiplier:
+        raise StrategyError(
+            f"count_stddev={count_stddev} is too small for noise_multiplier={noise_multiplier}; "
+            "expected count_stddev > noise_multiplier / 2 (Andrew et al. suggest ≈ M/20)"
+        )
+    return (noise_multiplier**-2 - (2.0 * count_stddev) ** -2) ** -0.5
+
+
+class AdaptiveClipping(UserLevelSampling):
+    """ULS (Poisson users) whose clip norm tracks the ``target_quantile`` of update norms.
+
+    ``noise_multiplier`` is the accounted z of the whole step (sum AND count);
+    ``count_stddev`` σ_b is the std of the noise on the clipped count; ``clip_lr`` is η_C.
+    ``add_noise`` needs the workers' :class:`ClipStatistics` (``clipped`` = units with norm > C).
+    """
+
+    def __init__(
+        self,
+        *,
+        initial_clip_norm: float,
+        target_quantile: float = 0.5,
+        clip_lr: float = 0.2,
+        count_stddev: float,
+        **uls: Any,
+    ) -> None:
+        super().__init__(clip_norm=initial_clip_norm, **uls)
+        if self.sampling != "poisson":
+            raise StrategyError("AdaptiveClipping supports sampling='poisson' only")
+        if not 0.0 < target_quantile < 1.0:
+            raise StrategyError(
+                f"target_quantile={target_quantile} is out of range; expected (0, 1)"
+            )
+        self.target_quantile = float(target_quantile)
+        self.clip_lr = float(clip_lr)
+        self.count_stddev = float(count_stddev)
+        self.update_noise_multiplier = update_noise_multiplier(self.noise_multiplier, count_stddev)
+        self._pending_fraction: float | None = None
+        self.history: list[tuple[int, float, float]] = []
+        """(step, clip norm used, noisy unclipped fraction) per released step."""
+
+    def add_noise(
+        self, step: int, summed: Mapping[str, Any], stats: ClipStatistics | None = None
+    ) -> dict[str, Any]:
+        if stats is None:
+            raise StrategyError("AdaptiveClipping.add_noise needs the step's ClipStatistics")
+        unclipped = stats.units - stats.clipped
+        expected = self.expected_cohort_size
+        centered = unclipped - 0.5 * stats.units
+        noisy = centered + self.count_stddev * self.noise.rng.standard_normal()
+        self._pending_fraction = noisy / expected + 0.5
+        return self.noise.add(step, summed, std=self.update_noise_multiplier * self.clip_norm)
+
+    def server_update(
+        self, params: Mapping[str, Any], noisy_sum: Mapping[str, Any], cohort: Cohort
+    ):
+        super().server_update(params, noisy_sum, cohort)
+        if self._pending_fraction is None:
+            raise StrategyError("server_update before add_noise: no noisy count for this step")
+        fraction, self._pending_fraction = self._pending_fraction, None
+        self.history.append((cohort.step, self.clip_norm, fraction))
+        self.clip_norm *= math.exp(-self.clip_lr * (fraction - self.target_quantile))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.history = [tuple(h) for h in state["history"]]  # type: ignore[misc]
+        self._pending_fraction = None

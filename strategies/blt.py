@@ -1,0 +1,384 @@
+"""Correlated noise for DP-FTRL / matrix mechanisms: buffered linear Toeplitz (BLT) and banded C.
+
+A matrix mechanism releases x_t + σ·(C⁻¹Z)_t for a lower-triangular Toeplitz strategy matrix C
+(seed 004 §2; notes/anchors_dp.md §2.3). All releases together are post-processing of CX + σZ,
+one Gaussian mechanism whose sensitivity is the norm of C's participating columns.
+
+BLT (arXiv 2404.16706, 2408.08868): c_0 = 1, c_k = Σ_j ω_j θ_j^{k−1} (k ≥ 1), θ ∈ (0,1)^d,
+ω > 0. C⁻¹Z is generated in streaming form with d model-sized buffers S_j (start at 0)::
+
+    x_t = z_t − Σ_j ω_j S_j ;   S_j ← θ_j S_j + x_t            (x = C⁻¹ z, exactly)
+
+Banded: c_k = 0 for k ≥ bands; C⁻¹Z by forward substitution over the last bands − 1 outputs;
+:func:`optimize_banded` fits the coefficients to the same objective.
+
+Optimization (:func:`optimize_blt`) minimizes jax_privacy's objective
+loss(C) = sens²(C; b, k) · max_t ‖row_t(A C⁻¹)‖², A the prefix-sum matrix, over the
+``buf_decay_pair`` parameterization (θ, θ̂) → (ω, ω̂) in closed form (Lemma 5.2 of 2404.16706),
+with numpy/scipy instead of JAX. Pinned against jax_privacy 2.0.0: n=1000 single participation,
+3 buffers → 10.692; n=1000, min_sep=100, k=10, 2 buffers → 223.591.
+
+The buffers are checkpointed (a resumed run must continue the SAME correlated stream); they are
+secret like the noise itself, so checkpoints must be protected like the model's noise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy import optimize as sopt
+from scipy import signal
+from userdp.accounting.mechanisms import CorrelationSpec
+from userdp.strategies import tensors as T
+from userdp.strategies.noise import NoiseMechanism, NoiseRng
+
+__all__ = [
+    "Blt",
+    "BltError",
+    "BandedNoise",
+    "BltNoise",
+    "banded_inverse_coefs",
+    "max_error",
+    "min_sep_sensitivity_squared",
+    "optimize_banded",
+    "optimize_blt",
+    "toeplitz_matrix",
+]
+
+
+class BltError(ValueError):
+    """Invalid BLT / banded parameters or state."""
+
+
+@dataclass(frozen=True)
+class Blt:
+    """A BLT strategy matrix: ``buf_decay`` θ and ``output_scale`` ω (c_0 = 1)."""
+
+    buf_decay: tuple[float, ...]
+    output_scale: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        theta = tuple(float(t) for t in self.buf_decay)
+        omega = tuple(float(w) for w in self.output_scale)
+        if len(theta) != len(omega):
+            raise BltError(f"buf_decay has {len(theta)} entries but output_scale {len(omega)}")
+        if not all(0.0 < t < 1.0 for t in theta):
+            raise BltError(f"buf_decay={theta} is out of range; expected values in (0, 1)")
+        object.__setattr__(self, "buf_decay", theta)
+        object.__setattr__(self, "output_scale", omega)
+
+    @property
+    def buffers(self) -> int:
+        return len(self.buf_decay)
+
+    def toeplitz_coefs(self, n: int) -> np.ndarray:
+        """c_0..c_{n−1} of C."""
+        return _blt_coefs(np.asarray(self.buf_decay), np.asarray(self.output_scale), n)
+
+    def inverse_coefs(self, n: int) -> np.ndarray:
+        """ĉ_0..ĉ_{n−1} of C⁻¹ (the streaming recurrence applied to the impulse)."""
+        theta, omega = np.asarray(self.buf_decay), np.asarray(self.output_scale)
+        out = np.empty(n)
+        state = np.zeros(len(theta))
+        for t in range(n):
+            x = (1.0 if t == 0 else 0.0) - float(omega @ state)
+            out[t] = x
+            state = theta * state + x
+        return out
+
+    def correlation(self) -> CorrelationSpec:
+        """The accountant's description of C (``userdp.accounting.mechanisms.CorrelationSpec``)."""
+        return CorrelationSpec.of(
+            "blt", buf_decay=list(self.buf_decay), output_scale=list(self.output_scale)
+        )
+
+
+def _blt_coefs(theta: np.ndarray, omega: np.ndarray, n: int) -> np.ndarray:
+    k = np.arange(max(n - 1, 0))
+    coefs = np.ones(n)
+    if n > 1:
+        coefs[1:] = (omega[None, :] * theta[None, :] ** k[:, None]).sum(axis=1) if len(theta) else 0
+    return coefs
+
+
+def toeplitz_matrix(coefs: np.ndarray) -> np.ndarray:
+    """Dense lower-triangular Toeplitz matrix with first column ``coefs``."""
+    n = len(coefs)
+    idx = np.subtract.outer(np.arange(n), np.arange(n))
+    return np.where(idx >= 0, np.asarray(coefs)[np.clip(idx, 0, None)], 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# objective pieces
+
+
+def max_error(inverse_coefs: np.ndarray) -> float:
+    """max_t ‖row_t(A C⁻¹)‖² = Σ_{i<n} (Σ_{j≤i} ĉ_j)² for Toeplitz C⁻¹ (the last row is max)."""
+    return float(np.sum(np.cumsum(inverse_coefs) ** 2))
+
+
+def min_sep_sensitivity_squared(coefs: np.ndarray, min_sep: int = 1, participations: int = 1):
+    """sens² of Toeplitz C with non-negative, non-increasing coefs under ≤ k participations at
+    least ``min_sep`` apart: the worst pattern is 0, b, 2b, … (jax_privacy
+    ``toeplitz.minsep_sensitivity_squared``); the column sum u_t = Σ_j c_{t − j·b}."""
+    n = len(coefs)
+    k = min(int(participations), math.ceil(n / min_sep))
+    column = np.zeros(n)
+    for j in range(k):
+        column[j * min_sep :] += coefs[: n - j * min_sep]
+    return float(column @ column)
+
+
+def omega_from_theta_pair(theta: np.ndarray, theta_hat: np.ndarray) -> np.ndarray:
+    """ω_i = ∏_j (θ_i − θ̂_j) / ∏_{j≠i} (θ_i − θ_j) (Lemma 5.2 of arXiv 2404.16706)."""
+    diff_hat = theta[:, None] - theta_hat[None, :]
+    diff = theta[:, None] - theta[None, :]
+    np.fill_diagonal(diff, 1.0)
+    return np.prod(diff_hat, axis=1) / np.prod(diff, axis=1)
+
+
+def blt_loss(blt: Blt, n: int, min_sep: int = 1, participations: int = 1) -> float:
+    """sens²(C) · max error(C⁻¹): jax_privacy's ``max_loss`` (unnormalized)."""
+    sens2 = min_sep_sensitivity_squared(blt.toeplitz_coefs(n), min_sep, participations)
+    return sens2 * max_error(blt.inverse_coefs(n))
+
+
+def _pair_loss(
+    params: np.ndarray, d: int, n: int, min_sep: int, participations: int
+) -> tuple[float, np.ndarray | None, np.ndarray | None]:
+    if np.max(np.abs(params)) > 25.0:  # θ within 1.4e-11 of 0 or 1: outside the search box
+        return math.inf, None, None
+    theta = 1.0 / (1.0 + np.exp(-params[:d]))
+    theta_hat = 1.0 / (1.0 + np.exp(-params[d:]))
+    if np.min(np.abs(np.subtract.outer(theta, theta) + np.eye(d))) < 1e-9:
+        return math.inf, None, None
+    omega = omega_from_theta_pair(theta, theta_hat)
+    omega_hat = omega_from_theta_pair(theta_hat, theta)
+    if (omega <= 0).any() or (omega_hat >= 0).any():
+        return math.inf, None, None
+    coefs = _blt_coefs(theta, omega, n)
+    inverse = _blt_coefs(theta_hat, omega_hat, n)
+    loss = min_sep_sensitivity_squared(coefs, min_sep, participations) * max_error(inverse)
+    return (loss if math.isfinite(loss) else math.inf), theta, omega
+
+
+def optimize_blt(
+    n: int,
+    buffers: int,
+    *,
+    min_sep: int = 1,
+    participations: int = 1,
+    restarts: int = 4,
+    seed: int = 0,
+) -> tuple[Blt, float]:
+    """The BLT with ``buffers`` buffers minimizing sens² · max error for n steps, and its loss.
+
+    Nelder–Mead on logits of (θ, θ̂) from a few deterministic and random starts, then a
+    polishing run from the best. Single participation: min_sep=1, participations=1.
+    """
+    if buffers < 1:
+        raise BltError(f"buffers={buffers} is out of range; expected >= 1")
+    d = buffers
+    rng = np.random.default_rng(seed)
+
+    def objective(p: np.ndarray) -> float:
+        return _pair_loss(p, d, n, min_sep, participations)[0]
+
+    def logit(x: np.ndarray) -> np.ndarray:
+        return np.log(x / (1 - x))
+
+    def interlaced(theta: np.ndarray, u: np.ndarray) -> np.ndarray:
+        # ω > 0 and ω̂ < 0 need θ₁ > θ̂₁ > θ₂ > θ̂₂ > … (the pair interlaces)
+        lower = np.append(theta[1:], 0.0)
+        return np.concatenate([logit(theta), logit(theta - u * (theta - lower))])
+
+    starts = [interlaced(1.0 - np.logspace(-3, -0.5, d), np.full(d, 0.5))]
+    for _ in range(restarts):
+        theta = np.sort(1.0 - 10 ** rng.uniform(-3.5, -0.2, d))[::-1]
+        starts.append(interlaced(theta, rng.uniform(0.2, 0.8, d)))
+    best = None
+    for start in starts:
+        if not math.isfinite(objective(start)):
+            continue
+        res = sopt.minimize(
+            objective,
+            start,
+            method="Nelder-Mead",
+            options={"maxiter": 4000 * d, "xatol": 1e-10, "fatol": 1e-12},
+        )
+        if best is None or res.fun < best.fun:
+            best = res
+    if best is None:
+        raise BltError("no feasible starting point found")
+    for _ in range(3):  # restarted Nelder-Mead polishes the simplex
+        res = sopt.minimize(
+            objective,
+            best.x,
+            method="Nelder-Mead",
+            options={"maxiter": 4000 * d, "xatol": 1e-12, "fatol": 1e-14},
+        )
+        if res.fun < best.fun:
+            best = res
+    loss, theta, omega = _pair_loss(best.x, d, n, min_sep, participations)
+    order = np.argsort(-theta)
+    return Blt(tuple(theta[order]), tuple(omega[order])), float(loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming noise
+
+
+class _StreamingNoise(NoiseMechanism):
+    """Shared bookkeeping: a step counter that must advance by one per released step."""
+
+    kind = ""
+
+    def __init__(self, rng: NoiseRng | None = None) -> None:
+        super().__init__(rng)
+        self.next_step: int | None = None
+        self.buffers: dict[str, list[Any]] = {}
+
+    def _advance(self, step: int) -> None:
+        if self.next_step is not None and step != self.next_step:
+            raise BltError(
+                f"correlated noise for step {step} requested but the stream is at step "
+                f"{self.next_step}; steps must be noised once each, in order"
+            )
+        self.next_step = step + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        buffers = {name: [T.clone(b) for b in values] for name, values in self.buffers.items()}
+        return {"kind": self.kind, "next_step": self.next_step, "buffers": buffers}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != self.kind:
+            raise BltError(f"noise state is for {state.get('kind')!r}; expected {self.kind!r}")
+        super().load_state_dict(state)  # fresh RNG
+        self.next_step = state["next_step"]
+        self.buffers = {name: list(values) for name, values in state["buffers"].items()}
+
+
+class BltNoise(_StreamingNoise):
+    """Streaming (C⁻¹Z)_t for a BLT C, d model-sized buffers per tensor.
+
+    Each step must be noised exactly once and in order (a retried or aborted step that drew noise
+    would desynchronize the stream: the coordinator draws noise only after gathering succeeded).
+    """
+
+    kind = "blt"
+
+    def __init__(self, blt: Blt, rng: NoiseRng | None = None) -> None:
+        super().__init__(rng)
+        self.blt = blt
+
+    def sample(self, step: int, like: Mapping[str, Any]) -> dict[str, Any]:
+        self._advance(step)
+        theta, omega = self.blt.buf_decay, self.blt.output_scale
+        out = {}
+        for name, value in like.items():
+            x = self.rng.normal_like(value)  # becomes (C⁻¹z)_t in place
+            state = self.buffers.get(name)
+            if state is None:
+                state = [T.zeros_like(x) for _ in theta]
+            else:
+                state = [_match(s, x) for s in state]
+            for w, s in zip(omega, state, strict=True):
+                _axpy(x, -w, s)
+            for t, s in zip(theta, state, strict=True):
+                s *= t
+                _axpy(s, 1.0, x)
+            self.buffers[name] = state
+            out[name] = x
+        return out
+
+
+class BandedNoise(_StreamingNoise):
+    """Streaming (C⁻¹Z)_t for a banded Toeplitz C with ``coefs`` c_0..c_{b−1} (c_0 > 0):
+    x_t = (z_t − Σ_{k=1}^{b−1} c_k x_{t−k}) / c_0, keeping the last b − 1 outputs."""
+
+    kind = "banded"
+
+    def __init__(self, coefs: Sequence[float], rng: NoiseRng | None = None) -> None:
+        super().__init__(rng)
+        self.coefs = tuple(float(c) for c in coefs)
+        if not self.coefs or self.coefs[0] <= 0:
+            raise BltError(f"banded coefs={self.coefs} need c_0 > 0")
+
+    def sample(self, step: int, like: Mapping[str, Any]) -> dict[str, Any]:
+        self._advance(step)
+        out = {}
+        for name, value in like.items():
+            z = self.rng.normal_like(value)
+            history = [_match(h, z) for h in self.buffers.get(name, [])]  # newest first
+            x = z
+            for c, past in zip(self.coefs[1:], history, strict=False):
+                x = x - c * past
+            x = x / self.coefs[0]
+            self.buffers[name] = [x, *history][: len(self.coefs) - 1]
+            out[name] = x
+        return out
+
+
+def banded_inverse_coefs(coefs: Sequence[float], n: int) -> np.ndarray:
+    """First column of C⁻¹ for a banded Toeplitz C: the impulse response of the recursive
+    filter c_0 y_t = x_t − Σ_{k≥1} c_k y_{t−k}."""
+    impulse = np.zeros(n)
+    impulse[0] = 1.0
+    return signal.lfilter([1.0], np.asarray(coefs, dtype=float), impulse)
+
+
+def optimize_banded(
+    n: int, bands: int, *, min_sep: int = 1, participations: int = 1
+) -> tuple[np.ndarray, float]:
+    """Banded Toeplitz coefficients c_0 = 1, c_1..c_{bands−1} ∈ [0, 1] minimizing
+    sens² · max error (the BLT objective), by L-BFGS-B. With ``bands ≤ min_sep`` participations
+    never share a band, so the min-sep sensitivity is exact."""
+    if bands < 1:
+        raise BltError(f"bands={bands} is out of range; expected >= 1")
+    if bands == 1:
+        coefs = np.ones(1)
+    else:
+
+        def objective(free: np.ndarray) -> float:
+            c = np.concatenate([[1.0], free])
+            padded = np.zeros(n)
+            padded[: min(bands, n)] = c[:n]
+            sens2 = min_sep_sensitivity_squared(padded, min_sep, participations)
+            return sens2 * max_error(banded_inverse_coefs(c, n))
+
+        start = 0.5 ** np.arange(1, bands)
+        res = sopt.minimize(objective, start, method="L-BFGS-B", bounds=[(0.0, 1.0)] * (bands - 1))
+        coefs = np.concatenate([[1.0], res.x])
+    padded = np.zeros(n)
+    padded[: min(bands, n)] = coefs[:n]
+    loss = min_sep_sensitivity_squared(padded, min_sep, participations) * max_error(
+        banded_inverse_coefs(coefs, n)
+    )
+    return coefs, float(loss)
+
+
+def _axpy(y: Any, a: float, x: Any) -> None:
+    """y += a·x in place, without a temporary for torch."""
+    if T.is_torch(y):
+        y.add_(x, alpha=a)
+    else:
+        y += a * x
+
+
+def _match(stored: Any, like: Any) -> Any:
+    """A buffer (ours, or restored numpy/torch from a checkpoint) as ``like``'s kind, device and
+    dtype; a private copy is made whenever it is not already exactly that."""
+    if T.is_torch(like):
+        import torch
+
+        if T.is_torch(stored) and stored.device == like.device and stored.dtype == like.dtype:
+            return stored
+        tensor = stored if T.is_torch(stored) else torch.from_numpy(np.array(stored))
+        return tensor.to(device=like.device, dtype=like.dtype, copy=True)
+    if isinstance(stored, np.ndarray) and stored.dtype == like.dtype:
+        return stored
+    return np.array(T.to_numpy(stored), dtype=like.dtype)

@@ -1,0 +1,343 @@
+"""Cohort samplers: which units contribute to step t, as positions into the population.
+
+Every sampler is a seeded, checkpointable object whose draw for step t depends only on
+(seed, t) — plus, for per-epoch schemes, the epoch — never on data values. A retried step index
+therefore gets the SAME cohort: an aborted attempt released nothing, and redrawing after a
+data-dependent failure would bias the released cohort away from the sampling distribution the
+accountant assumes.
+
+The seed is SECRET: amplification by sampling assumes the adversary does not know who was
+sampled. By default it is drawn from ``os.urandom`` and lives only in the (protected)
+checkpoint. An explicit seed is for tests and reproducibility studies; strategies add a caveat
+to the privacy report when one was given.
+
+Samplers (paper in brackets):
+- :class:`PoissonSampler`: each unit independently with probability q (ULS users; ELS examples
+  of D_sub) [seed 000, Alg. 1/2]. Exact Bernoulli(q) inclusion via geometric gaps, O(qN).
+- :class:`ExampleSubset`: D_sub, at most G examples per user, uniformly chosen ONCE [Alg. 1].
+- :class:`BallsInBinsSampler`: each unit in exactly one of b bins; bins fixed for the run
+  (``"fixed"``, seed 004, for matrix mechanisms) or redrawn every epoch (``"per-epoch"``).
+- :class:`ShuffleSampler`: fixed-size cohorts in shuffled order (what the seed-000 experiments
+  ran); NO accountant matches it — reports must say so.
+- :class:`TruncatedSampler`: pad/truncate any sampler's cohort to a fixed size; the guarantee is
+  then under zero-out adjacency.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "BallsInBinsSampler",
+    "ExampleSubset",
+    "PoissonSampler",
+    "SamplerError",
+    "ShuffleSampler",
+    "TruncatedSampler",
+    "poisson_positions",
+    "secret_seed",
+]
+
+log = logging.getLogger(__name__)
+
+
+class SamplerError(ValueError):
+    """A sampler parameter or call is invalid; the message says what is allowed."""
+
+
+def secret_seed() -> int:
+    """A 63-bit seed from ``os.urandom`` (JSON-safe integer)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def _rng(seed: int, *stream: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *stream])))
+
+
+# stream tags, so different uses of one seed never share random numbers
+_POISSON, _DSUB, _BINS, _SHUFFLE, _TRUNCATE = 1, 2, 3, 4, 5
+
+
+def poisson_positions(rng: np.random.Generator, n: int, q: float) -> np.ndarray:
+    """Sorted positions in [0, n), each included independently with probability q.
+
+    Gaps between included positions are iid Geometric(q), so drawing gaps and cumulating them
+    gives exactly iid Bernoulli(q) indicators in O(qN) time (1M units, q=1%: well under 1 ms).
+    """
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    if q >= 1.0:
+        return np.arange(n, dtype=np.int64)
+    chunks = []
+    last = -1
+    while True:
+        expected = (n - last - 1) * q
+        k = int(expected + 6.0 * math.sqrt(expected) + 16)
+        positions = last + np.cumsum(rng.geometric(q, size=k))
+        done = positions[-1] >= n
+        positions = positions[positions < n]
+        chunks.append(positions)
+        if done:
+            break
+        last = int(positions[-1])
+    return np.concatenate(chunks).astype(np.int64, copy=False)
+
+
+def _check_probability(name: str, q: float) -> float:
+    if not (isinstance(q, int | float) and 0.0 < q <= 1.0):
+        raise SamplerError(f"{name}={q!r} is out of range; expected a probability in (0, 1]")
+    return float(q)
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise SamplerError(f"{name}={value!r} is out of range; expected an integer >= 1")
+    return int(value)
+
+
+class _SeededSampler:
+    name = ""
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed_was_given = seed is not None
+        self.seed = int(seed) if seed is not None else secret_seed()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "seed": self.seed, "seed_was_given": self.seed_was_given}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise SamplerError(
+                f"sampler state is for {state.get('name')!r}; this sampler is {self.name!r}"
+            )
+        self.seed = int(state["seed"])
+        self.seed_was_given = bool(state["seed_was_given"])
+
+
+class PoissonSampler(_SeededSampler):
+    """Each of n units independently with probability q, fresh every step."""
+
+    name = "poisson"
+
+    def __init__(self, sampling_prob: float, seed: int | None = None) -> None:
+        super().__init__(seed)
+        self.sampling_prob = _check_probability("sampling_prob", sampling_prob)
+
+    def sample(self, step: int, n: int) -> np.ndarray:
+        return poisson_positions(_rng(self.seed, _POISSON, step), n, self.sampling_prob)
+
+    def expected_size(self, n: int) -> float:
+        return self.sampling_prob * n
+
+
+class ExampleSubset:
+    """D_sub of seed 000 Alg. 1: for each user, at most G of its examples, chosen uniformly at
+    random ONCE, independently of other users. Stored as CSR: ``offsets`` (users + 1) and the
+    chosen example indices (sorted within a user); position i of D_sub belongs to user
+    ``searchsorted(offsets, i, 'right') − 1``.
+    """
+
+    def __init__(self, examples_per_user: np.ndarray, group_size: int, seed: int) -> None:
+        counts = np.asarray(examples_per_user, dtype=np.int64)
+        if counts.ndim != 1 or (counts < 0).any():
+            raise SamplerError("examples_per_user must be a 1-D array of non-negative integers")
+        self.group_size = _check_positive_int("group_size", group_size)
+        self.examples_per_user = counts
+        taken = np.minimum(counts, self.group_size)
+        self.offsets = np.concatenate([[0], np.cumsum(taken)]).astype(np.int64)
+        self.examples = _choose_subsets(_rng(seed, _DSUB), counts, self.group_size)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(user position, example index) of D_sub positions."""
+        users = np.searchsorted(self.offsets, positions, side="right") - 1
+        return users, self.examples[positions]
+
+
+def _choose_subsets(rng: np.random.Generator, counts: np.ndarray, g: int) -> np.ndarray:
+    """Flat per-user sorted example indices: all of a user's examples if it has ≤ g, else a
+    uniformly random g-subset (vectorized over users; exact)."""
+    taken = np.minimum(counts, g)
+    starts = np.concatenate([[0], np.cumsum(taken)])[:-1]
+    out = np.arange(int(taken.sum()), dtype=np.int64) - np.repeat(starts, taken)
+    heavy = np.flatnonzero(counts > g)
+    if heavy.size == 0:
+        return out
+    n = counts[heavy]
+    # Draw k ≤ n/2 distinct values per user: either the g kept ones or the n − g dropped ones.
+    keep_mode = n >= 2 * g
+    k = np.where(keep_mode, g, n - g)
+    owner, values = _distinct_draws(rng, n, k)  # sorted by (owner, value)
+    # users that keep their draws: slot j of the user gets its j-th smallest value
+    keep = keep_mode[owner]
+    o, v = owner[keep], values[keep]
+    rank = np.arange(o.size) - np.searchsorted(o, o, side="left")
+    out[starts[heavy[o]] + rank] = v
+    # users that drop their draws: keep the complement of the dropped values, in order
+    dropping = np.flatnonzero(~keep_mode)
+    if dropping.size:
+        sizes = n[dropping]
+        base = np.concatenate([[0], np.cumsum(sizes)])[:-1]
+        mask = np.ones(int(sizes.sum()), dtype=bool)
+        position_of = np.full(len(n), -1)
+        position_of[dropping] = np.arange(dropping.size)
+        mask[base[position_of[owner[~keep]]] + values[~keep]] = False
+        user_of = np.repeat(np.arange(dropping.size), sizes)
+        local = np.arange(mask.size) - base[user_of]
+        kept_user, kept_value = user_of[mask], local[mask]
+        rank = np.arange(kept_user.size) - np.searchsorted(kept_user, kept_user, side="left")
+        out[starts[heavy[dropping[kept_user]]] + rank] = kept_value
+    return out
+
+
+def _distinct_draws(
+    rng: np.random.Generator, n: np.ndarray, k: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each i, k[i] distinct uniform values in [0, n[i]) (k ≤ n/2), returned flat as
+    (owner i, value) sorted by owner then value. Each is the first k distinct values of iid
+    uniform draws, a uniform sample without replacement; an owner whose batch of draws had too
+    few distinct values is redrawn from scratch (the accepted draw stays uniform by symmetry)."""
+    owners, chosen = [], []
+    pending = np.arange(len(n))
+    while pending.size:
+        m = (3 * k[pending]) // 2 + 4
+        owner = np.repeat(np.arange(pending.size), m)
+        values = (rng.random(int(m.sum())) * np.repeat(n[pending], m)).astype(np.int64)
+        key = owner * (int(n.max()) + 1) + values
+        idx = np.argsort(key, kind="stable")  # first occurrence of each (owner, value)
+        o, v = owner[idx], values[idx]
+        first = np.ones(idx.size, dtype=bool)
+        first[1:] = (o[1:] != o[:-1]) | (v[1:] != v[:-1])
+        kept = np.sort(idx[first])  # back to draw order (owner-major)
+        ko, kv = owner[kept], values[kept]
+        rank = np.arange(ko.size) - np.searchsorted(ko, ko, side="left")
+        distinct = np.bincount(ko, minlength=pending.size)
+        ok = distinct >= k[pending]
+        take = ok[ko] & (rank < k[pending][ko])
+        owners.append(pending[ko[take]])
+        chosen.append(kv[take])
+        pending = pending[~ok]
+    owner_all, value_all = np.concatenate(owners), np.concatenate(chosen)
+    order = np.lexsort((value_all, owner_all))
+    return owner_all[order], value_all[order]
+
+
+class BallsInBinsSampler(_SeededSampler):
+    """Each unit in exactly one of ``bins`` bins; step t uses bin t mod b of epoch ⌊t/b⌋.
+
+    ``bin_semantics="fixed"``: one assignment for the whole run (seed 004, Def. 3.1; the
+    b-min-sep structure matrix mechanisms need). ``"per-epoch"``: a fresh assignment every epoch
+    (random allocation; much better for plain DP-SGD). The assignment is a uniform permutation
+    cut by Multinomial(N; 1/b, …) counts, which is the same law as iid uniform bins.
+    """
+
+    name = "balls-in-bins"
+
+    def __init__(self, bins: int, bin_semantics: str = "per-epoch", seed: int | None = None):
+        super().__init__(seed)
+        self.bins = _check_positive_int("bins", bins)
+        if bin_semantics not in ("fixed", "per-epoch"):
+            raise SamplerError(
+                f"bin_semantics={bin_semantics!r} is not allowed; expected 'fixed' or 'per-epoch'"
+            )
+        self.bin_semantics = bin_semantics
+        self._cache: tuple[int, int, np.ndarray, np.ndarray] | None = None
+
+    def _assignment(self, epoch: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        key = 0 if self.bin_semantics == "fixed" else epoch
+        if self._cache is None or self._cache[:2] != (key, n):
+            rng = _rng(self.seed, _BINS, key)
+            counts = rng.multinomial(n, np.full(self.bins, 1.0 / self.bins))
+            perm = rng.permutation(n)
+            bounds = np.concatenate([[0], np.cumsum(counts)])
+            self._cache = (key, n, perm, bounds)
+        return self._cache[2], self._cache[3]
+
+    def bin_of(self, epoch: int, n: int) -> np.ndarray:
+        """Bin of every unit in ``epoch`` (for tests and reports)."""
+        perm, bounds = self._assignment(epoch, n)
+        bins = np.empty(n, dtype=np.int64)
+        for b in range(self.bins):
+            bins[perm[bounds[b] : bounds[b + 1]]] = b
+        return bins
+
+    def sample(self, step: int, n: int) -> np.ndarray:
+        epoch, slot = divmod(step, self.bins)
+        perm, bounds = self._assignment(epoch, n)
+        return np.sort(perm[bounds[slot] : bounds[slot + 1]])
+
+    def expected_size(self, n: int) -> float:
+        return n / self.bins
+
+
+class ShuffleSampler(_SeededSampler):
+    """Fixed-size cohorts: shuffle the units each epoch, take consecutive blocks of
+    ``cohort_size`` (the remainder of an epoch is dropped). ACCOUNTING DOES NOT MATCH THIS
+    SAMPLING: no accountant here bounds shuffling; the ε reported for it is a Poisson stand-in,
+    acceptable for comparing algorithms, never as a guarantee (seed 000 §2.4, footnote 2)."""
+
+    name = "shuffle"
+
+    def __init__(self, cohort_size: int, seed: int | None = None) -> None:
+        super().__init__(seed)
+        self.cohort_size = _check_positive_int("cohort_size", cohort_size)
+        log.warning(
+            "ShuffleSampler: fixed-size shuffled cohorts; the privacy accounting does NOT match "
+            "this sampling and the reported epsilon is not a guarantee"
+        )
+        self._cache: tuple[int, int, np.ndarray] | None = None
+
+    def steps_per_epoch(self, n: int) -> int:
+        if n < self.cohort_size:
+            raise SamplerError(f"cohort_size={self.cohort_size} exceeds the population ({n})")
+        return n // self.cohort_size
+
+    def sample(self, step: int, n: int) -> np.ndarray:
+        epoch, slot = divmod(step, self.steps_per_epoch(n))
+        if self._cache is None or self._cache[:2] != (epoch, n):
+            self._cache = (epoch, n, _rng(self.seed, _SHUFFLE, epoch).permutation(n))
+        block = self._cache[2][slot * self.cohort_size : (slot + 1) * self.cohort_size]
+        return np.sort(block)
+
+    def expected_size(self, n: int) -> float:
+        return float(self.cohort_size)
+
+
+class TruncatedSampler(_SeededSampler):
+    """Fixed-size cohorts from any sampler: keep a uniformly random ``size`` of its units when it
+    drew more (the choice depends only on the count, never on data); the caller pads smaller
+    cohorts to ``size`` with zero contributions. Valid under ZERO-OUT adjacency (a neighbour
+    keeps the user's slot with a zero update); under add/remove, truncation can evict another
+    user and the guarantee does not transfer (notes/004.md §1.4)."""
+
+    name = "truncated"
+
+    def __init__(self, base: Any, size: int, seed: int | None = None) -> None:
+        super().__init__(seed)
+        self.base = base
+        self.size = _check_positive_int("size", size)
+
+    def sample(self, step: int, n: int) -> np.ndarray:
+        drawn = self.base.sample(step, n)
+        if drawn.size <= self.size:
+            return drawn
+        keep = _rng(self.seed, _TRUNCATE, step).choice(drawn.size, self.size, replace=False)
+        return np.sort(drawn[keep])
+
+    def expected_size(self, n: int) -> float:
+        return self.base.expected_size(n)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "base": self.base.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.base.load_state_dict(state["base"])

@@ -1,0 +1,215 @@
+"""Built-in strategies: cohorts, normalizers, mechanisms, report facts, task specs, state."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from userdp.accounting.mechanisms import (
+    BallsInBinsMechanism,
+    ElsMechanism,
+    GroupPrivacyMechanism,
+    RandomizedClippingMechanism,
+    UlsMechanism,
+    mechanism_from_dict,
+)
+from userdp.strategies import (
+    DpFedAvg,
+    ExampleLevelSampling,
+    GroupPrivacyComparison,
+    RandomizedClipping,
+    Sgd,
+    StrategyError,
+    UserLevelSampling,
+    parse_example_unit_id,
+)
+from userdp.strategies.adaptive_clipping import AdaptiveClipping, update_noise_multiplier
+from userdp.strategies.base import ClipStatistics, Cohort
+from userdp.strategies.compute_budget import estimate_and_double
+from userdp.strategies.dpftrl import BltDpFtrl
+
+from .helpers import ZeroNoise
+
+USERS = tuple(f"u{i}" for i in range(1000))
+
+
+def uls(**kw):
+    base = dict(noise_multiplier=1.0, clip_norm=1.0, sampling_prob=0.05, seed=0)
+    return UserLevelSampling(**{**base, **kw})
+
+
+def test_uls_cohort_mechanism_and_facts():
+    s = uls()
+    cohort = s.sample_cohort(0, USERS)
+    assert set(cohort.unit_ids) <= set(USERS) and cohort.expected_size == 50.0
+    assert s.mechanism() == UlsMechanism(1.0, 0.05)
+    facts = s.facts()
+    assert facts.sampling_matches_accounting and facts.adjacency == "add-remove"
+    assert any("secret" in c for c in facts.caveats)  # explicit seed is flagged
+    assert not any("secret" in c for c in uls(seed=None).facts().caveats)
+    assert any("public" in c for c in facts.caveats)
+    fixed = uls(seed=None, expected_cohort_size=48.0)
+    assert fixed.facts().caveats == () and fixed.sample_cohort(0, USERS).expected_size == 48.0
+    assert s.configure_task(0, cohort).unit == "user"
+
+
+def test_server_update_divides_by_expected_not_realized_size():
+    s = uls(noise=ZeroNoise(), optimizer=Sgd(1.0))
+    params = {"w": np.zeros(2)}
+    cohort = Cohort(0, ("u1", "u2", "u3"), expected_size=50.0)
+    noisy = s.add_noise(0, {"w": np.array([3.0, -6.0])})
+    s.server_update(params, noisy, cohort)
+    np.testing.assert_allclose(params["w"], [-3.0 / 50, 6.0 / 50])
+
+
+def test_shuffle_is_flagged_as_not_matching_accounting():
+    s = uls(sampling="shuffle")
+    cohort = s.sample_cohort(0, USERS)
+    assert len(cohort) == 50
+    facts = s.facts()
+    assert not facts.sampling_matches_accounting
+    assert any("DOES NOT MATCH" in c for c in facts.caveats)
+
+
+def test_truncated_states_zero_out_adjacency_and_pads():
+    s = uls(sampling="truncated", cohort_cap=40, sampling_prob=0.2)
+    cohort = s.sample_cohort(0, USERS)
+    assert len(cohort) <= 40 and cohort.padded_size == 40
+    assert s.facts().adjacency == "zero-out"
+
+
+def test_balls_in_bins_uls_declares_its_epochs():
+    s = uls(sampling="balls-in-bins", bins=10, epochs=2, sampling_prob=None)
+    units = [u for t in range(10) for u in s.sample_cohort(t, USERS).unit_ids]
+    assert sorted(units) == sorted(USERS)
+    assert s.mechanism() == BallsInBinsMechanism(1.0, 10, 2, "per-epoch")
+    with pytest.raises(StrategyError):
+        s.sample_cohort(20, USERS)
+
+
+def test_els_cohort_respects_group_size_and_poisson_rate():
+    rng = np.random.default_rng(0)
+    population = {f"u{i}": int(c) for i, c in enumerate(rng.integers(1, 30, size=300))}
+    g, p = 8, 0.2
+    s = ExampleLevelSampling(noise_multiplier=1.0, clip_norm=1.0, sampling_prob=p, group_size=g)
+    d_sub = sum(min(c, g) for c in population.values())
+    hits: dict[str, int] = {}
+    steps = 200
+    for t in range(steps):
+        cohort = s.sample_cohort(t, population)
+        assert cohort.expected_size == pytest.approx(p * d_sub)
+        for unit in cohort.unit_ids:
+            user, index = parse_example_unit_id(unit)
+            assert 0 <= index < population[user]
+            hits[unit] = hits.get(unit, 0) + 1
+    per_user: dict[str, set] = {}
+    for unit in hits:
+        per_user.setdefault(parse_example_unit_id(unit)[0], set()).add(unit)
+    assert max(len(v) for v in per_user.values()) <= g  # D_sub chosen once: ≤ G distinct ever
+    assert len(hits) <= d_sub
+    mean_rate = sum(hits.values()) / (steps * d_sub)
+    assert abs(mean_rate - p) < 4 * math.sqrt(p * (1 - p) / (steps * d_sub))
+    assert s.mechanism() == ElsMechanism(1.0, p, g)
+    assert s.configure_task(0, cohort).unit == "example"
+    with pytest.raises(StrategyError):
+        s.sample_cohort(0, USERS)  # no example counts: refuses
+
+
+def test_els_state_round_trip_rebuilds_same_subset():
+    population = {f"u{i}": 20 for i in range(50)}
+    a = ExampleLevelSampling(noise_multiplier=1.0, clip_norm=1.0, sampling_prob=0.3, group_size=4)
+    b = ExampleLevelSampling(noise_multiplier=1.0, clip_norm=1.0, sampling_prob=0.3, group_size=4)
+    a.sample_cohort(0, population)
+    b.load_state_dict(a.state_dict())
+    assert a.sample_cohort(5, population).unit_ids == b.sample_cohort(5, population).unit_ids
+
+
+def test_group_privacy_and_randomized_clipping_describe_themselves():
+    gp = GroupPrivacyComparison(
+        noise_multiplier=1.0, clip_norm=1.0, sampling_prob=0.1, group_size=4
+    )
+    assert gp.mechanism() == GroupPrivacyMechanism(1.0, 0.1, 4)
+    assert any("comparison" in c for c in gp.facts().caveats)
+    rc = RandomizedClipping(probes=8, noise_multiplier=1.0, clip_norm=1.0, sampling_prob=0.1)
+    assert rc.mechanism() == RandomizedClippingMechanism(1.0, 0.1, 8, "hutchinson")
+    spec = rc.configure_task(0, rc.sample_cohort(0, USERS))
+    assert spec.engine == "randomized" and spec.probes == 8
+
+
+def test_dp_fedavg_task_asks_for_local_steps_and_uses_uls_accounting():
+    s = DpFedAvg(
+        local_steps=5, local_lr=0.05, noise_multiplier=1.0, clip_norm=0.5, sampling_prob=0.1
+    )
+    spec = s.configure_task(0, s.sample_cohort(0, USERS))
+    assert (spec.local_steps, spec.local_lr, spec.clip_norm) == (5, 0.05, 0.5)
+    assert s.mechanism() == UlsMechanism(1.0, 0.1)
+    with pytest.raises(StrategyError):
+        DpFedAvg(
+            local_steps=0, local_lr=0.1, noise_multiplier=1.0, clip_norm=1.0, sampling_prob=0.1
+        )
+
+
+def test_banded_dpftrl_optimizes_its_bands():
+    s = BltDpFtrl(noise_multiplier=1.0, clip_norm=1.0, bins=4, epochs=3, bands=3)
+    m = s.mechanism()
+    assert m.correlation.name == "banded" and len(dict(m.correlation.params)["coefs"]) == 3
+    with pytest.raises(StrategyError):
+        BltDpFtrl(noise_multiplier=1.0, clip_norm=1.0, bins=4, epochs=3, bands=5)
+
+
+def test_mechanisms_serialize_for_the_ledger():
+    for strategy in (uls(), BltDpFtrl(noise_multiplier=1.0, clip_norm=1.0, bins=4, epochs=3)):
+        m = strategy.mechanism()
+        assert mechanism_from_dict(m.to_dict()) == m
+
+
+def test_adaptive_clipping_noise_split_is_one_gaussian_of_multiplier_z():
+    z, sigma_b = 1.0, 5.0
+    sigma_delta = update_noise_multiplier(z, sigma_b)
+    # neighbour adds a user with ‖Δ‖ = C and centered count ½: normalized shift has norm 1/z
+    shift = math.hypot(1.0 / sigma_delta, 0.5 / sigma_b)
+    assert shift == pytest.approx(1.0 / z)
+    assert sigma_delta > z
+    with pytest.raises(StrategyError):
+        update_noise_multiplier(1.0, 0.4)
+
+
+def test_adaptive_clipping_tracks_the_target_quantile():
+    rng = np.random.default_rng(0)
+    s = AdaptiveClipping(
+        initial_clip_norm=0.1,
+        target_quantile=0.5,
+        clip_lr=0.2,
+        count_stddev=2.0,
+        noise_multiplier=1.0,
+        sampling_prob=0.5,
+        optimizer=Sgd(1.0),
+    )
+    assert s.mechanism() == UlsMechanism(1.0, 0.5)
+    params = {"w": np.zeros(1)}
+    for t in range(300):
+        cohort = s.sample_cohort(t, USERS)
+        norms = rng.uniform(0.0, 2.0, size=len(cohort))  # median 1.0
+        clipped = int((norms > s.clip_norm).sum())
+        noisy = s.add_noise(t, {"w": np.zeros(1)}, ClipStatistics(len(cohort), clipped))
+        s.server_update(params, noisy, cohort)
+    assert s.clip_norm == pytest.approx(1.0, rel=0.1)
+    with pytest.raises(StrategyError):
+        s.add_noise(300, {"w": np.zeros(1)})
+
+
+def test_estimate_and_double_rules():
+    def norm(g):
+        return 10.0 / math.sqrt(g)  # τ_G = 0.707 (iid gradients)
+
+    def sigma(m):
+        return max(1.0, m / 256.0) * (m / 32.0) ** 0.1  # sub-linear until 256, then linear
+
+    std = estimate_and_double(2**14, norm, sigma)
+    assert (std.group_size, std.cohort_size) == (64, 256)  # grow M first, then G
+    assert [d.doubled for d in std.trace][:3] == ["M", "M", "M"]
+    paper = estimate_and_double(2**14, norm, sigma, rule="paper")
+    assert paper.cohort_size == 32  # the literal rule always doubles G here (notes/000 §2.5)
+    capped = estimate_and_double(2**14, norm, lambda m: 1.0, max_cohort_size=128)
+    assert capped.cohort_size == 128 and capped.compute <= 2**14
