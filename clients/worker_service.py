@@ -1,0 +1,99 @@
+"""The worker's compute behind the gRPC client: a task's units -> their examples -> the clipping
+engine's sum of clipped unit gradients, on the model version the coordinator broadcast.
+
+:class:`EngineCompute` implements :class:`userdp.clients.grpc_client.TaskCompute`:
+
+- ``apply_model``: copies received tensors into the model's parameters by name (a full model
+  replaces every parameter it names; an update only the trainable ones it carries).
+- ``compute(task)``: for unit = user, the user's examples are selected with the task's selection
+  strategy and group size (:func:`userdp.clients.selection.select_examples`), with an RNG seeded
+  from (selection_seed, step, unit id) — never from anything that touches noise; for unit =
+  example (``"<user id>/<index>"``), that one example. The engine returns the plain SUM of clipped
+  unit gradients and its statistics; normalization and noise are the coordinator's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from userdp.clients.grpc_client import ComputedPartial
+from userdp.clients.selection import select_examples
+from userdp.clients.shard_store import ShardStore
+from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.tensors import WireTensor
+
+
+def _selection_rng(seed: int, step: int, unit_id: str) -> np.random.Generator:
+    unit_hash = int.from_bytes(hashlib.sha256(unit_id.encode()).digest()[:8], "big")
+    return np.random.default_rng([seed, step, unit_hash])
+
+
+class EngineCompute:
+    """Task compute over a :class:`ShardStore` and a clipping engine (see the module docstring).
+
+    ``engine`` must offer ``clipped_sum(units, clip_norm)`` and ``trainable_parameters()`` /
+    ``module`` as :mod:`userdp.clients.engine` defines them; ``unit_type`` is the engine's unit
+    value class (unit id + token arrays)."""
+
+    def __init__(self, store: ShardStore, engine: Any, unit_type: Any) -> None:
+        self.store = store
+        self.engine = engine
+        self.unit_type = unit_type
+        self._params = dict(engine.module.named_parameters())
+
+    def apply_model(self, tensors: Mapping[str, WireTensor], full: bool) -> None:
+        unknown = sorted(set(tensors) - set(self._params))
+        if unknown:
+            raise KeyError(f"model update names unknown parameters {unknown[:3]}")
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                target = self._params[name]
+                target.copy_(tensor.torch().to(device=target.device, dtype=target.dtype))
+
+    def _units(self, task: pb.Task) -> list[Any]:
+        units = []
+        selection = task.selection
+        group_size = selection.group_size or None
+        seq_len = selection.seq_len or 128
+        for unit_id in task.unit_ids:
+            if task.engine.unit == "example":
+                user, _, index = unit_id.rpartition("/")
+                examples = [self.store.user_examples(user)[int(index)][:seq_len]]
+            else:
+                rng = _selection_rng(task.selection_seed, task.step, unit_id)
+                examples = select_examples(
+                    self.store.user_examples(unit_id),
+                    group_size,
+                    selection.strategy or "random",
+                    seq_len,
+                    rng,
+                )
+            units.append(self.unit_type(unit_id, examples))
+        return units
+
+    def compute(self, task: pb.Task) -> ComputedPartial:
+        result = self.engine.clipped_sum(self._units(task), task.clip_norm)
+        return ComputedPartial(
+            sums=result.sums,
+            count=result.count,
+            nonfinite=result.nonfinite,
+            clipped=result.clipped,
+            norm_min=result.norm_min,
+            norm_max=result.norm_max,
+            norm_sum=result.norm_sum,
+            norm_sum_sq=result.norm_sum_sq,
+            loss_sum=result.loss_sum,
+            tokens=result.tokens,
+        )
+
+
+def build_compute(config: Any, store: ShardStore) -> EngineCompute:
+    """The worker compute of a config: model, engine and clipping engine of ``userdp.clients``."""
+    from userdp.clients.engine import Unit, build_engine
+
+    engine = build_engine(config, store.manifest)
+    return EngineCompute(store, engine, Unit)

@@ -1,0 +1,320 @@
+"""Gathering one step's partial clipped sums EXACTLY ONCE per (step, unit).
+
+The cohort is partitioned into shard groups (:mod:`userdp.server.planning`); groups are batched
+into tasks, one per worker. A task is identified by (step, task id, attempt). :class:`StepGather`
+accepts AT MOST ONE partial per task, and only from a *live* task: issued to that worker, for this
+step and model version, covering exactly the task's units. A failed task (worker lost, timeout,
+TaskFailed, bad partial) is closed for good and its groups return to the pending pool, to be
+re-batched under a new task id with a higher attempt number, never to the worker that failed them.
+Results of closed tasks (late duplicates), of other steps or attempts are discarded; a bad partial
+(wrong units, counts, tensor names, shapes, dtypes, non-finite values, or a norm above
+``count · clip_norm`` — a worker that did not clip) is rejected and its groups re-issued. Each
+unit belongs to exactly one group and a group is marked done exactly once, so every unit
+contributes exactly once; :meth:`StepGather.result` re-checks that before anything is released.
+
+The running sum is kept in float64 so the released sum does not depend on arrival order beyond
+float64 rounding. Memory is one model-sized buffer, whatever the number of tasks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from userdp.proto.tensors import FLOAT_DTYPES, WireTensor
+from userdp.server.planning import ShardGroup
+
+NORM_TOLERANCE = 1e-3
+"""Relative slack on the ‖partial‖ ≤ count · C check (float32 sums of clipped vectors)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a partial sum's tensor must look like: the trainable parameter's shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class PartialSum:
+    """One worker's answer to one task attempt, decoded from the wire."""
+
+    task_id: str
+    attempt: int
+    step: int
+    model_version: int
+    worker_id: str
+    unit_ids: tuple[str, ...]
+    tensors: Mapping[str, WireTensor | torch.Tensor]
+    count: int
+    nonfinite: int = 0
+    clipped: int = 0
+    norm_min: float = math.inf
+    norm_max: float = 0.0
+    norm_sum: float = 0.0
+    norm_sum_sq: float = 0.0
+    loss_sum: float = 0.0
+    tokens: int = 0
+    compute_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What :meth:`StepGather.offer` did: ``accepted``; else ``reissue`` says whether the task went
+    back to pending (a bad partial of the current attempt) or the message was just discarded."""
+
+    accepted: bool
+    reissue: bool
+    reason: str
+
+
+@dataclass
+class GatheredSum:
+    """The step's sum of clipped unit updates (float64) and its statistics."""
+
+    sums: dict[str, torch.Tensor]
+    units: int
+    count: int
+    nonfinite: int
+    clipped: int
+    norm_min: float
+    norm_max: float
+    norm_sum: float
+    norm_sum_sq: float
+    loss_sum: float
+    tokens: int
+    attempts: int
+    """Tasks issued (first tries and re-issues)."""
+    failed_tasks: int
+    """Tasks closed without being counted (worker lost, timeout, refused, rejected)."""
+    compute_seconds: float
+
+
+class ExactlyOnceViolation(AssertionError):
+    """A unit would be counted twice; raised instead of releasing (a bug, never expected)."""
+
+
+@dataclass
+class _GroupState:
+    group: ShardGroup
+    tries: int = 0
+    task_id: str | None = None
+    done: bool = False
+    failed_workers: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _TaskState:
+    task_id: str
+    attempt: int
+    worker: str
+    groups: tuple[str, ...]
+    unit_ids: tuple[str, ...]
+    issued_at: float
+    live: bool = True
+
+
+class StepGather:
+    """Exactly-once bookkeeping and running sum for one step (see the module docstring)."""
+
+    def __init__(
+        self,
+        step: int,
+        model_version: int,
+        groups: Sequence[ShardGroup],
+        template: Mapping[str, TensorSpec],
+        clip_norm: float,
+    ) -> None:
+        self.step = step
+        self.model_version = model_version
+        self.clip_norm = float(clip_norm)
+        self.template = dict(template)
+        self._groups = {g.group_id: _GroupState(g) for g in groups}
+        self._tasks: dict[str, _TaskState] = {}
+        self._unit_owner: dict[str, str] = {}
+        for g in groups:
+            for unit in g.unit_ids:
+                if unit in self._unit_owner:
+                    raise ExactlyOnceViolation(f"unit {unit!r} planned in two shard groups")
+                self._unit_owner[unit] = g.group_id
+        self._contributed: set[str] = set()
+        self._sums = {
+            name: torch.zeros(spec.shape, dtype=torch.float64) for name, spec in template.items()
+        }
+        self._stats = GatheredSum(
+            sums=self._sums,
+            units=0,
+            count=0,
+            nonfinite=0,
+            clipped=0,
+            norm_min=math.inf,
+            norm_max=0.0,
+            norm_sum=0.0,
+            norm_sum_sq=0.0,
+            loss_sum=0.0,
+            tokens=0,
+            attempts=0,
+            failed_tasks=0,
+            compute_seconds=0.0,
+        )
+
+    # ---- issuing --------------------------------------------------------------------------------
+
+    def pending(self) -> list[ShardGroup]:
+        """Shard groups that are neither done nor part of a live task."""
+        return [s.group for s in self._groups.values() if not s.done and s.task_id is None]
+
+    def outstanding(self) -> list[tuple[str, int, str, float]]:
+        """(task id, attempt, worker, issued_at) of every live task."""
+        return [
+            (t.task_id, t.attempt, t.worker, t.issued_at) for t in self._tasks.values() if t.live
+        ]
+
+    def task_units(self, task_id: str) -> tuple[str, ...]:
+        return self._tasks[task_id].unit_ids
+
+    def failed_workers(self, group_id: str) -> set[str]:
+        return set(self._groups[group_id].failed_workers)
+
+    def issue(self, worker_id: str, group_ids: Sequence[str], now: float) -> tuple[str, int]:
+        """Batch pending groups into a new task for ``worker_id``; returns (task id, attempt),
+        where attempt = the most any of its groups was tried before."""
+        states = [self._groups[g] for g in group_ids]
+        for state in states:
+            if state.done or state.task_id is not None:
+                raise ValueError(f"group {state.group.group_id} is not pending")
+        attempt = max(s.tries for s in states)
+        task_id = f"{self.step}.{len(self._tasks)}"
+        for state in states:
+            state.tries += 1
+            state.task_id = task_id
+        units = tuple(u for s in states for u in s.group.unit_ids)
+        self._tasks[task_id] = _TaskState(task_id, attempt, worker_id, tuple(group_ids), units, now)
+        self._stats.attempts += 1
+        return task_id, attempt
+
+    def fail(self, task_id: str, attempt: int, reason: str) -> bool:
+        """A live task failed (timeout, TaskFailed, bad partial): its groups go back to pending and
+        its worker is not tried again for them. False when the task is not live (no change)."""
+        task = self._tasks.get(task_id)
+        if task is None or not task.live or task.attempt != attempt:
+            return False
+        task.live = False
+        self._stats.failed_tasks += 1
+        for group_id in task.groups:
+            state = self._groups[group_id]
+            state.task_id = None
+            state.failed_workers.add(task.worker)
+        return True
+
+    def fail_worker(self, worker_id: str) -> list[str]:
+        """Fail every live task of ``worker_id`` (it disconnected); returns their task ids."""
+        failed = [t.task_id for t in self._tasks.values() if t.live and t.worker == worker_id]
+        for task_id in failed:
+            self.fail(task_id, self._tasks[task_id].attempt, "worker lost")
+        return failed
+
+    # ---- results --------------------------------------------------------------------------------
+
+    def offer(self, partial: PartialSum) -> Verdict:
+        """Accept the partial into the sum, discard it, or reject it (see the module docstring)."""
+        if partial.step != self.step:
+            return Verdict(False, False, f"late result for step {partial.step}")
+        task = self._tasks.get(partial.task_id)
+        if task is None:
+            return Verdict(False, False, f"unknown task {partial.task_id!r}")
+        if partial.attempt != task.attempt:
+            return Verdict(False, False, f"attempt {partial.attempt} != issued {task.attempt}")
+        if partial.worker_id != task.worker:
+            return Verdict(False, False, f"task was issued to {task.worker}")
+        if not task.live:
+            return Verdict(False, False, f"duplicate or late: task {task.task_id} is closed")
+        problem = self._check(partial, task.unit_ids)
+        if problem is not None:
+            self.fail(task.task_id, task.attempt, problem)
+            return Verdict(False, True, problem)
+        tensors = {name: _as_torch(value) for name, value in partial.tensors.items()}
+        for unit in task.unit_ids:
+            if unit in self._contributed:
+                raise ExactlyOnceViolation(f"step {self.step}: unit {unit!r} counted twice")
+        self._contributed.update(task.unit_ids)
+        for name, value in tensors.items():
+            self._sums[name].add_(value.to(torch.float64))
+        task.live = False
+        for group_id in task.groups:
+            self._groups[group_id].done = True
+        s = self._stats
+        s.units += len(task.unit_ids)
+        s.count += partial.count
+        s.nonfinite += partial.nonfinite
+        s.clipped += partial.clipped
+        if partial.count:
+            s.norm_min = min(s.norm_min, partial.norm_min)
+            s.norm_max = max(s.norm_max, partial.norm_max)
+        s.norm_sum += partial.norm_sum
+        s.norm_sum_sq += partial.norm_sum_sq
+        s.loss_sum += partial.loss_sum
+        s.tokens += partial.tokens
+        s.compute_seconds += partial.compute_seconds
+        return Verdict(True, False, "accepted")
+
+    def _check(self, partial: PartialSum, unit_ids: tuple[str, ...]) -> str | None:
+        if partial.model_version != self.model_version:
+            return f"model version {partial.model_version}, expected {self.model_version}"
+        if tuple(partial.unit_ids) != unit_ids:
+            return "unit ids differ from the task's"
+        n = len(unit_ids)
+        if partial.count < 0 or partial.nonfinite < 0 or partial.count + partial.nonfinite != n:
+            return f"count {partial.count} + nonfinite {partial.nonfinite} != {n} units"
+        if set(partial.tensors) != set(self.template):
+            missing = sorted(set(self.template) - set(partial.tensors))[:3]
+            extra = sorted(set(partial.tensors) - set(self.template))[:3]
+            return f"tensor names differ (missing {missing}, unexpected {extra})"
+        squared = 0.0
+        for name, spec in self.template.items():
+            value = partial.tensors[name]
+            dtype = value.dtype if isinstance(value, WireTensor) else str(value.dtype)[6:]
+            shape = tuple(value.shape)
+            if dtype != spec.dtype or dtype not in FLOAT_DTYPES:
+                return f"tensor {name!r} has dtype {dtype}, expected {spec.dtype}"
+            if shape != spec.shape:
+                return f"tensor {name!r} has shape {list(shape)}, expected {list(spec.shape)}"
+            t = _as_torch(value)
+            if not bool(torch.isfinite(t).all()):
+                return f"tensor {name!r} has non-finite values"
+            squared += float(torch.sum(t.to(torch.float64) ** 2))
+        bound = partial.count * self.clip_norm * (1 + NORM_TOLERANCE) + 1e-6
+        if math.sqrt(squared) > bound:
+            return (
+                f"partial sum norm {math.sqrt(squared):.6g} exceeds count*clip_norm = "
+                f"{partial.count * self.clip_norm:.6g} (units not clipped)"
+            )
+        return None
+
+    # ---- completion -----------------------------------------------------------------------------
+
+    def complete(self) -> bool:
+        return all(s.done for s in self._groups.values())
+
+    def result(self) -> GatheredSum:
+        """The step's sum; only when every group is done and every unit counted exactly once."""
+        if not self.complete():
+            raise RuntimeError(f"step {self.step}: shard groups not done")
+        if self._contributed != set(self._unit_owner):
+            raise ExactlyOnceViolation(f"step {self.step}: contributed units != cohort units")
+        return self._stats
+
+
+def _as_torch(value: WireTensor | torch.Tensor) -> torch.Tensor:
+    return value.torch() if isinstance(value, WireTensor) else value
+
+
+def template_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    """The partial-sum template of a set of trainable parameters."""
+    return {
+        name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in tensors.items()
+    }

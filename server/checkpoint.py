@@ -1,0 +1,205 @@
+"""Coordinator checkpoints: safetensors for tensors + JSON for everything else, written atomically.
+
+A checkpoint is a directory ``ckpt-<step>`` holding ``tensors.safetensors`` and ``state.json``,
+written under a temporary name, fsync'd, then renamed; ``LATEST`` (also temp + rename + fsync)
+names the newest complete one. A crash at any point leaves either the old or the new checkpoint,
+never a mix. Nested state (``state_dict()`` of a model, optimizer or strategy: dicts, lists,
+numbers, strings, tensors, numpy arrays) is flattened: tensors go to safetensors under a path key
+and are replaced in the JSON tree by ``{"__tensor__": key}``. No pickle anywhere.
+
+``state.json`` records ``step`` (the next step to run), ``model_version`` and ``ledger_entries``
+(how many ledger entries existed when it was written): on resume the ledger, not this file,
+says what was spent (:mod:`userdp.server.coordinator`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = "userdp-coordinator-checkpoint"
+FORMAT_VERSION = 1
+LATEST = "LATEST"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is unreadable or from an unknown format version."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    model_version: int
+    ledger_entries: int
+    state: dict[str, Any]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def flatten_state(tree: Any, tensors: dict[str, torch.Tensor], prefix: str = "") -> Any:
+    """JSON-able copy of ``tree`` with tensors moved into ``tensors`` (see the module docstring)."""
+    if isinstance(tree, torch.Tensor | np.ndarray):
+        key = prefix or "_"
+        if key in tensors:
+            raise CheckpointError(f"duplicate tensor key {key!r}")
+        value = (
+            torch.from_numpy(np.ascontiguousarray(tree)) if isinstance(tree, np.ndarray) else tree
+        )
+        tensors[key] = value.detach().cpu().contiguous().clone()
+        return {"__tensor__": key, "numpy": isinstance(tree, np.ndarray)}
+    if isinstance(tree, Mapping):
+        items = [
+            (k, flatten_state(v, tensors, f"{prefix}.{k}" if prefix else str(k)))
+            for k, v in tree.items()
+        ]
+        if all(isinstance(k, str) for k, _ in items) and "__tensor__" not in tree:
+            return {k: v for k, v in items}
+        return {"__items__": [[k, v] for k, v in items]}
+    if isinstance(tree, list | tuple):
+        out = [flatten_state(v, tensors, f"{prefix}.{i}") for i, v in enumerate(tree)]
+        return out if isinstance(tree, list) else {"__tuple__": out}
+    if tree is None or isinstance(tree, bool | int | float | str):
+        return tree
+    if isinstance(tree, np.generic):
+        return tree.item()
+    raise CheckpointError(f"cannot checkpoint {type(tree).__name__} at {prefix!r} (no pickle)")
+
+
+def unflatten_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            value = tensors[tree["__tensor__"]]
+            return value.numpy() if tree.get("numpy") else value
+        if "__items__" in tree:
+            return {k: unflatten_state(v, tensors) for k, v in tree["__items__"]}
+        if "__tuple__" in tree:
+            return tuple(unflatten_state(v, tensors) for v in tree["__tuple__"])
+        return {k: unflatten_state(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [unflatten_state(v, tensors) for v in tree]
+    return tree
+
+
+def save_checkpoint(
+    directory: str | Path,
+    *,
+    step: int,
+    model_version: int,
+    ledger_entries: int,
+    state: Mapping[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write ``state`` atomically as ``ckpt-<step>`` and point ``LATEST`` at it; keep the newest
+    ``keep`` checkpoints."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    tree = flatten_state(dict(state), tensors)
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "model_version": model_version,
+        "ledger_entries": ledger_entries,
+        "state": tree,
+    }
+    name = f"ckpt-{step:09d}"
+    tmp = directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    save_file(tensors, str(tmp / "tensors.safetensors"))
+    with open(tmp / "tensors.safetensors", "rb+") as handle:
+        os.fsync(handle.fileno())
+    _write_synced(tmp / "state.json", json.dumps(meta, allow_nan=True))
+    _fsync_dir(tmp)
+    final = directory / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    latest_tmp = directory / f".{LATEST}.tmp"
+    _write_synced(latest_tmp, name + "\n")
+    os.replace(latest_tmp, directory / LATEST)
+    _fsync_dir(directory)
+    checkpoints = sorted(p for p in directory.glob("ckpt-*") if p.is_dir())
+    for old in checkpoints[:-keep] if keep > 0 else []:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.glob(".tmp-ckpt-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def load_latest(directory: str | Path) -> Checkpoint | None:
+    """The checkpoint ``LATEST`` names, or None when there is none yet."""
+    directory = Path(directory)
+    pointer = directory / LATEST
+    if not pointer.is_file():
+        return None
+    path = directory / pointer.read_text(encoding="utf-8").strip()
+    try:
+        meta = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        tensors = load_file(str(path / "tensors.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from None
+    if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format {meta.get('format')!r} v{meta.get('format_version')} is not "
+            f"{FORMAT} v<={FORMAT_VERSION}"
+        )
+    return Checkpoint(
+        path=path,
+        step=int(meta["step"]),
+        model_version=int(meta["model_version"]),
+        ledger_entries=int(meta["ledger_entries"]),
+        state=unflatten_state(meta["state"], tensors),
+    )
+
+
+RELEASE_JOURNAL = "released.jsonl"
+
+
+def append_release_journal(directory: str | Path, step: int, model_version: int) -> None:
+    """Record (fsync'd) that ``step``'s update is about to leave the coordinator."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / RELEASE_JOURNAL, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"step": step, "model_version": model_version}) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_release_journal(directory: str | Path) -> list[int]:
+    """Steps recorded by :func:`append_release_journal` (a torn last line counts as released)."""
+    path = Path(directory) / RELEASE_JOURNAL
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            steps.append(10**18)  # unreadable: assume the newest step was released
+    return steps

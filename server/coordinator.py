@@ -1,0 +1,566 @@
+"""The coordinator's step loop: sample → plan → gather exactly once → noise → ledger → update →
+checkpoint → broadcast (steps 1–10 of DESIGN.md), correct under worker and coordinator failure.
+
+One step, as :meth:`Coordinator.run_step` performs it:
+
+0. ``sync``: handle joins/acks, resync workers that missed a model version, and give workers a
+   moment to acknowledge the current version so the work spreads over all of them.
+1. ``sample``: the strategy samples the cohort (units) from the population (user ids only).
+2. ``plan``: the cohort is split into shard groups (:mod:`~userdp.server.planning`); the groups
+   are batched into one task per live, in-sync worker holding them (replicas spread the load).
+3. ``gather``: partial clipped sums are accepted exactly once per task (and so per unit) by
+   :class:`~userdp.server.aggregation.StepGather`; when a task's worker dies, times out, refuses
+   it or sends a bad partial, its shard groups are re-issued, with a higher attempt number, to
+   other holders. When the step cannot complete by its deadline it is ABORTED: no noise is
+   drawn, nothing is released or charged, and the same step index is retried (the strategy's
+   sampler decides the cohort; the built-in samplers draw the same one for a seed and step).
+4. ``noise``: the strategy adds its noise (generator seeded from ``os.urandom`` by the strategy).
+5. ``ledger``: ``append`` (fsync'd; it refuses a step over the budget, which stops the run with
+   nothing of that step released) — BEFORE anything leaves the process.
+6. ``update``: the strategy's server optimizer steps on the noisy sum (÷ EXPECTED cohort size).
+7. ``checkpoint`` (every ``checkpoint_every`` steps): model, strategy state (optimizer, sampler,
+   correlated-noise buffers), step, model version, ledger offset.
+8. ``broadcast``: the step is appended (fsync'd) to the release journal, then the new trainable
+   tensors go to every connected worker (chunked).
+
+Resume (:meth:`Coordinator.resume`): the ledger, not the checkpoint, says what was spent. A step
+the ledger holds beyond the checkpoint stays charged. If the release journal shows it was never
+broadcast (the crash came between the ledger append and the broadcast), it is replayed with FRESH
+noise and not charged again. If it may have been released, it is NOT replayed: the run continues
+after the last charged step, and the model version jumps past every version that could have been
+broadcast, so workers holding a lost update are resynced, never trusted. With correlated noise
+(BLT) the lost steps' noise state cannot be rebuilt, so resume refuses (:class:`ResumeError`);
+``checkpoint_every = 1`` (a checkpoint before every broadcast) rules that case out.
+
+``fault_hook(phase, step)`` is called at the start of every phase; tests make it raise to simulate
+a coordinator crash at that point. ``test_only_disable_noise`` exists for exactly-once tests that
+compare with a noiseless reference; it is a constructor argument only (no config key or CLI flag
+can reach it) and every step logs a NOT PRIVATE warning while it is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from userdp.accounting.ledger import BudgetExceededError
+from userdp.proto import userdp_v1_pb2 as pb
+from userdp.server.aggregation import GatheredSum, StepGather, template_of
+from userdp.server.checkpoint import (
+    append_release_journal,
+    load_latest,
+    read_release_journal,
+    save_checkpoint,
+)
+from userdp.server.planning import assign_groups, plan_groups
+from userdp.server.population import Population
+from userdp.server.service import (
+    Event,
+    ModelAcked,
+    ModelPublisher,
+    ResultReceived,
+    TaskFailedEvent,
+    WorkerJoined,
+    WorkerLost,
+    WorkerRegistry,
+    WorkerSession,
+)
+from userdp.strategies.base import ClipStatistics, TaskSpec
+
+log = logging.getLogger(__name__)
+
+PHASES: tuple[str, ...] = (
+    "sync",
+    "sample",
+    "plan",
+    "gather",
+    "noise",
+    "ledger",
+    "update",
+    "checkpoint",
+    "broadcast",
+)
+MAX_RESYNCS = 3
+
+
+class StepAborted(RuntimeError):
+    """The step could not gather every task in time; nothing was released or charged."""
+
+
+class ResumeError(RuntimeError):
+    """The run cannot resume without breaking a DP contract (the message says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    step_deadline_s: float = 300.0
+    task_deadline_s: float = 120.0
+    max_attempts: int = 4
+    """Attempts per task before the step aborts."""
+    max_step_retries: int = 3
+    """Aborted attempts of one step index before :meth:`Coordinator.run` gives up."""
+    checkpoint_every: int = 1
+    wait_for_workers_s: float = 120.0
+    ack_wait_s: float = 5.0
+    """At a step's start, how long to wait for workers to acknowledge the current model."""
+
+
+@dataclass
+class StepReport:
+    step: int
+    model_version: int
+    units: int
+    expected_cohort_size: float
+    count: int
+    nonfinite: int
+    clipped: int
+    attempts: int
+    failed_tasks: int
+    shard_groups: int
+    loss_mean: float
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Runs steps against connected workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        strategy: Any,
+        ledger: Any,
+        params: dict[str, torch.Tensor],
+        population: Population,
+        registry: WorkerRegistry,
+        publisher: ModelPublisher,
+        checkpoint_dir: str | Path,
+        settings: CoordinatorSettings = CoordinatorSettings(),
+        frozen: Mapping[str, torch.Tensor] | None = None,
+        fault_hook: Callable[[str, int], None] | None = None,
+        test_only_disable_noise: bool = False,
+    ) -> None:
+        self.strategy = strategy
+        self.ledger = ledger
+        self.params = params
+        self.frozen = dict(frozen or {})
+        self.population = population
+        self.registry = registry
+        self.publisher = publisher
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.settings = settings
+        self.fault_hook = fault_hook
+        self._no_noise = bool(test_only_disable_noise)
+        self.template = template_of(params)
+        self.step = 0
+        self.model_version = 0
+        self.reports: list[StepReport] = []
+        self._charged_unreleased: int | None = None
+        self.budget_exhausted = False
+        self._resyncs: dict[WorkerSession, int] = defaultdict(int)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Load the latest checkpoint (if any), reconcile it with the ledger and the release
+        journal (see the module docstring), and publish the model."""
+        checkpoint = load_latest(self.checkpoint_dir)
+        if checkpoint is not None:
+            state = checkpoint.state
+            for name, value in state["params"].items():
+                self.params[name].copy_(value)
+            self.strategy.load_state_dict(state["strategy"])
+            self.step = checkpoint.step
+            self.model_version = checkpoint.model_version
+        charged = [int(step) for step in self._ledger_steps()]
+        last = max(charged, default=-1)
+        released = {s for s in read_release_journal(self.checkpoint_dir) if s >= self.step}
+        if last >= self.step and not released:
+            # Charged after the checkpoint but never broadcast (broadcast follows the checkpoint
+            # and the journal): redo it with FRESH noise, without charging it twice.
+            log.warning(
+                "step %d is charged in the ledger but was never released; replaying it with "
+                "fresh noise (not charged again)",
+                self.step,
+            )
+            self._charged_unreleased = self.step
+        elif last >= self.step:
+            lost = last + 1 - self.step
+            if self._noise_is_stateful():
+                raise ResumeError(
+                    f"steps {self.step}..{last} were released after the last checkpoint and the "
+                    "correlated-noise state they advanced is lost; continuing would break the "
+                    "noise correlation the accountant assumes. Keep the ledger (it stays charged) "
+                    "and use coordinator.checkpoint_every = 1 for correlated-noise strategies"
+                )
+            log.warning(
+                "ledger charges steps up to %d but the checkpoint is at step %d: %d released "
+                "step(s) were lost; they stay charged; continuing at step %d",
+                last,
+                self.step,
+                lost,
+                last + 1,
+            )
+            self.step = last + 1
+            self.model_version += lost + 1
+        self.publisher.publish(self.model_version, self.params, self.frozen)
+
+    def _noise_is_stateful(self) -> bool:
+        noise = getattr(self.strategy, "noise", None)
+        return noise is not None and bool(noise.state_dict())
+
+    def _ledger_steps(self) -> list[int]:
+        return [int(record["step"]) for record in self.ledger.records]
+
+    def run(self, steps: int) -> list[StepReport]:
+        """Run until ``steps`` steps are done (counting from step 0, so a resumed run continues),
+        or until the ledger's budget would be exceeded: then it stops BEFORE that step (nothing of
+        it is released or charged) and sets :attr:`budget_exhausted`."""
+        retries = 0
+        while self.step < steps:
+            try:
+                self.reports.append(self.run_step())
+                retries = 0
+            except BudgetExceededError as exc:
+                log.warning("stopping before step %d: %s", self.step, exc)
+                self.budget_exhausted = True
+                return self.reports
+            except StepAborted as exc:
+                retries += 1
+                log.warning("step %d aborted (%s); retry %d", self.step, exc, retries)
+                if retries > self.settings.max_step_retries:
+                    raise
+        return self.reports
+
+    def _phase(self, phase: str, step: int, times: dict[str, float], started: list[float]) -> None:
+        now = time.perf_counter()
+        if times:
+            times[next(reversed(times))] = now - started[0]
+        times[phase] = 0.0
+        started[0] = now
+        if self.fault_hook is not None:
+            self.fault_hook(phase, step)
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def run_step(self) -> StepReport:
+        step = self.step
+        times: dict[str, float] = {}
+        started = [time.perf_counter()]
+        self._phase("sync", step, times, started)
+        self.pump_events()
+        for session in self.registry.sessions():
+            if session.sent_version != self.model_version:
+                self._resync(session)  # missed an update (e.g. joined mid-broadcast)
+        self._await_acks(self.settings.ack_wait_s)
+        mechanism = self.strategy.mechanism()  # the budget is checked by ledger.append
+
+        self._phase("sample", step, times, started)
+        cohort = self.strategy.sample_cohort(step, self.population)
+        spec: TaskSpec = self.strategy.configure_task(step, cohort)
+
+        self._phase("plan", step, times, started)
+        groups = plan_groups(step, list(cohort.unit_ids), self.population.shard_of_unit)
+        gather = StepGather(step, self.model_version, groups, self.template, spec.clip_norm)
+
+        self._phase("gather", step, times, started)
+        self._gather(gather, spec)
+        gathered = gather.result()
+
+        self._phase("noise", step, times, started)
+        summed = {  # noise is added in at least fp32, even for bf16/fp16 parameters
+            name: t.to(torch.promote_types(self.params[name].dtype, torch.float32))
+            for name, t in gathered.sums.items()
+        }
+        if self._no_noise:
+            log.warning("step %d: NOT PRIVATE: noise disabled (test-only mode)", step)
+            noisy = summed
+        else:
+            stats = ClipStatistics(units=gathered.count, clipped=gathered.clipped)
+            noisy = self.strategy.add_noise(step, summed, stats)
+
+        self._phase("ledger", step, times, started)
+        if self._charged_unreleased == step:
+            self._charged_unreleased = None  # charged before a crash, never released
+        else:
+            self.ledger.append(step, mechanism)  # fsync'd; refuses a step over the budget
+
+        self._phase("update", step, times, started)
+        self.strategy.server_update(self.params, noisy, cohort)
+        self.model_version += 1
+        self.step = step + 1
+
+        self._phase("checkpoint", step, times, started)
+        if self.step % self.settings.checkpoint_every == 0:
+            self.save()
+
+        self._phase("broadcast", step, times, started)
+        append_release_journal(self.checkpoint_dir, step, self.model_version)
+        targets = [s for s in self.registry.sessions() if s.sent_version == self.model_version - 1]
+        for session in targets:
+            session.sent_version = self.model_version  # eligible again when it acks
+
+        def send(message: pb.CoordinatorMessage) -> None:
+            for session in targets:
+                session.send(message)
+
+        self.publisher.publish(self.model_version, self.params, sink=send)
+        self._phase("done", step, times, started)
+        times.pop("done")
+        report = _report(step, self.model_version, gathered, len(groups), cohort, times)
+        log.info(
+            "step %d: %d units, loss %.4f, %d attempts, %.3fs",
+            step,
+            report.units,
+            report.loss_mean,
+            report.attempts,
+            sum(times.values()),
+        )
+        return report
+
+    def save(self) -> Path:
+        return save_checkpoint(
+            self.checkpoint_dir,
+            step=self.step,
+            model_version=self.model_version,
+            ledger_entries=len(self._ledger_steps()),
+            state={"params": self.params, "strategy": self.strategy.state_dict()},
+        )
+
+    # ---- gathering ------------------------------------------------------------------------------
+
+    def _gather(self, gather: StepGather, spec: TaskSpec) -> None:
+        deadline = time.monotonic() + self.settings.step_deadline_s
+        while not gather.complete():
+            now = time.monotonic()
+            if now > deadline:
+                self._cancel_all(gather)
+                raise StepAborted(
+                    f"step {gather.step}: {len(gather.pending()) + len(gather.outstanding())} "
+                    f"task(s) not done after {self.settings.step_deadline_s:.0f}s"
+                )
+            for task_id, attempt, worker, issued_at in gather.outstanding():
+                if now - issued_at > self.settings.task_deadline_s:
+                    log.warning("task %s attempt %d on %s timed out", task_id, attempt, worker)
+                    gather.fail(task_id, attempt, "timeout")
+                    self._send_cancel(worker, task_id, attempt)
+            self._dispatch(gather, spec)
+            if gather.complete():
+                break
+            try:
+                event = self.registry.events.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            self._handle(event, gather)
+
+    def _eligible(self) -> dict[str, WorkerSession]:
+        return {
+            s.worker_id: s
+            for s in self.registry.sessions()
+            if not s.draining and s.model_version == self.model_version
+        }
+
+    def _dispatch(self, gather: StepGather, spec: TaskSpec) -> None:
+        """Batch pending shard groups into one task per chosen worker and send them."""
+        pending = gather.pending()
+        if not pending:
+            return
+        eligible = self._eligible()
+        holders = {w: s.shards for w, s in eligible.items()}
+        load: dict[str, int] = defaultdict(int)
+        for task_id, _, worker, _ in gather.outstanding():
+            load[worker] += len(gather.task_units(task_id))
+        assigned, _ = assign_groups(pending, holders, load, gather.failed_workers)
+        for worker, groups in assigned.items():
+            task_id, attempt = gather.issue(worker, [g.group_id for g in groups], time.monotonic())
+            if attempt >= self.settings.max_attempts:
+                self._cancel_all(gather)
+                raise StepAborted(f"shard groups of task {task_id} failed {attempt} attempts")
+            units = gather.task_units(task_id)
+            eligible[worker].send(self._task_message(gather.step, task_id, attempt, units, spec))
+
+    def _task_message(
+        self, step: int, task_id: str, attempt: int, units: tuple[str, ...], spec: TaskSpec
+    ) -> pb.CoordinatorMessage:
+        return pb.CoordinatorMessage(
+            task=pb.Task(
+                task_id=task_id,
+                attempt=attempt,
+                step=step,
+                model_version=self.model_version,
+                unit_ids=units,
+                clip_norm=spec.clip_norm,
+                engine=pb.EngineOptions(
+                    engine=spec.engine,
+                    probes=spec.probes,
+                    token_budget=spec.token_budget,
+                    unit=spec.unit,
+                    local_steps=spec.local_steps,
+                    local_lr=spec.local_lr,
+                    local_batch_size=spec.local_batch_size,
+                ),
+                selection=pb.Selection(
+                    strategy=spec.selection, group_size=spec.group_size, seq_len=spec.seq_len
+                ),
+                deadline_s=self.settings.task_deadline_s,
+                selection_seed=spec.selection_seed,
+            )
+        )
+
+    def _send_cancel(self, worker_id: str, task_id: str, attempt: int) -> None:
+        session = self.registry.get(worker_id)
+        if session is not None:
+            session.send(
+                pb.CoordinatorMessage(cancel=pb.CancelTask(task_id=task_id, attempt=attempt))
+            )
+
+    def _cancel_all(self, gather: StepGather) -> None:
+        for task_id, attempt, worker, _ in gather.outstanding():
+            self._send_cancel(worker, task_id, attempt)
+
+    # ---- events ---------------------------------------------------------------------------------
+
+    def pump_events(self, timeout: float = 0.0) -> None:
+        """Handle queued events outside a step (joins, acks, resyncs)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                event = (
+                    self.registry.events.get(timeout=max(remaining, 0.0))
+                    if remaining > 0
+                    else self.registry.events.get_nowait()
+                )
+            except queue.Empty:
+                return
+            self._handle(event, None)
+
+    def _await_acks(self, timeout_s: float) -> None:
+        """Let workers that were sent the current model acknowledge it before tasks go out, so
+        the step's work spreads over all of them (bounded by ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            waiting = [
+                s
+                for s in self.registry.sessions()
+                if s.sent_version == self.model_version and s.model_version != self.model_version
+            ]
+            if not waiting:
+                return
+            self.pump_events(0.005)
+
+    def wait_for_workers(self, timeout_s: float | None = None) -> bool:
+        """Wait until every shard has an in-sync holder (or timeout); returns whether it does."""
+        timeout_s = self.settings.wait_for_workers_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        needed = set(self.population.shard_sha256)
+        while True:
+            held = set().union(*[s.shards for s in self._eligible().values()] or [set()])
+            if needed <= held:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            self.pump_events(0.05)
+
+    def _handle(self, event: Event, gather: StepGather | None) -> None:
+        if isinstance(event, ResultReceived):
+            if gather is None:
+                return
+            if event.partial is None:
+                if gather.fail(event.task_id, event.attempt, event.error or "bad result"):
+                    log.warning(
+                        "rejected %s attempt %d from %s: %s",
+                        event.task_id,
+                        event.attempt,
+                        event.session.worker_id,
+                        event.error,
+                    )
+                return
+            verdict = gather.offer(event.partial)
+            if not verdict.accepted:
+                level = logging.WARNING if verdict.reissue else logging.INFO
+                log.log(
+                    level,
+                    "%s %s attempt %d from %s: %s",
+                    "rejected" if verdict.reissue else "discarded",
+                    event.task_id,
+                    event.attempt,
+                    event.session.worker_id,
+                    verdict.reason,
+                )
+        elif isinstance(event, TaskFailedEvent):
+            if gather is not None and gather.fail(event.task_id, event.attempt, event.reason):
+                log.warning(
+                    "task %s attempt %d failed on %s: %s",
+                    event.task_id,
+                    event.attempt,
+                    event.session.worker_id,
+                    event.reason,
+                )
+                if event.reason.startswith("stale model"):
+                    self._resync(event.session, force=True)
+        elif isinstance(event, WorkerLost):
+            self._resyncs.pop(event.session, None)
+            if gather is not None:
+                failed = gather.fail_worker(event.session.worker_id)
+                if failed:
+                    log.warning(
+                        "worker %s lost (%s); re-issuing %s",
+                        event.session.worker_id,
+                        event.reason,
+                        failed,
+                    )
+        elif isinstance(event, WorkerJoined):
+            self._resync(event.session)
+        elif isinstance(event, ModelAcked):
+            if event.rejected:
+                self._resync(event.session, force=True)
+            elif event.model_version == self.model_version:
+                self._resyncs.pop(event.session, None)
+
+    def _resync(self, session: WorkerSession, force: bool = False) -> None:
+        """Send the full model to a worker whose version is not the current one."""
+        if not session.alive or (session.model_version == self.model_version and not force):
+            return
+        if self._resyncs[session] >= MAX_RESYNCS:
+            log.error(
+                "worker %s failed %d resyncs; not sending more", session.worker_id, MAX_RESYNCS
+            )
+            return
+        self._resyncs[session] += 1
+        session.model_version = -1
+        version, messages = self.publisher.full()
+        session.sent_version = version
+        session.send_many(messages)
+        log.info("resyncing worker %s to model version %d", session.worker_id, version)
+
+
+def _report(
+    step: int,
+    version: int,
+    gathered: GatheredSum,
+    shard_groups: int,
+    cohort: Any,
+    times: dict[str, float],
+) -> StepReport:
+    return StepReport(
+        step=step,
+        model_version=version,
+        units=gathered.units,
+        expected_cohort_size=float(getattr(cohort, "expected_size", math.nan)),
+        count=gathered.count,
+        nonfinite=gathered.nonfinite,
+        clipped=gathered.clipped,
+        attempts=gathered.attempts,
+        failed_tasks=gathered.failed_tasks,
+        shard_groups=shard_groups,
+        loss_mean=gathered.loss_sum / gathered.tokens if gathered.tokens else math.nan,
+        seconds=dict(times),
+    )

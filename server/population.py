@@ -1,0 +1,50 @@
+"""What the coordinator knows about the data: user -> shard, shard -> sha256, example counts.
+
+Never rows: the coordinator plans tasks by shard ownership and lets the strategy sample units from
+user ids (and, for example-level strategies, per-user example counts from the shard indexes).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Population:
+    """What the coordinator knows about the data: user -> shard and shard -> sha256, never rows."""
+
+    shard_of_user: Mapping[str, str]
+    shard_sha256: Mapping[str, str]
+    examples_of_user: Mapping[str, int] = field(default_factory=dict)
+
+    @functools.cached_property
+    def users(self) -> tuple[str, ...]:
+        """All user ids, in manifest order (computed once)."""
+        return tuple(self.shard_of_user)
+
+    def shard_of_unit(self, unit_id: str) -> str:
+        """Shard of a unit: a user id, or ``<user id>/<example index>`` for example units."""
+        shard = self.shard_of_user.get(unit_id)
+        if shard is not None:
+            return shard
+        user, sep, _ = unit_id.rpartition("/")
+        if sep and user in self.shard_of_user:
+            return self.shard_of_user[user]
+        raise KeyError(unit_id)
+
+    @classmethod
+    def from_manifest(
+        cls, manifest: Any, examples_of_user: Mapping[str, int] | None = None
+    ) -> Population:
+        """From a parsed shard manifest (``userdp.clients.shard_format.Manifest``: ``shards``
+        with ``name``/``sha256``, ``user_shards`` user -> shard index); ``examples_of_user`` from
+        the shard indexes when example-level strategies need it."""
+        names = [entry.name for entry in manifest.shards]
+        return cls(
+            shard_of_user={u: names[i] for u, i in manifest.user_shards.items()},
+            shard_sha256={entry.name: entry.sha256 for entry in manifest.shards},
+            examples_of_user=dict(examples_of_user or {}),
+        )

@@ -1,0 +1,102 @@
+"""Wire a coordinator from the run's config: security, message limits, deadlines, checkpoints.
+
+:func:`start_coordinator` is what ``userdp coordinator`` (and ``userdp simulate``) call once they
+have the strategy, the ledger, the model tensors and the population: it picks the authentication
+from ``[coordinator]`` (mTLS with ``tls_dir``, else the shared token of ``auth_token_file``, else
+unauthenticated — allowed on a loopback host only), starts the gRPC server, and returns the
+resumed :class:`~userdp.server.coordinator.Coordinator` with its server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from userdp.proto.channels import TlsFiles, read_tls_files, read_token
+from userdp.server.auth import Authorizer
+from userdp.server.coordinator import Coordinator, CoordinatorSettings
+from userdp.server.grpc_server import RunningServer, serve
+from userdp.server.population import Population
+from userdp.server.service import ModelPublisher, WorkerRegistry
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class RunningCoordinator:
+    coordinator: Coordinator
+    server: RunningServer
+
+    def stop(self, finished: bool) -> None:
+        """Stop serving; ``finished`` tells workers to exit, otherwise they wait for a restart."""
+        self.server.stop(grace=5, drain_workers=finished)
+
+
+def authorizer_from_config(
+    coordinator_config: Any, allowed_workers: Iterable[str] | None = None
+) -> tuple[Authorizer, TlsFiles | None]:
+    """mTLS when ``tls_dir`` is set, else the shared token, else loopback-only insecure."""
+    c = coordinator_config
+    if c.tls_dir:
+        return Authorizer.with_mtls(allowed_workers), read_tls_files(c.tls_dir, "coordinator")
+    if c.auth_token_file:
+        return Authorizer.with_token(read_token(c.auth_token_file), allowed_workers), None
+    if c.host not in LOOPBACK_HOSTS:
+        raise ValueError(
+            f"coordinator.host = {c.host!r} is not a loopback address: set coordinator.tls_dir "
+            "(mTLS) or coordinator.auth_token_file (shared token)"
+        )
+    return Authorizer.insecure(), None
+
+
+def start_coordinator(
+    config: Any,
+    *,
+    strategy: Any,
+    ledger: Any,
+    params: dict[str, torch.Tensor],
+    population: Population,
+    checkpoint_dir: str | Path,
+    frozen: Mapping[str, torch.Tensor] | None = None,
+    allowed_workers: Iterable[str] | None = None,
+) -> RunningCoordinator:
+    """Serve ``config.coordinator`` and return the resumed coordinator (see the module docstring)."""
+    authorizer, tls = authorizer_from_config(config.coordinator, allowed_workers)
+    registry, publisher = WorkerRegistry(), ModelPublisher()
+    partial_bytes = sum(t.numel() * t.element_size() for t in params.values())
+    server = serve(
+        registry,
+        publisher,
+        authorizer,
+        population.shard_sha256,
+        host=config.coordinator.host,
+        port=config.coordinator.port,
+        tls=tls,
+        max_message_bytes=config.coordinator.max_message_mb << 20,
+        max_partial_bytes=2 * partial_bytes + (1 << 20),
+    )
+    deadline = config.coordinator.step_deadline_s
+    coordinator = Coordinator(
+        strategy=strategy,
+        ledger=ledger,
+        params=params,
+        frozen=frozen,
+        population=population,
+        registry=registry,
+        publisher=publisher,
+        checkpoint_dir=checkpoint_dir,
+        settings=CoordinatorSettings(
+            step_deadline_s=deadline,
+            task_deadline_s=deadline / 2,
+            checkpoint_every=config.coordinator.checkpoint_every,
+        ),
+    )
+    try:
+        coordinator.resume()
+    except BaseException:
+        server.stop(grace=0)
+        raise
+    return RunningCoordinator(coordinator, server)

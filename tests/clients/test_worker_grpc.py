@@ -1,0 +1,66 @@
+"""The worker's gRPC side: health endpoint (liveness/readiness) and graceful drain."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from userdp.clients.grpc_client import WorkerHealth
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.server.harness import make_loopback  # noqa: E402
+
+ALL = ["shard-00000", "shard-00001", "shard-00002", "shard-00003"]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def _status(port: int, service: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=3).status
+
+
+def _eventually(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_worker_health_reports_liveness_and_readiness(tmp_path):
+    health = WorkerHealth(0, host="127.0.0.1")
+    loop = make_loopback(tmp_path)
+    try:
+        assert _status(health.port, "") == SERVING
+        assert _status(health.port, "userdp.v1.Worker") != SERVING
+        loop.add_worker("w0", ALL, health=health)
+        assert loop.coordinator.wait_for_workers(10)
+        assert _eventually(lambda: _status(health.port, "userdp.v1.Worker") == SERVING)
+        loop.server.stop(grace=0)  # coordinator gone: not ready, but alive
+        assert _eventually(lambda: _status(health.port, "userdp.v1.Worker") != SERVING)
+        assert _status(health.port, "") == SERVING
+    finally:
+        loop.close()
+        health.stop()
+
+
+def test_drain_stops_new_tasks_and_exits(tmp_path):
+    loop = make_loopback(tmp_path)
+    try:
+        leaving = loop.add_worker("a-leaving", ALL)
+        loop.add_worker("b-staying", ALL)
+        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.run(1)
+        leaving.drain(timeout_s=5)
+        loop.threads[0].join(5)
+        assert not loop.threads[0].is_alive()
+        done = leaving.tasks_done
+        loop.coordinator.run(3)
+        assert leaving.tasks_done == done
+    finally:
+        loop.close()

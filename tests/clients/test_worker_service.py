@@ -1,0 +1,163 @@
+"""EngineCompute: a task's unit ids -> the user's selected examples (real ShardStore, real
+select_examples) -> the engine; end to end over gRPC with a Population read from the manifest.
+
+The clipping engine here is a LABELLED TEST DOUBLE (``TokenCountEngine``: each unit contributes a
+constant vector whose norm is min(C, its token count / 100)) because userdp.clients.engine is not
+in this build yet; it exists to check which examples reach the engine, not gradients."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from userdp.clients.grpc_client import Backoff, WorkerClient
+from userdp.clients.selection import select_examples
+from userdp.clients.shard_store import ShardStore
+from userdp.clients.worker_service import EngineCompute, _selection_rng
+from userdp.proto import userdp_v1_pb2 as pb
+from userdp.server.population import Population
+
+from userdp.shard_input import InputSource
+from userdp.shard_writer import ShardOptions, write_shards
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.server.harness import make_loopback  # noqa: E402
+from tests.server.standins import uls_strategy  # noqa: E402
+
+
+@dataclass
+class Unit:
+    unit_id: str
+    examples: list
+
+
+@dataclass
+class Summed:
+    sums: dict
+    count: int
+    nonfinite: int = 0
+    clipped: int = 0
+    norm_min: float = 0.0
+    norm_max: float = 0.0
+    norm_sum: float = 0.0
+    norm_sum_sq: float = 0.0
+    loss_sum: float = 0.0
+    tokens: int = 0
+
+
+def unit_norm(examples, clip_norm):
+    return min(clip_norm, sum(len(e) for e in examples) / 100)
+
+
+class TokenCountEngine:
+    """TEST DOUBLE of the clipping engine (see the module docstring)."""
+
+    def __init__(self):
+        self.module = torch.nn.Linear(3, 2)
+        self.seen: list[Unit] = []
+
+    def clipped_sum(self, units, clip_norm):
+        self.seen.extend(units)
+        sums = {n: torch.zeros_like(p) for n, p in self.module.named_parameters()}
+        total = sum(p.numel() for p in self.module.parameters())
+        for unit in units:
+            for name in sums:
+                sums[name] += unit_norm(unit.examples, clip_norm) / total**0.5
+        tokens = sum(len(e) for u in units for e in u.examples)
+        return Summed(sums=sums, count=len(units), tokens=tokens)
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    users = [f"u{int(rng.integers(30))}" for _ in range(300)]
+    texts = [f"text {i} " + "abc" * int(rng.integers(1, 30)) for i in range(300)]
+    out = tmp_path_factory.mktemp("shards") / "shards"
+    source = InputSource.from_table(pa.table({"user": users, "body": texts}), "user", "body", "t")
+    write_shards(source, out, ShardOptions(progress=False, num_shards=3))
+    return out
+
+
+def _task(units, unit="user", step=3, group_size=2, seq_len=8):
+    return pb.Task(
+        task_id="3.0",
+        step=step,
+        unit_ids=units,
+        clip_norm=1.0,
+        engine=pb.EngineOptions(unit=unit),
+        selection=pb.Selection(strategy="random", group_size=group_size, seq_len=seq_len),
+        selection_seed=11,
+    )
+
+
+def test_units_get_their_selected_examples(shard_dir):
+    store = ShardStore(shard_dir)
+    engine = TokenCountEngine()
+    compute = EngineCompute(store, engine, Unit)
+    user = store.users()[0]
+    compute.compute(_task([user]))
+    compute.compute(_task([user]))
+    first, again = engine.seen
+    expected = select_examples(
+        store.user_examples(user), 2, "random", 8, _selection_rng(11, 3, user)
+    )
+    assert [e.tolist() for e in first.examples] == [e.tolist() for e in expected]
+    assert [e.tolist() for e in again.examples] == [e.tolist() for e in first.examples]
+    assert len(first.examples) <= 2 and all(len(e) <= 8 for e in first.examples)
+    compute.compute(_task([f"{user}/1"], unit="example", seq_len=64))
+    example = engine.seen[-1]
+    assert [e.tolist() for e in example.examples] == [store.user_examples(user)[1][:64].tolist()]
+
+
+def test_apply_model_copies_by_name_and_refuses_unknown(shard_dir):
+    from userdp.proto.tensors import decode_chunks, tensors_chunks
+
+    engine = TokenCountEngine()
+    compute = EngineCompute(ShardStore(shard_dir), engine, Unit)
+    new = {"weight": torch.full((2, 3), 7.0)}
+    compute.apply_model(decode_chunks(tensors_chunks(new)), full=False)
+    assert torch.equal(engine.module.weight.detach(), new["weight"])
+    with pytest.raises(KeyError):
+        compute.apply_model(decode_chunks(tensors_chunks({"nope": torch.zeros(1)})), full=False)
+
+
+def test_end_to_end_over_grpc_with_a_real_manifest(shard_dir, tmp_path):
+    store = ShardStore(shard_dir)
+    counts = store.user_counts()
+    population = Population.from_manifest(
+        store.manifest, {u: c.n_examples for u, c in counts.items()}
+    )
+    engine = TokenCountEngine()
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    loop = make_loopback(tmp_path, population=population, strategy=uls_strategy(q=0.5))
+    loop.coordinator.params.clear()  # the toy model is replaced by the engine's parameters
+    loop.coordinator.params.update(params)
+    from userdp.server.aggregation import template_of
+
+    loop.coordinator.template = template_of(params)
+    loop.coordinator.publisher.publish(loop.coordinator.model_version, params, {})
+    holdings = [(e.name, e.sha256) for e in store.manifest.shards]
+    client = WorkerClient(
+        loop.server.address,
+        "w0",
+        holdings,
+        EngineCompute(store, engine, Unit),
+        backoff=Backoff(0.05, 0.2),
+    )
+    thread = threading.Thread(target=client.run, daemon=True)
+    thread.start()
+    try:
+        assert loop.coordinator.wait_for_workers(10)
+        report = loop.coordinator.run(1)[0]
+    finally:
+        client.stop()
+        loop.close()
+    cohort = uls_strategy(q=0.5).sample_cohort(0, population)
+    assert report.units == len(cohort.unit_ids) == len(engine.seen)
+    assert sorted(u.unit_id for u in engine.seen) == sorted(cohort.unit_ids)

@@ -1,0 +1,122 @@
+"""StepGather: at most one partial per task, the current attempt only, validated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from userdp.server.aggregation import ExactlyOnceViolation, PartialSum, StepGather, TensorSpec
+from userdp.server.planning import ShardGroup, assign_groups, choose_worker, plan_groups
+
+TEMPLATE = {"w": TensorSpec((3,), "float32")}
+
+
+def _gather():
+    groups = [ShardGroup("7/a", 7, "a", ("u1", "u2")), ShardGroup("7/b", 7, "b", ("u3",))]
+    return StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0)
+
+
+def _partial(task_id, attempt, worker, units, value=0.1, **kw):
+    fields = dict(
+        task_id=task_id,
+        attempt=attempt,
+        step=7,
+        model_version=4,
+        worker_id=worker,
+        unit_ids=units,
+        tensors={"w": torch.full((3,), value)},
+        count=len(units),
+    )
+    fields.update(kw)
+    return PartialSum(**fields)
+
+
+def test_duplicates_closed_tasks_and_other_steps_are_discarded():
+    g = _gather()
+    first, attempt = g.issue("w1", ["7/a"], 0.0)
+    assert attempt == 0
+    assert g.fail(first, 0, "timeout")
+    second, attempt = g.issue("w2", ["7/a"], 1.0)
+    assert attempt == 1 and second != first
+    late = g.offer(_partial(first, 0, "w1", ("u1", "u2")))
+    assert not late.accepted and not late.reissue and "closed" in late.reason
+    spoof = g.offer(_partial(second, 1, "w1", ("u1", "u2")))
+    assert not spoof.accepted and "issued to w2" in spoof.reason
+    other_step = g.offer(_partial(second, 1, "w2", ("u1", "u2"), step=6))
+    assert not other_step.accepted and "late result" in other_step.reason
+    assert g.offer(_partial(second, 1, "w2", ("u1", "u2"))).accepted
+    dup = g.offer(_partial(second, 1, "w2", ("u1", "u2")))
+    assert not dup.accepted and "closed" in dup.reason
+    assert not g.complete()
+    third, _ = g.issue("w2", ["7/b"], 2.0)
+    assert g.offer(_partial(third, 0, "w2", ("u3",), value=0.2)).accepted
+    result = g.result()
+    torch.testing.assert_close(result.sums["w"], torch.full((3,), 0.3, dtype=torch.float64))
+    assert result.units == 3 and result.attempts == 3 and result.failed_tasks == 1
+
+
+def test_batched_task_failure_returns_every_group_to_pending():
+    g = _gather()
+    task, _ = g.issue("w1", ["7/a", "7/b"], 0.0)
+    assert g.task_units(task) == ("u1", "u2", "u3")
+    with pytest.raises(ValueError):
+        g.issue("w2", ["7/a"], 0.0)  # already in a live task
+    assert g.fail_worker("w1") == [task]
+    assert [x.group_id for x in g.pending()] == ["7/a", "7/b"]
+    assert g.failed_workers("7/b") == {"w1"}
+    retry, attempt = g.issue("w2", ["7/a", "7/b"], 1.0)
+    assert attempt == 1
+    assert g.offer(_partial(retry, 1, "w2", ("u1", "u2", "u3"))).accepted
+    assert g.complete()
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(unit_ids=("u1",)), "unit ids"),
+        (dict(unit_ids=("u1", "u3")), "unit ids"),
+        (dict(count=1), "count"),
+        (dict(model_version=3), "model version"),
+        (dict(tensors={"w": torch.zeros(4)}), "shape"),
+        (dict(tensors={"w": torch.zeros(3, dtype=torch.float64)}), "dtype"),
+        (dict(tensors={"w": torch.tensor([0.0, float("inf"), 0.0])}), "non-finite"),
+        (dict(tensors={"v": torch.zeros(3)}), "names"),
+        (dict(tensors={"w": torch.full((3,), 2.0)}), "not clipped"),
+    ],
+)
+def test_bad_partials_are_rejected_and_go_back_to_pending(change, reason):
+    g = _gather()
+    task, _ = g.issue("w1", ["7/a"], 0.0)
+    fields = dict(unit_ids=("u1", "u2"))
+    fields.update(change)
+    units = fields.pop("unit_ids")
+    verdict = g.offer(_partial(task, 0, "w1", units, **fields))
+    assert not verdict.accepted and verdict.reissue and reason in verdict.reason
+    assert [x.group_id for x in g.pending()] == ["7/a", "7/b"]
+    assert g.failed_workers("7/a") == {"w1"}
+
+
+def test_incomplete_step_has_no_result_and_planning_overlap_is_refused():
+    g = _gather()
+    with pytest.raises(RuntimeError):
+        g.result()
+    groups = [ShardGroup("1/a", 1, "a", ("u1",)), ShardGroup("1/b", 1, "b", ("u1",))]
+    with pytest.raises(ExactlyOnceViolation):
+        StepGather(1, 0, groups, TEMPLATE, 1.0)
+
+
+def test_planning_groups_by_shard_and_balances_replicas():
+    shard = {"u1": "a", "u2": "b", "u3": "a", "u4": "c"}
+    groups = plan_groups(3, ["u1", "u2", "u3", "u4"], shard.__getitem__)
+    assert [(g.group_id, g.unit_ids) for g in groups] == [
+        ("3/a", ("u1", "u3")),
+        ("3/b", ("u2",)),
+        ("3/c", ("u4",)),
+    ]
+    assigned, orphans = assign_groups(groups, {"w1": {"a", "b"}, "w2": {"b"}})
+    assert {w: [g.group_id for g in gs] for w, gs in assigned.items()} == {
+        "w1": ["3/a"],
+        "w2": ["3/b"],
+    }
+    assert [g.group_id for g in orphans] == ["3/c"]
+    assert choose_worker("b", {"w1": {"b"}, "w2": {"b"}}, {"w1": 5}, exclude=()) == "w2"
+    assert choose_worker("b", {"w1": {"b"}}, {}, exclude={"w1"}) is None

@@ -1,0 +1,87 @@
+"""``userdp coordinator --config F``: serve workers and run the DP training steps of the config.
+
+Reads the shard manifest (user -> shard, shard sha256; never rows), builds the strategy, the
+ledger (``<output.dir>/ledger.jsonl``) and the initial model, resumes from
+``<output.dir>/checkpoints`` when it exists (the ledger decides what was spent), serves the
+``userdp.v1`` protocol on ``coordinator.host:port`` (see :mod:`userdp.server.runtime` for the
+security choice) and runs until ``strategy.steps`` steps are done or the budget is exhausted.
+Interrupted (SIGTERM/Ctrl-C), it saves a checkpoint and leaves the workers waiting for a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+from pathlib import Path
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _run(args: argparse.Namespace) -> int:
+    from userdp.clients.shard_store import ShardStore
+    from userdp.config import load_config
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = load_config(args.config)
+    if config.data.shards is None:
+        raise ValueError("data.shards must name a shard directory for `userdp coordinator`")
+    try:  # the run's components: model, strategy factory and ledger (owned by other modules)
+        from userdp.run_components import build_ledger, build_model_tensors, build_strategy
+    except ModuleNotFoundError as exc:
+        raise ValueError(
+            f"userdp coordinator needs {exc.name} (model, strategy and ledger builders), which "
+            "this build lacks"
+        ) from None
+    from userdp.server.population import Population
+    from userdp.server.runtime import start_coordinator
+
+    with ShardStore(config.data.shards) as store:
+        counts = store.user_counts()
+        manifest = store.manifest
+    population = Population.from_manifest(manifest, {u: c.n_examples for u, c in counts.items()})
+    out = Path(config.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trainable, frozen = build_model_tensors(config, manifest)
+    running = start_coordinator(
+        config,
+        strategy=build_strategy(config, population),
+        ledger=build_ledger(config, out),
+        params=trainable,
+        frozen=frozen,
+        population=population,
+        checkpoint_dir=out / "checkpoints",
+        allowed_workers=[w for w in (args.allow_workers or "").split(",") if w] or None,
+    )
+    coordinator = running.coordinator
+    address = f"{config.coordinator.host}:{running.server.port}"
+    print(json.dumps({"listening": address, "step": coordinator.step}), flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    finished = False
+    try:
+        if not coordinator.wait_for_workers():
+            logging.getLogger("userdp.coordinator").warning(
+                "not every shard has a worker yet; steps wait for them up to the deadline"
+            )
+        coordinator.run(config.strategy.steps)
+        finished = True
+    finally:
+        coordinator.save()
+        running.stop(finished)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "coordinator", help="serve workers and run the DP training steps of a config"
+    )
+    parser.add_argument("--config", required=True, help="the run's TOML config")
+    parser.add_argument(
+        "--allow-workers", help="comma-separated worker ids allowed to register (default: any)"
+    )
+    parser.set_defaults(handler=_run)

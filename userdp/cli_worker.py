@@ -1,0 +1,117 @@
+"""``userdp worker --coordinator HOST:PORT --shards DIR ...``: serve gradient tasks for the shards
+in DIR (all of them, or ``--shard-names``), reconnecting with backoff until drained or stopped.
+
+SIGTERM drains gracefully (no new tasks, finish queued ones, exit 0). A refusal by the coordinator
+(bad token/certificate, unknown worker id, shards that do not match its manifest) exits 3 with the
+coordinator's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+from pathlib import Path
+
+
+def _parse_target(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--coordinator must be HOST:PORT, got {value!r}")
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    from userdp.clients.grpc_client import WorkerClient, WorkerHealth, WorkerRefusedError
+    from userdp.clients.shard_format import file_sha256
+    from userdp.clients.shard_store import ShardStore
+    from userdp.config import Config, load_config
+    from userdp.proto import userdp_v1_pb2 as pb
+    from userdp.proto.channels import read_tls_files, read_token
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    target = _parse_target(args.coordinator)
+    if args.token_file and args.tls_dir:
+        raise ValueError("give either --token-file or --tls-dir, not both")
+    config = load_config(args.config) if args.config else Config()
+    worker_id = args.worker_id or socket.gethostname()
+    shard_dir = Path(args.shards)
+    names = [n for n in (args.shard_names or "").split(",") if n] or None
+    store = ShardStore(shard_dir, shards=names)
+    if args.verify:
+        store.verify()
+    by_name = {entry.name: entry for entry in store.manifest.shards}
+    holdings = [(name, by_name[name].sha256) for name in store.shard_names]
+    token = read_token(args.token_file) if args.token_file else None
+    tls = read_tls_files(args.tls_dir, worker_id) if args.tls_dir else None
+
+    from userdp.clients.worker_service import build_compute
+
+    try:
+        compute = build_compute(config, store)
+    except ModuleNotFoundError as exc:
+        raise ValueError(
+            f"userdp worker needs {exc.name} (the worker's model/engine), which this build lacks"
+        ) from None
+    health = WorkerHealth(args.health_port) if args.health_port is not None else None
+    max_bytes = (args.max_message_mb or config.coordinator.max_message_mb) << 20
+    client = WorkerClient(
+        target,
+        worker_id,
+        holdings,
+        compute,
+        token=token,
+        tls=tls,
+        capabilities=pb.Capabilities(
+            device=config.workers.device,
+            num_devices=1,
+            engines=[config.strategy.engine],
+            max_message_bytes=max_bytes,
+        ),
+        manifest_sha256=file_sha256(shard_dir / "manifest.json"),
+        max_message_bytes=max_bytes,
+        health=health,
+    )
+
+    def on_term(signum, frame):
+        threading.Thread(target=client.drain, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        client.run()
+    except WorkerRefusedError as exc:
+        logging.getLogger("userdp.worker").error("%s", exc)
+        return 3
+    finally:
+        if health is not None:
+            health.stop()
+        store.close()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "worker", help="serve gradient tasks for a coordinator from local shards"
+    )
+    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    parser.add_argument("--shards", required=True, help="shard directory (with manifest.json)")
+    parser.add_argument(
+        "--shard-names", help="comma-separated shards of DIR this worker holds (default: all)"
+    )
+    parser.add_argument("--worker-id", help="worker id (default: the host name); mTLS: cert CN")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument("--token-file", help="file with the shared token")
+    auth.add_argument("--tls-dir", help="directory with ca.pem, <worker-id>.pem/.key")
+    parser.add_argument("--config", help="the run's TOML config (model, engine, device)")
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        help="serve grpc.health.v1 on this port (liveness '', readiness 'userdp.v1.Worker')",
+    )
+    parser.add_argument("--max-message-mb", type=int, help="gRPC message limit (default: config)")
+    parser.add_argument("--verify", action="store_true", help="verify shard hashes at start")
+    parser.set_defaults(handler=_run)
