@@ -15,7 +15,15 @@ from collections.abc import Sequence
 from userdp import __version__
 
 # Modules that add subcommands, in the order ``--help`` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("userdp.cli_config",)
+COMMAND_MODULES: tuple[str, ...] = (
+    "userdp.cli_config",
+    "userdp.cli_shard",
+    "userdp.accounting.cli",
+    "userdp.cli_deploy",
+    "userdp.cli_certs",
+    "userdp.cli_coordinator",
+    "userdp.cli_worker",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

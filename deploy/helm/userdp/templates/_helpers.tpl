@@ -1,0 +1,182 @@
+{{/*
+Names, labels, the in-pod paths, and the userdp TOML config the chart mounts.
+
+The in-pod paths below are a contract with `userdp deploy render` (userdp/cli_deploy.py,
+DEPLOY_PATHS); tests/deploy checks that the two agree and that the rendered container args parse
+with the userdp CLI.
+*/}}
+
+{{- define "userdp.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "userdp.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains (include "userdp.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "userdp.name" .) | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "userdp.coordinatorName" -}}{{ include "userdp.fullname" . }}-coordinator{{- end -}}
+{{- define "userdp.workerName" -}}{{ include "userdp.fullname" . }}-worker{{- end -}}
+
+{{- define "userdp.labels" -}}
+app.kubernetes.io/name: {{ include "userdp.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "userdp.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "userdp.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "userdp.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* In-pod paths (keep in sync with userdp/cli_deploy.py DEPLOY_PATHS). */}}
+{{- define "userdp.path.configDir" -}}/etc/userdp/config{{- end -}}
+{{- define "userdp.path.configFile" -}}/etc/userdp/config/userdp.toml{{- end -}}
+{{- define "userdp.path.tlsDir" -}}/etc/userdp/tls{{- end -}}
+{{- define "userdp.path.tokenDir" -}}/etc/userdp/token{{- end -}}
+{{- define "userdp.path.tokenFile" -}}/etc/userdp/token/token{{- end -}}
+{{- define "userdp.path.dataDir" -}}/data{{- end -}}
+{{- define "userdp.path.shards" -}}/data/shards{{- end -}}
+{{- define "userdp.path.stateDir" -}}/var/lib/userdp{{- end -}}
+{{- define "userdp.path.outputDir" -}}/var/lib/userdp/run{{- end -}}
+{{- define "userdp.path.inputDir" -}}/input{{- end -}}
+
+{{/* The worker ids the coordinator accepts: the StatefulSet's pod names. */}}
+{{- define "userdp.workerIds" -}}
+{{- $ids := list -}}
+{{- range $index := until (int .Values.workers.replicas) -}}
+{{- $ids = append $ids (printf "%s-%d" (include "userdp.workerName" $) $index) -}}
+{{- end -}}
+{{- join "," $ids -}}
+{{- end -}}
+
+{{/*
+Exactly one way to authenticate workers: the coordinator uses mTLS when it has certificates and the
+shared token otherwise, and a worker takes --tls-dir or --token-file, not both.
+*/}}
+{{- define "userdp.checkAuth" -}}
+{{- if and .Values.tls.enabled .Values.authToken.enabled -}}
+{{- fail "tls.enabled and authToken.enabled: choose one (the coordinator uses mTLS when it has certificates; set tls.enabled=false to use the token)" -}}
+{{- end -}}
+{{- if not (or .Values.tls.enabled .Values.authToken.enabled) -}}
+{{- fail "workers must authenticate: keep tls.enabled=true (mTLS, recommended) or set tls.enabled=false and authToken.enabled=true" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "userdp.coordinatorAddress" -}}
+{{- printf "%s:%d" (include "userdp.coordinatorName" .) (int .Values.coordinator.port) -}}
+{{- end -}}
+
+{{- define "userdp.tlsCoordinatorSecret" -}}
+{{- default (printf "%s-tls-coordinator" (include "userdp.fullname" .)) .Values.tls.coordinatorSecret -}}
+{{- end -}}
+{{- define "userdp.tlsWorkersSecret" -}}
+{{- default (printf "%s-tls-workers" (include "userdp.fullname" .)) .Values.tls.workersSecret -}}
+{{- end -}}
+{{- define "userdp.tokenSecret" -}}
+{{- default (printf "%s-token" (include "userdp.fullname" .)) .Values.authToken.existingSecret -}}
+{{- end -}}
+{{- define "userdp.dataClaim" -}}
+{{- default (printf "%s-data" (include "userdp.fullname" .)) .Values.data.persistence.existingClaim -}}
+{{- end -}}
+{{- define "userdp.stateClaim" -}}
+{{- default (printf "%s-state" (include "userdp.fullname" .)) .Values.coordinator.persistence.existingClaim -}}
+{{- end -}}
+
+{{/*
+The effective userdp config: .Values.config with the keys the deployment decides overwritten
+(where shards, certificates, token and outputs are mounted; the port; the worker count and device).
+*/}}
+{{- define "userdp.effectiveConfig" -}}
+{{- $config := deepCopy (default dict .Values.config) -}}
+{{- range $section, $keys := $config -}}
+{{- if not (kindIs "map" $keys) -}}
+{{- fail (printf "config.%s must be a map of keys (a TOML [%s] section), got %v" $section $section $keys) -}}
+{{- end -}}
+{{- end -}}
+{{- $data := default dict (get $config "data") -}}
+{{- $_ := set $data "shards" (include "userdp.path.shards" .) -}}
+{{- $_ := set $config "data" $data -}}
+{{- $coordinator := default dict (get $config "coordinator") -}}
+{{- $_ := set $coordinator "host" "0.0.0.0" -}}
+{{- $_ := set $coordinator "port" (int .Values.coordinator.port) -}}
+{{- if .Values.tls.enabled -}}
+{{- $_ := set $coordinator "tls_dir" (include "userdp.path.tlsDir" .) -}}
+{{- else -}}
+{{- $_ := unset $coordinator "tls_dir" -}}
+{{- end -}}
+{{- if and .Values.authToken.enabled (not .Values.tls.enabled) -}}
+{{- $_ := set $coordinator "auth_token_file" (include "userdp.path.tokenFile" .) -}}
+{{- else -}}
+{{- $_ := unset $coordinator "auth_token_file" -}}
+{{- end -}}
+{{- $_ := set $config "coordinator" $coordinator -}}
+{{- $workers := default dict (get $config "workers") -}}
+{{- $_ := set $workers "count" (int .Values.workers.replicas) -}}
+{{- $_ := set $workers "device" (ternary "cuda" "cpu" (gt (int .Values.workers.gpus) 0)) -}}
+{{- $_ := set $config "workers" $workers -}}
+{{- $output := default dict (get $config "output") -}}
+{{- $_ := set $output "dir" (include "userdp.path.outputDir" .) -}}
+{{- $_ := set $config "output" $output -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/* One TOML scalar. YAML numbers arrive as float64; integral ones are written as integers. */}}
+{{- define "userdp.tomlValue" -}}
+{{- $v := . -}}
+{{- if kindIs "string" $v -}}
+{{- toJson $v -}}
+{{- else if kindIs "bool" $v -}}
+{{- ternary "true" "false" $v -}}
+{{- else if kindIs "float64" $v -}}
+{{- if eq $v (float64 (int64 $v)) -}}{{- int64 $v -}}{{- else -}}{{- $v -}}{{- end -}}
+{{- else if or (kindIs "int" $v) (kindIs "int64" $v) -}}
+{{- $v -}}
+{{- else -}}
+{{- fail (printf "config: a TOML value must be a string, number or boolean, got %v" $v) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The effective config as TOML: one [section] per map, keys sorted; null keys are left out. */}}
+{{- define "userdp.configToml" -}}
+{{- $config := fromYaml (include "userdp.effectiveConfig" .) -}}
+# userdp config rendered by the Helm chart {{ .Chart.Name }}-{{ .Chart.Version }} (release {{ .Release.Name }}).
+# Keys under [data] shards, [coordinator] host/port/tls_dir/auth_token_file, [workers] count/device
+# and [output] dir are set by the chart; edit the chart values, not this file.
+{{- range $section, $keys := $config }}
+
+[{{ $section }}]
+{{- range $key, $value := $keys }}
+{{- if not (kindIs "invalid" $value) }}
+{{ $key }} = {{ include "userdp.tomlValue" $value }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{ end -}}
+
+{{- define "userdp.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+fsGroup: {{ .Values.securityContext.runAsGroup }}
+fsGroupChangePolicy: OnRootMismatch
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "userdp.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: ["ALL"]
+{{- end -}}

@@ -1,0 +1,412 @@
+"""The Helm chart renders (Helm's engine) into objects that pass the Kubernetes schemas, in every
+supported configuration, and has the shape issue 9 asks for: one coordinator that never overlaps
+with another (Recreate) and keeps its ledger on a volume, GPU workers in a StatefulSet, a PDB,
+the shard Job, mTLS material mounted only where it belongs."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from userdp.cli_deploy import DEPLOY_PATHS, chart_fullname
+from userdp.config import parse_config
+
+CHART_DIR = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "userdp"
+
+VARIANTS = {
+    "defaults": {},
+    "cpu-workers": {"workers": {"gpus": 0, "replicas": 3, "antiAffinity": "none"}},
+    "hard-anti-affinity": {"workers": {"antiAffinity": "hard", "gpus": 8}},
+    "token-created": {
+        "tls": {"enabled": False},
+        "authToken": {"enabled": True, "value": "0123456789abcdef0123"},
+    },
+    "token-existing": {
+        "tls": {"enabled": False},
+        "authToken": {"enabled": True, "existingSecret": "my-token"},
+    },
+    "existing-claims": {
+        "coordinator": {"persistence": {"existingClaim": "ledger"}},
+        "data": {"persistence": {"existingClaim": "shards"}},
+    },
+    "no-persistence-no-job": {
+        "coordinator": {"persistence": {"enabled": False}, "pdb": {"enabled": True}},
+        "shardJob": {"enabled": False},
+        "workers": {"pdb": {"enabled": False}},
+    },
+    "real-dataset": {
+        "shardJob": {
+            "demo": False,
+            "input": {"existingClaim": "raw", "path": "chats/train.parquet"},
+            "userColumn": "author",
+            "textColumn": "body",
+            "tokenizer": "bpe:4096",
+            "maxExamplesPerUser": 64,
+            "keepText": True,
+            "datasetName": "chats",
+        }
+    },
+    "scheduling": {
+        "imagePullSecrets": [{"name": "registry"}],
+        "image": {"repository": "registry.example.com/ml/userdp", "tag": "0.1.0-cu128"},
+        "workers": {
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+            ],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "pool", "operator": "In", "values": ["gpu"]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+            "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+        },
+        "coordinator": {"service": {"annotations": {"example.com/team": "privacy"}}},
+    },
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_rendered_object_passes_the_kubernetes_schemas(
+    render_chart, validate_k8s, variant
+) -> None:
+    objects = render_chart(VARIANTS[variant])
+    assert objects, "nothing rendered"
+    for obj in objects:
+        validate_k8s(obj)
+
+
+def test_default_install_has_every_piece(render_chart) -> None:
+    objects = render_chart()
+    assert objects.kinds() == sorted(
+        [
+            "ConfigMap",
+            "Deployment",
+            "Job",
+            "PersistentVolumeClaim",
+            "PersistentVolumeClaim",
+            "PodDisruptionBudget",
+            "Service",
+            "Service",
+            "StatefulSet",
+        ]
+    )
+
+
+def test_one_coordinator_never_two_and_its_ledger_is_on_a_persistent_volume(render_chart) -> None:
+    objects = render_chart()
+    deployment = objects.find("Deployment", "-coordinator")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = objects.pod_spec(deployment)
+    mounts = {m["name"]: m for m in objects.container(deployment, "coordinator")["volumeMounts"]}
+    assert mounts["state"]["mountPath"] == DEPLOY_PATHS["state_dir"]
+    assert not mounts["state"].get("readOnly", False)
+    assert DEPLOY_PATHS["output_dir"].startswith(DEPLOY_PATHS["state_dir"] + "/")
+    (state,) = [v for v in pod["volumes"] if v["name"] == "state"]
+    claim = state["persistentVolumeClaim"]["claimName"]
+    pvc = objects.find("PersistentVolumeClaim", claim)
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert "ReadWriteOnce" in pvc["spec"]["accessModes"]
+    # The config the coordinator reads puts checkpoints and the ledger under that mount.
+    config = _config_of(objects)
+    assert config["output"]["dir"] == DEPLOY_PATHS["output_dir"]
+
+
+def test_existing_state_claim_is_used_and_not_created(render_chart) -> None:
+    objects = render_chart(VARIANTS["existing-claims"])
+    assert "PersistentVolumeClaim" not in objects.kinds()
+    pod = objects.pod_spec(objects.find("Deployment", "-coordinator"))
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    assert claims == {"data": "shards", "state": "ledger"}
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 4])
+def test_workers_request_their_gpus_and_the_config_matches(render_chart, gpus) -> None:
+    objects = render_chart({"workers": {"gpus": gpus, "replicas": 5}})
+    sts = objects.find("StatefulSet", "-worker")
+    assert sts["spec"]["replicas"] == 5
+    resources = objects.container(sts, "worker")["resources"]
+    if gpus:
+        assert resources["requests"]["nvidia.com/gpu"] == gpus
+        assert resources["limits"]["nvidia.com/gpu"] == gpus
+    else:
+        assert "nvidia.com/gpu" not in resources.get("requests", {})
+        assert "nvidia.com/gpu" not in resources.get("limits", {})
+    assert resources["requests"]["memory"] and resources["requests"]["cpu"]
+    config = _config_of(objects)
+    assert config["workers"]["count"] == 5
+    assert config["workers"]["device"] == ("cuda" if gpus else "cpu")
+
+
+def test_workers_have_stable_identity_and_shared_shards(render_chart) -> None:
+    objects = render_chart()
+    sts = objects.find("StatefulSet", "-worker")
+    headless = objects.find("Service", "-worker")
+    assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+    assert headless["spec"]["clusterIP"] == "None"
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    mounts = {m["name"]: m for m in objects.container(sts, "worker")["volumeMounts"]}
+    assert mounts["data"]["mountPath"] == DEPLOY_PATHS["data_dir"]
+    assert mounts["data"]["readOnly"] is True
+    assert mounts["dshm"]["mountPath"] == "/dev/shm"
+    assert DEPLOY_PATHS["shards"].startswith(DEPLOY_PATHS["data_dir"] + "/")
+    # The shard Job writes where the workers read.
+    job = objects.find("Job", "-shard")
+    job_mounts = {m["name"]: m for m in objects.container(job, "shard")["volumeMounts"]}
+    assert job_mounts["data"]["mountPath"] == DEPLOY_PATHS["data_dir"]
+    assert not job_mounts["data"].get("readOnly", False)
+    claim = {
+        o["kind"]: [v for v in objects.pod_spec(o)["volumes"] if v["name"] == "data"][0][
+            "persistentVolumeClaim"
+        ]["claimName"]
+        for o in (sts, job, objects.find("Deployment", "-coordinator"))
+    }
+    assert len(set(claim.values())) == 1, claim
+
+
+@pytest.mark.parametrize(
+    ("mode", "field"),
+    [
+        ("soft", "preferredDuringSchedulingIgnoredDuringExecution"),
+        ("hard", "requiredDuringSchedulingIgnoredDuringExecution"),
+        ("none", None),
+    ],
+)
+def test_worker_anti_affinity_option(render_chart, mode, field) -> None:
+    objects = render_chart({"workers": {"antiAffinity": mode}})
+    sts = objects.find("StatefulSet", "-worker")
+    pod = objects.pod_spec(sts)
+    if field is None:
+        assert "affinity" not in pod
+        return
+    (term,) = pod["affinity"]["podAntiAffinity"][field]
+    term = term.get("podAffinityTerm", term)
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert term["labelSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_disruption_budgets_select_the_right_pods(render_chart) -> None:
+    objects = render_chart({"coordinator": {"pdb": {"enabled": True}}})
+    workers_pdb = objects.find("PodDisruptionBudget", "-worker")
+    sts = objects.find("StatefulSet", "-worker")
+    selector = workers_pdb["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    assert workers_pdb["spec"]["maxUnavailable"] == 1
+    coordinator_pdb = objects.find("PodDisruptionBudget", "-coordinator")
+    deployment = objects.find("Deployment", "-coordinator")
+    selector = coordinator_pdb["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert not selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_coordinator_service_reaches_the_coordinator_port(render_chart) -> None:
+    objects = render_chart({"coordinator": {"port": 7443}})
+    service = objects.find("Service", "-coordinator")
+    deployment = objects.find("Deployment", "-coordinator")
+    assert service["spec"]["selector"].items() <= (
+        deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == 7443
+    (container_port,) = objects.container(deployment, "coordinator")["ports"]
+    assert port["targetPort"] == container_port["name"]
+    assert container_port["containerPort"] == 7443
+    assert _config_of(objects)["coordinator"]["port"] == 7443
+
+
+def test_configmap_holds_a_valid_userdp_config_with_user_keys_passed_through(render_chart) -> None:
+    user = {
+        "strategy": {"name": "els", "steps": 500, "clip_norm": 0.25, "group_size": 4},
+        "privacy": {"epsilon": 4, "delta": 1e-7, "noise_multiplier": None},
+        "model": {"preset": "gpt2-small", "path": 'C:\\models "quoted" ü'},
+        "output": {"plots": False, "seed": 12345678, "dir": "somewhere/else"},
+        "coordinator": {"tls_dir": "certs", "checkpoint_every": 5, "max_message_mb": 128},
+        "workers": {"count": 99, "replicas": 2},
+        "data": {"shards": "/elsewhere", "seq_len": 256},
+    }
+    config = _config_of(render_chart({"config": user, "workers": {"replicas": 3}}))
+    parsed = parse_config(config)  # what `userdp coordinator --config` will accept
+    assert parsed.strategy.name == "els"
+    assert config["strategy"]["steps"] == 500 and isinstance(config["strategy"]["steps"], int)
+    assert config["strategy"]["clip_norm"] == 0.25
+    assert config["privacy"]["delta"] == pytest.approx(1e-7, rel=1e-12)
+    assert "noise_multiplier" not in config["privacy"]
+    assert config["model"]["path"] == 'C:\\models "quoted" ü'
+    assert config["output"] == {"dir": DEPLOY_PATHS["output_dir"], "plots": False, "seed": 12345678}
+    assert config["coordinator"]["checkpoint_every"] == 5
+    assert config["coordinator"]["tls_dir"] == DEPLOY_PATHS["tls_dir"]
+    assert config["coordinator"]["host"] == "0.0.0.0"
+    assert config["workers"] == {"count": 3, "replicas": 2, "device": "cuda"}
+    assert config["data"] == {"shards": DEPLOY_PATHS["shards"], "seq_len": 256}
+
+
+def test_token_mode_mounts_the_token_and_no_certificates(render_chart) -> None:
+    objects = render_chart(VARIANTS["token-created"])
+    config = _config_of(objects)
+    assert "tls_dir" not in config["coordinator"]
+    assert config["coordinator"]["auth_token_file"] == DEPLOY_PATHS["token_file"]
+    secret = objects.find("Secret", "-token")
+    assert set(secret["data"]) == {"token"}
+    for obj, name in (
+        (objects.find("Deployment", "-coordinator"), "coordinator"),
+        (objects.find("StatefulSet", "-worker"), "worker"),
+    ):
+        mounts = {m["mountPath"] for m in objects.container(obj, name)["volumeMounts"]}
+        assert str(Path(DEPLOY_PATHS["token_file"]).parent) in mounts
+        assert DEPLOY_PATHS["tls_dir"] not in mounts
+        volumes = {v["name"]: v for v in objects.pod_spec(obj)["volumes"]}
+        assert volumes["token"]["secret"]["secretName"] == secret["metadata"]["name"]
+    worker_args = objects.container(objects.find("StatefulSet", "-worker"), "worker")["args"]
+    assert "--tls-dir" not in worker_args
+    assert worker_args[worker_args.index("--token-file") + 1] == DEPLOY_PATHS["token_file"]
+
+
+def test_mtls_mode_has_no_token(render_chart) -> None:
+    objects = render_chart()
+    config = _config_of(objects)
+    assert config["coordinator"]["tls_dir"] == DEPLOY_PATHS["tls_dir"]
+    assert "auth_token_file" not in config["coordinator"]
+    assert "Secret" not in objects.kinds()
+    worker_args = objects.container(objects.find("StatefulSet", "-worker"), "worker")["args"]
+    assert "--token-file" not in worker_args
+    assert worker_args[worker_args.index("--tls-dir") + 1] == DEPLOY_PATHS["tls_dir"]
+
+
+def test_only_the_releases_workers_may_register(render_chart) -> None:
+    objects = render_chart({"workers": {"replicas": 3}})
+    args = objects.container(objects.find("Deployment", "-coordinator"), "coordinator")["args"]
+    allowed = args[args.index("--allow-workers") + 1].split(",")
+    name = objects.find("StatefulSet", "-worker")["metadata"]["name"]
+    assert allowed == [f"{name}-{i}" for i in range(3)]
+
+
+def test_each_pod_mounts_only_its_own_tls_material(render_chart) -> None:
+    objects = render_chart()
+    fullname = chart_fullname("demo")
+    deployment = objects.find("Deployment", "-coordinator")
+    (tls,) = [v for v in objects.pod_spec(deployment)["volumes"] if v["name"] == "tls"]
+    assert tls["secret"]["secretName"] == f"{fullname}-tls-coordinator"
+    assert {item["path"] for item in tls["secret"]["items"]} == {
+        "ca.pem",
+        "coordinator.pem",
+        "coordinator.key",
+    }
+    sts = objects.find("StatefulSet", "-worker")
+    pod = objects.pod_spec(sts)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["all-certs"]["secret"]["secretName"] == f"{fullname}-tls-workers"
+    assert volumes["tls"]["emptyDir"]["medium"] == "Memory"
+    worker_mounts = {m["name"] for m in objects.container(sts, "worker")["volumeMounts"]}
+    assert "all-certs" not in worker_mounts and "tls" in worker_mounts
+    (select,) = [c for c in pod["initContainers"] if c["name"] == "select-certificate"]
+    script = select["command"][-1]
+    assert '"$POD_NAME.pem" "$POD_NAME.key"' in script and DEPLOY_PATHS["tls_dir"] in script
+
+
+def test_pods_run_as_the_image_user_without_privileges(render_chart) -> None:
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    objects = render_chart()
+    for obj in objects:
+        if obj["kind"] not in {"Deployment", "StatefulSet", "Job"}:
+            continue
+        pod = objects.pod_spec(obj)
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == values["securityContext"]["runAsUser"]
+        assert pod["automountServiceAccountToken"] is False
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_config_changes_restart_the_pods(render_chart) -> None:
+    def checksums(values):
+        objects = render_chart(values)
+        return {
+            kind: objects.find(kind, suffix)["spec"]["template"]["metadata"]["annotations"][
+                "checksum/config"
+            ]
+            for kind, suffix in (("Deployment", "-coordinator"), ("StatefulSet", "-worker"))
+        }
+
+    before = checksums({})
+    after = checksums({"config": {"strategy": {"steps": 7}}})
+    assert before["Deployment"] != after["Deployment"]
+    assert before["StatefulSet"] != after["StatefulSet"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        # values.schema.json (Helm checks it before rendering)
+        ({"worker": {"replicas": 3}}, "additional properties 'worker' not allowed"),
+        ({"workers": {"antiAffinity": "sometimes"}}, "value must be one of 'none', 'soft', 'hard'"),
+        ({"workers": {"gpus": -1}}, "/workers/gpus"),
+        ({"config": {"strategy": 3}}, "/config/strategy"),
+        ({"config": {"strategy": {"steps": [1, 2]}}}, "/config/strategy/steps"),
+        # the templates' own checks
+        ({"shardJob": {"demo": False}}, "shardJob: set shardJob.demo=true"),
+        (
+            {"tls": {"enabled": False}, "authToken": {"enabled": True, "value": "short"}},
+            "at least 16 characters",
+        ),
+        (
+            {
+                "tls": {"enabled": False},
+                "authToken": {"enabled": True, "value": "x" * 20, "existingSecret": "t"},
+            },
+            "not both",
+        ),
+        ({"authToken": {"enabled": True}}, "tls.enabled and authToken.enabled: choose one"),
+        ({"tls": {"enabled": False}}, "workers must authenticate"),
+    ],
+)
+def test_bad_values_fail_the_render_with_a_message(render_chart, values, message) -> None:
+    from helm_python import HelmError
+
+    with pytest.raises(HelmError, match=re.escape(message)):
+        render_chart(values)
+
+
+def test_helm_lint_reports_no_errors(render_chart) -> None:
+    import helm_python
+
+    report = helm_python.lint(str(CHART_DIR))
+    assert report["errors"] == []
+    errors = [m for m in report["messages"] if m["severity"] >= 3]
+    assert errors == []
+
+
+def test_every_top_level_value_is_documented() -> None:
+    lines = (CHART_DIR / "values.yaml").read_text().splitlines()
+    for index, line in enumerate(lines):
+        if line and not line.startswith((" ", "#")) and ":" in line:
+            key = line.split(":")[0]
+            block = [ln for ln in lines[max(0, index - 3) : index] if ln.startswith("#")]
+            children = [ln for ln in lines[index + 1 : index + 4] if ln.strip().startswith("#")]
+            assert block or children, f"values.yaml: top-level key {key!r} has no comment"
+
+
+def _config_of(objects) -> dict:
+    configmap = objects.find("ConfigMap", "-config")
+    (text,) = configmap["data"].values()
+    assert Path(DEPLOY_PATHS["config_file"]).name in configmap["data"]
+    return tomllib.loads(text)

@@ -1,0 +1,268 @@
+"""``userdp deploy render | secrets | probe`` against the real chart, real dev-CA certificates and
+the real coordinator and worker health endpoints (gRPC on loopback, with and without mTLS)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from userdp.cli import main
+from userdp.cli_deploy import (
+    CHART_MANAGED_KEYS,
+    DEPLOY_PATHS,
+    chart_fullname,
+    effective_config,
+    probe,
+    render_values,
+    secret_manifests,
+    worker_ids,
+)
+from userdp.config import ConfigError
+
+RUN_TOML = """
+[strategy]
+name = "uls"
+steps = 50
+clip_norm = 0.5
+sampling_prob = 0.02
+
+[privacy]
+epsilon = 4.0
+delta = 1e-6
+
+[model]
+preset = "gpt2-small"
+
+[coordinator]
+port = 7000
+tls_dir = "certs"
+auth_token_file = "token.txt"
+checkpoint_every = 5
+
+[workers]
+count = 4
+device = "cuda"
+replicas = 2
+
+[output]
+dir = "runs/x"
+seed = 3
+"""
+
+
+@pytest.fixture
+def run_toml(tmp_path: Path) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(RUN_TOML)
+    return path
+
+
+def test_render_moves_deployment_keys_to_chart_values(run_toml: Path) -> None:
+    values, notes = render_values(run_toml, image="registry.local:5000/ml/userdp:0.1.0-cu128")
+    assert values["image"] == {"repository": "registry.local:5000/ml/userdp", "tag": "0.1.0-cu128"}
+    assert values["coordinator"] == {"port": 7000}
+    assert values["workers"] == {"replicas": 4, "gpus": 1}
+    assert values["tls"] == {"enabled": True}  # tls_dir and a token file: mTLS wins
+    assert values["authToken"] == {"enabled": False}
+    config = values["config"]
+    assert config["strategy"] == {
+        "name": "uls",
+        "steps": 50,
+        "clip_norm": 0.5,
+        "sampling_prob": 0.02,
+    }
+    assert config["coordinator"] == {"checkpoint_every": 5}
+    assert config["workers"] == {"replicas": 2}
+    assert config["output"] == {"seed": 3}
+    for section, keys in config.items():
+        for key in keys:
+            assert (section, key) not in CHART_MANAGED_KEYS
+    moved = {note.split(" = ")[0] for note in notes if " is set by the chart" in note}
+    assert moved == {
+        "coordinator.port",
+        "coordinator.tls_dir",
+        "coordinator.auth_token_file",
+        "workers.count",
+        "workers.device",
+        "output.dir",
+    }
+
+
+@pytest.mark.parametrize(
+    ("image", "expected"),
+    [
+        ("userdp", {"repository": "userdp", "tag": ""}),
+        ("localhost:5000/userdp", {"repository": "localhost:5000/userdp", "tag": ""}),
+        ("ghcr.io/org/userdp:v1", {"repository": "ghcr.io/org/userdp", "tag": "v1"}),
+    ],
+)
+def test_render_splits_image_names(run_toml: Path, image: str, expected: dict) -> None:
+    values, _ = render_values(run_toml, image=image)
+    assert values["image"] == expected
+
+
+def test_render_cli_writes_values_and_rejects_bad_configs(tmp_path: Path, run_toml: Path) -> None:
+    out = tmp_path / "values.yaml"
+    assert main(["deploy", "render", "--config", str(run_toml), "--values", str(out)]) == 0
+    values = yaml.safe_load(out.read_text())
+    assert values["workers"]["replicas"] == 4
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[privacy]\ndelta = 1.5\n")
+    with pytest.raises(ConfigError, match="privacy.delta"):
+        render_values(bad)
+    assert main(["deploy", "render", "--config", str(bad), "--values", str(out)]) == 2
+    assert main(["deploy", "render", "--config", str(run_toml), "--values", "-", "--gpus", "-1"])
+
+
+def test_render_picks_token_auth_when_the_config_has_only_a_token(tmp_path: Path) -> None:
+    path = tmp_path / "token.toml"
+    path.write_text('[coordinator]\nauth_token_file = "t.txt"\n')
+    values, _ = render_values(path)
+    assert values["tls"] == {"enabled": False} and values["authToken"] == {"enabled": True}
+    values, _ = render_values(path, auth="mtls")
+    assert values["tls"] == {"enabled": True} and values["authToken"] == {"enabled": False}
+    assert effective_config(values)["coordinator"]["tls_dir"] == DEPLOY_PATHS["tls_dir"]
+
+
+def test_rendered_values_round_trip_through_the_chart(render_chart, validate_k8s, run_toml) -> None:
+    values, _ = render_values(run_toml)
+    objects = render_chart(values)
+    for obj in objects:
+        validate_k8s(obj)
+    (text,) = objects.find("ConfigMap", "-config")["data"].values()
+    rendered = tomllib.loads(text)
+    # The Python mirror of the chart's overrides and the chart agree exactly.
+    assert rendered == effective_config(values)
+    # Every key of the user's file survives, except the ones the chart owns.
+    original = tomllib.loads(RUN_TOML)
+    for section, keys in original.items():
+        for key, value in keys.items():
+            if (section, key) not in CHART_MANAGED_KEYS:
+                assert rendered[section][key] == value, f"{section}.{key}"
+    assert rendered["coordinator"]["port"] == 7000
+    assert rendered["coordinator"]["tls_dir"] == DEPLOY_PATHS["tls_dir"]
+    assert "auth_token_file" not in rendered["coordinator"]
+    assert rendered["workers"]["count"] == 4
+    token_values, _ = render_values(run_toml, auth="token")
+    (text,) = render_chart(token_values).find("ConfigMap", "-config")["data"].values()
+    assert tomllib.loads(text) == effective_config(token_values)
+
+
+def test_chart_fullname_matches_the_chart(render_chart) -> None:
+    for release in ("demo", "my-userdp", "userdp"):
+        objects = render_chart({}, release=release)
+        sts = objects.find("StatefulSet", "-worker")
+        assert sts["metadata"]["name"] == f"{chart_fullname(release)}-worker"
+        assert worker_ids(release, 2) == [f"{sts['metadata']['name']}-{i}" for i in range(2)]
+
+
+def test_secrets_hold_exactly_what_the_pods_mount(
+    tmp_path: Path, render_chart, validate_k8s
+) -> None:
+    from userdp.server.certs import make_dev_ca
+
+    certs = tmp_path / "certs"
+    make_dev_ca(certs, ["coordinator", *worker_ids("demo", 3)], days=2)
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef-token\n")
+    out = tmp_path / "secrets.yaml"
+    argv = ["deploy", "secrets", "--tls-dir", str(certs), "--token-file", str(token)]
+    argv += ["--release", "demo", "--workers", "3", "--namespace", "ml", "--out", str(out)]
+    assert main(argv) == 0
+    assert os.stat(out).st_mode & 0o777 == 0o600
+    secrets = {s["metadata"]["name"]: s for s in yaml.safe_load_all(out.read_text())}
+    for secret in secrets.values():
+        validate_k8s(secret)
+        assert secret["metadata"]["namespace"] == "ml"
+    token_mode = render_chart({"tls": {"enabled": False}, "authToken": {"enabled": True}})
+    deployment = token_mode.find("Deployment", "-coordinator")
+    volumes = {v["name"]: v for v in token_mode.pod_spec(deployment)["volumes"]}
+    token_secret = secrets[volumes["token"]["secret"]["secretName"]]
+    assert {i["key"] for i in volumes["token"]["secret"]["items"]} == set(token_secret["data"])
+    objects = render_chart()
+    deployment = objects.find("Deployment", "-coordinator")
+    volumes = {v["name"]: v for v in objects.pod_spec(deployment)["volumes"]}
+    coordinator_secret = secrets[volumes["tls"]["secret"]["secretName"]]
+    assert {i["key"] for i in volumes["tls"]["secret"]["items"]} == set(coordinator_secret["data"])
+    sts = objects.find("StatefulSet", "-worker")
+    volumes = {v["name"]: v for v in objects.pod_spec(sts)["volumes"]}
+    workers_secret = secrets[volumes["all-certs"]["secret"]["secretName"]]
+    pods = [f"{sts['metadata']['name']}-{i}" for i in range(3)]
+    expected = {"ca.pem"} | {f"{p}.pem" for p in pods} | {f"{p}.key" for p in pods}
+    assert set(workers_secret["data"]) == expected
+    assert "coordinator.key" not in workers_secret["data"]
+
+
+def test_secrets_refuse_a_missing_worker_certificate(tmp_path: Path) -> None:
+    from userdp.server.certs import make_dev_ca
+
+    make_dev_ca(tmp_path, ["coordinator", *worker_ids("demo", 2)], days=2)
+    with pytest.raises(ValueError, match="demo-userdp-worker-2.pem"):
+        secret_manifests(tmp_path, "demo", 3)
+    with pytest.raises(ValueError, match="nothing to write"):
+        secret_manifests(None, "demo", 3)
+
+
+def test_probe_reads_the_worker_health_endpoint() -> None:
+    from userdp.clients.grpc_client import WorkerHealth
+    from userdp.proto.channels import WORKER_HEALTH_SERVICE
+
+    health = WorkerHealth(port=0, host="127.0.0.1")
+    try:
+        address = f"127.0.0.1:{health.port}"
+        assert probe(address, "") == (True, "SERVING")
+        assert probe(address, WORKER_HEALTH_SERVICE) == (False, "NOT_SERVING")
+        assert main(["deploy", "probe", "--address", address, "--service", ""]) == 0
+        argv = ["deploy", "probe", "--address", address, "--service", WORKER_HEALTH_SERVICE]
+        assert main(argv) == 1
+        health.set_ready(True)
+        assert main(argv) == 0
+    finally:
+        health.stop()
+    ok, why = probe(address, "", timeout_s=0.5)
+    assert not ok and why.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
+
+
+def test_probe_passes_the_coordinators_mtls_with_its_own_certificate(tmp_path: Path) -> None:
+    from userdp.proto.channels import SERVICE_NAME, read_tls_files
+    from userdp.server.auth import Authorizer
+    from userdp.server.certs import make_dev_ca
+    from userdp.server.grpc_server import serve
+    from userdp.server.service import ModelPublisher, WorkerRegistry
+
+    make_dev_ca(tmp_path / "tls", ["coordinator", "worker-0"], days=2)
+    other = tmp_path / "other"
+    make_dev_ca(other, ["coordinator"], days=2)  # a different CA
+    server = serve(
+        WorkerRegistry(),
+        ModelPublisher(1 << 20),
+        Authorizer.with_mtls(),
+        {},
+        host="127.0.0.1",
+        port=0,
+        tls=read_tls_files(tmp_path / "tls", "coordinator"),
+    )
+    try:
+        tls = str(tmp_path / "tls")
+        address = f"127.0.0.1:{server.port}"
+        # Exactly the chart's exec probe, with the pod's paths replaced by the test's.
+        argv = ["deploy", "probe", "--address", address, "--service", SERVICE_NAME]
+        assert main([*argv, "--tls-dir", tls, "--cert-name", "coordinator"]) == 0
+        assert probe(address, SERVICE_NAME, tls_dir=tls, cert_name="coordinator")[0]
+        # Plain text (what a kubelet gRPC probe does) and a foreign CA are refused.
+        assert not probe(address, SERVICE_NAME, timeout_s=2)[0]
+        assert not probe(address, SERVICE_NAME, tls_dir=str(other), timeout_s=2)[0]
+    finally:
+        server.stop()
+
+
+def test_probe_without_an_address_has_nothing_to_check(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("USERDP_HEALTH_ADDRESS", raising=False)
+    assert main(["deploy", "probe"]) == 0
+    assert "nothing to check" in capsys.readouterr().out
+    monkeypatch.setenv("USERDP_HEALTH_ADDRESS", "127.0.0.1:1")
+    assert main(["deploy", "probe", "--timeout", "0.5"]) == 1
