@@ -219,15 +219,21 @@ class Coordinator:
     def _ledger_steps(self) -> list[int]:
         return [int(record["step"]) for record in self.ledger.records]
 
-    def run(self, steps: int) -> list[StepReport]:
+    def run(
+        self, steps: int, on_step: Callable[[StepReport], None] | None = None
+    ) -> list[StepReport]:
         """Run until ``steps`` steps are done (counting from step 0, so a resumed run continues),
         or until the ledger's budget would be exceeded: then it stops BEFORE that step (nothing of
-        it is released or charged) and sets :attr:`budget_exhausted`."""
+        it is released or charged) and sets :attr:`budget_exhausted`. ``on_step(report)`` runs
+        after every released step (metrics, progress)."""
         retries = 0
         while self.step < steps:
             try:
-                self.reports.append(self.run_step())
+                report = self.run_step()
+                self.reports.append(report)
                 retries = 0
+                if on_step is not None:
+                    on_step(report)
             except BudgetExceededError as exc:
                 log.warning("stopping before step %d: %s", self.step, exc)
                 self.budget_exhausted = True
@@ -264,7 +270,7 @@ class Coordinator:
 
         self._phase("sample", step, times, started)
         cohort = self.strategy.sample_cohort(step, self.population)
-        spec: TaskSpec = self.strategy.configure_task(step, cohort)
+        spec: TaskSpec = self.strategy.task_for(step, cohort)
 
         self._phase("plan", step, times, started)
         groups = plan_groups(step, list(cohort.unit_ids), self.population.shard_of_unit)
@@ -389,30 +395,10 @@ class Coordinator:
     def _task_message(
         self, step: int, task_id: str, attempt: int, units: tuple[str, ...], spec: TaskSpec
     ) -> pb.CoordinatorMessage:
-        return pb.CoordinatorMessage(
-            task=pb.Task(
-                task_id=task_id,
-                attempt=attempt,
-                step=step,
-                model_version=self.model_version,
-                unit_ids=units,
-                clip_norm=spec.clip_norm,
-                engine=pb.EngineOptions(
-                    engine=spec.engine,
-                    probes=spec.probes,
-                    token_budget=spec.token_budget,
-                    unit=spec.unit,
-                    local_steps=spec.local_steps,
-                    local_lr=spec.local_lr,
-                    local_batch_size=spec.local_batch_size,
-                ),
-                selection=pb.Selection(
-                    strategy=spec.selection, group_size=spec.group_size, seq_len=spec.seq_len
-                ),
-                deadline_s=self.settings.task_deadline_s,
-                selection_seed=spec.selection_seed,
-            )
+        task = task_proto(
+            spec, step, task_id, attempt, self.model_version, units, self.settings.task_deadline_s
         )
+        return pb.CoordinatorMessage(task=task)
 
     def _send_cancel(self, worker_id: str, task_id: str, attempt: int) -> None:
         session = self.registry.get(worker_id)
@@ -540,6 +526,42 @@ class Coordinator:
         session.sent_version = version
         session.send_many(messages)
         log.info("resyncing worker %s to model version %d", session.worker_id, version)
+
+
+def task_proto(
+    spec: TaskSpec,
+    step: int,
+    task_id: str,
+    attempt: int,
+    model_version: int,
+    units: tuple[str, ...] | list[str],
+    deadline_s: float,
+) -> pb.Task:
+    """The wire Task for ``units`` of a step: the one conversion of a :class:`TaskSpec`, shared
+    by the coordinator and the in-process simulator so both run the workers' code on the same
+    input."""
+    return pb.Task(
+        task_id=task_id,
+        attempt=attempt,
+        step=step,
+        model_version=model_version,
+        unit_ids=list(units),
+        clip_norm=spec.clip_norm,
+        engine=pb.EngineOptions(
+            engine=spec.engine,
+            probes=spec.probes,
+            token_budget=spec.token_budget,
+            unit=spec.unit,
+            local_steps=spec.local_steps,
+            local_lr=spec.local_lr,
+            local_batch_size=spec.local_batch_size,
+        ),
+        selection=pb.Selection(
+            strategy=spec.selection, group_size=spec.group_size, seq_len=spec.seq_len
+        ),
+        deadline_s=deadline_s,
+        selection_seed=spec.selection_seed,
+    )
 
 
 def _report(

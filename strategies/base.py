@@ -12,7 +12,8 @@ the hooks in this order, once per step::
 
     mechanism()                          # checked against the budget before any work
     sample_cohort(step, population)  -> Cohort        (unit ids; never rows)
-    configure_task(step, cohort)     -> TaskSpec      (what every worker task carries)
+    configure_task(step, cohort)     -> TaskSpec      (what every worker task carries; callers
+                                                       use task_for, which adds run options)
     ... workers return partial sums of CLIPPED unit updates ...
     aggregate(partials)              -> summed tensors   (only when the caller does not sum itself)
     add_noise(step, summed, stats)   -> noisy sum        (fresh noise, never replayable)
@@ -35,7 +36,7 @@ import math
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -163,6 +164,11 @@ class Cohort:
 
     def __len__(self) -> int:
         return len(self.unit_ids)
+
+
+EXACT_ENGINES = ("loop", "vectorized", "ghost")
+"""Engines that compute every unit's exact norm: interchangeable without changing the mechanism."""
+EXECUTION_OPTIONS = ("engine", "token_budget", "selection", "seq_len")
 
 
 @dataclass(frozen=True)
@@ -322,6 +328,34 @@ class Strategy(ABC):
         """What every task of this step tells its worker. Default: clip to ``clip_norm``, this
         strategy's unit and group size, one gradient per unit."""
         return TaskSpec(clip_norm=self.clip_norm, unit=self.unit, group_size=self.group_size)
+
+    def set_execution_options(self, **options: Any) -> None:
+        """Run-level options of every task that do not change the mechanism: ``engine`` (an
+        EXACT engine, ``"loop"`` or ``"vectorized"``), ``token_budget``, ``selection``,
+        ``seq_len``. Callers use :meth:`task_for`, which applies them."""
+        unknown = set(options) - set(EXECUTION_OPTIONS)
+        if unknown:
+            raise StrategyError(
+                f"not execution options: {sorted(unknown)}; allowed: {list(EXECUTION_OPTIONS)}"
+            )
+        engine = options.get("engine")
+        if engine is not None and engine not in EXACT_ENGINES:
+            raise StrategyError(
+                f"engine={engine!r} changes the mechanism (estimated norms need their own "
+                "accountant): use the randomized-clipping strategy instead of a run option"
+            )
+        self._execution_options = dict(options)
+
+    def task_for(self, step: int, cohort: Cohort) -> TaskSpec:
+        """:meth:`configure_task` with the run's execution options applied: what callers send.
+
+        The engine option replaces only an exact engine; a strategy that chose a randomized
+        engine keeps it, since its accountant depends on it."""
+        spec = self.configure_task(step, cohort)
+        options = dict(getattr(self, "_execution_options", {}))
+        if spec.engine not in EXACT_ENGINES:
+            options.pop("engine", None)
+        return replace(spec, **options) if options else spec
 
     # ---- combining and privatizing --------------------------------------------------------------
 

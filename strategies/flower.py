@@ -141,7 +141,7 @@ class UserDpFlowerStrategy(FlowerStrategy):
         if hasattr(self.ledger, "check_budget"):
             self.ledger.check_budget(mechanism)
         cohort = self.strategy.sample_cohort(self.step, self.population)
-        task = self.strategy.configure_task(self.step, cohort)
+        task = self.strategy.task_for(self.step, cohort)
         by_node: dict[int, list[str]] = {}
         for unit in cohort.unit_ids:
             by_node.setdefault(self.node_of_user[_user_of(unit, cohort.unit)], []).append(unit)

@@ -50,7 +50,7 @@ def run_step(
     if ledger is not None and hasattr(ledger, "check_budget"):
         ledger.check_budget(mechanism)
     cohort: Cohort = strategy.sample_cohort(step, population)
-    task = strategy.configure_task(step, cohort)
+    task = strategy.task_for(step, cohort)
     units = list(cohort.unit_ids)
     shares = [units[i::workers] for i in range(workers)]
     partials, stats = [], []

@@ -106,6 +106,8 @@ class StrategyConfig(_Section):
     momentum: Annotated[float, _interval(0.0, 1.0, lo_open=False)] = 0.9
     local_steps: PositiveInt = 1
     """DP-FedAvg only: local optimizer steps per user before the model delta is clipped."""
+    local_lr: Positive = 0.1
+    """DP-FedAvg only: learning rate of the users' local SGD steps."""
 
 
 class PrivacyConfig(_Section):
