@@ -76,7 +76,17 @@ class EngineCompute:
         return units
 
     def compute(self, task: pb.Task) -> ComputedPartial:
-        result = self.engine.clipped_sum(self._units(task), task.clip_norm)
+        options = task.engine
+        result = self.engine.clipped_sum(
+            self._units(task),
+            task.clip_norm,
+            engine=options.engine or None,
+            probes=options.probes if options.engine == "randomized" else None,
+            token_budget=options.token_budget or None,
+            local_steps=options.local_steps,
+            local_lr=options.local_lr,
+            local_batch_size=options.local_batch_size,
+        )
         return ComputedPartial(
             sums=result.sums,
             count=result.count,

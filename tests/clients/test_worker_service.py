@@ -61,9 +61,11 @@ class TokenCountEngine:
     def __init__(self):
         self.module = torch.nn.Linear(3, 2)
         self.seen: list[Unit] = []
+        self.options: list[dict] = []
 
-    def clipped_sum(self, units, clip_norm):
+    def clipped_sum(self, units, clip_norm, **options):
         self.seen.extend(units)
+        self.options.append(options)
         sums = {n: torch.zeros_like(p) for n, p in self.module.named_parameters()}
         total = sum(p.numel() for p in self.module.parameters())
         for unit in units:

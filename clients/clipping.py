@@ -1,0 +1,192 @@
+"""Clipping arithmetic shared by every engine, and the ``loop`` reference engine.
+
+One definition of the clip factor and one accumulator, so the engines cannot drift:
+
+    c_u = min(1, C / ‖g_u‖)   (exact engines)      c_u = min(1, C / √n̂_u)   (randomized)
+
+The sum returned is Σ_u c_u·g_u over the finite units, with no normalization and no noise (the
+coordinator's). A unit whose loss or squared gradient norm is not finite (NaN/Inf, including a
+float overflow of ‖g‖²) contributes exactly zero and is counted in ``nonfinite``.
+
+``loop``: one forward/backward per unit with ``torch.autograd.grad`` into our own float32 buffers
+(never ``.grad``, so no DeepSpeed reduction hook ever sees an unclipped gradient). A unit larger
+than the token budget is split into example chunks whose gradients are accumulated; the unit's
+loss weights make the sum over chunks exactly the unit's gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from userdp.clients.batching import (
+    PreparedUnit,
+    chunk_examples,
+    make_batch,
+    token_losses,
+)
+
+
+@dataclass
+class ClippedSum:
+    """A task's plain sum of clipped unit gradients and its statistics.
+
+    sums: parameter name -> CPU float32 tensor, trainable parameters only.
+    count: finite units (including units without usable examples, norm 0); nonfinite: units that
+        contributed zero because their loss or gradient was NaN/Inf; count + nonfinite = units.
+    clipped: finite units whose (exact or estimated) norm exceeded C.
+    norm_*: over the finite units, of the norm used for clipping (‖g‖, or √n̂ when randomized).
+    loss_sum / tokens: summed next-token cross-entropy and predicted tokens of the finite units.
+    skipped_examples: examples dropped for having fewer than 2 tokens.
+    """
+
+    sums: dict[str, torch.Tensor]
+    count: int = 0
+    nonfinite: int = 0
+    clipped: int = 0
+    norm_min: float = 0.0
+    norm_max: float = 0.0
+    norm_sum: float = 0.0
+    norm_sum_sq: float = 0.0
+    loss_sum: float = 0.0
+    tokens: int = 0
+    skipped_examples: int = 0
+
+
+def clip_factor(norm: float, clip_norm: float) -> float:
+    """min(1, C / norm); 1 for a zero gradient."""
+    return 1.0 if norm <= clip_norm else clip_norm / norm
+
+
+@dataclass
+class Accumulator:
+    """Running Σ c_u·g_u (float32, on the compute device) and the unit statistics."""
+
+    params: dict[str, torch.Tensor]
+    clip_norm: float
+    sums: dict[str, torch.Tensor] = field(init=False)
+    count: int = 0
+    nonfinite: int = 0
+    clipped: int = 0
+    norm_min: float = math.inf
+    norm_max: float = 0.0
+    norm_sum: float = 0.0
+    norm_sum_sq: float = 0.0
+    loss_sum: float = 0.0
+    tokens: int = 0
+    skipped_examples: int = 0
+
+    def __post_init__(self) -> None:
+        self.sums = {
+            name: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            for name, p in self.params.items()
+        }
+
+    def record(self, norm: float, loss_sum: float, tokens: int) -> float | None:
+        """Count one unit; return its clip factor, or None (contributes zero) if not finite."""
+        if not (math.isfinite(norm) and math.isfinite(loss_sum)):
+            self.nonfinite += 1
+            return None
+        self.count += 1
+        self.clipped += norm > self.clip_norm
+        self.norm_min = min(self.norm_min, norm)
+        self.norm_max = max(self.norm_max, norm)
+        self.norm_sum += norm
+        self.norm_sum_sq += norm * norm
+        self.loss_sum += loss_sum
+        self.tokens += tokens
+        return clip_factor(norm, self.clip_norm)
+
+    def add(self, name: str, value: torch.Tensor, scale: float = 1.0) -> None:
+        self.sums[name].add_(value.to(torch.float32), alpha=scale)
+
+    def result(self) -> ClippedSum:
+        return ClippedSum(
+            sums={name: s.detach().to("cpu", torch.float32) for name, s in self.sums.items()},
+            count=self.count,
+            nonfinite=self.nonfinite,
+            clipped=self.clipped,
+            norm_min=self.norm_min if self.count else 0.0,
+            norm_max=self.norm_max,
+            norm_sum=self.norm_sum,
+            norm_sum_sq=self.norm_sum_sq,
+            loss_sum=self.loss_sum,
+            tokens=self.tokens,
+            skipped_examples=self.skipped_examples,
+        )
+
+
+def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """Σ ‖t‖² in float64 (inf on overflow, NaN if any entry is NaN)."""
+    total = 0.0
+    for t in tensors:
+        total += float(t.double().pow(2).sum())
+    return total
+
+
+def unit_gradient(
+    module: torch.nn.Module,
+    params: dict[str, torch.Tensor],
+    prepared: Sequence[PreparedUnit],
+    index: int,
+    token_budget: int,
+    pad_id: int,
+) -> tuple[dict[str, torch.Tensor], float, int]:
+    """One unit's gradient (float32, by parameter name), its summed token loss and its tokens.
+
+    The unit's examples are processed in chunks of padded cost ≤ ``token_budget``."""
+    device = next(iter(params.values())).device
+    names, tensors = list(params), list(params.values())
+    grads = {n: torch.zeros(p.shape, dtype=torch.float32, device=device) for n, p in params.items()}
+    loss_sum, tokens = 0.0, 0
+    unit = prepared[index]
+    for chunk in chunk_examples(unit.examples, token_budget):
+        batch = make_batch(prepared, [index], device, pad_id, example_indices=chunk)
+        losses = token_losses(module, batch)
+        weighted = (losses * batch.weights).sum()
+        parts = torch.autograd.grad(weighted, tensors, allow_unused=True)
+        for name, part in zip(names, parts, strict=True):
+            if part is not None:
+                grads[name].add_(part.to(torch.float32))
+        loss_sum += float(losses.detach().double().sum())
+        tokens += int(batch.mask.sum())
+    return grads, loss_sum, tokens
+
+
+def loop_clipped_sum(
+    module: torch.nn.Module,
+    params: dict[str, torch.Tensor],
+    prepared: Sequence[PreparedUnit],
+    indices: Sequence[int],
+    acc: Accumulator,
+    token_budget: int,
+    pad_id: int,
+) -> None:
+    """The reference engine: per unit, exact gradient, exact norm, clip, add."""
+    for index in indices:
+        if not prepared[index].examples:
+            acc.record(0.0, 0.0, 0)
+            continue
+        grads, loss_sum, tokens = unit_gradient(
+            module, params, prepared, index, token_budget, pad_id
+        )
+        add_clipped_unit(acc, grads, loss_sum, tokens)
+
+
+def add_clipped_unit(
+    acc: Accumulator,
+    grads: dict[str, torch.Tensor],
+    loss_sum: float,
+    tokens: int,
+    norm: float | None = None,
+) -> None:
+    """Clip one materialized unit gradient by ``norm`` (default: its exact norm) and add it."""
+    if norm is None:
+        norm = math.sqrt(squared_norm(list(grads.values())))
+    factor = acc.record(norm, loss_sum, tokens)
+    if factor is None:
+        return
+    for name, grad in grads.items():
+        acc.add(name, grad, factor)

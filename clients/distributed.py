@@ -1,0 +1,138 @@
+"""DeepSpeed around the worker's model, and the cross-rank reduction of clipped sums.
+
+Decision (DESIGN.md "Known design risks", docs/worker.md): DeepSpeed wraps the model for device
+placement, process-group setup (gloo on CPU, NCCL on GPU), bf16 and ZeRO stage 0–2 partitioning,
+but per-unit gradients are computed with ``torch.autograd.grad`` on ``engine.module`` into our own
+buffers. ``autograd.grad`` never runs the AccumulateGrad nodes on which ZeRO-1/2 hang their
+bucketing/reduction hooks, so no unclipped unit gradient is ever reduced across ranks. Inside one
+worker the ranks split the UNITS (a unit is never split) and :func:`all_reduce_result` sums the
+clipped partial sums and statistics. ZeRO-1/2 require an optimizer: a torch SGD with lr 0 is
+passed and never stepped (the coordinator owns the update; the worker only copies parameters).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+from userdp.clients.batching import EngineError
+from userdp.clients.clipping import ClippedSum
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _default_env() -> None:
+    """Single-process defaults for torch.distributed's env:// rendezvous (never overrides)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+
+
+def deepspeed_config(zero_stage: int, bf16: bool) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 62,
+    }
+
+
+def wrap_with_deepspeed(module: torch.nn.Module, zero_stage: int, bf16: bool) -> Any:
+    """``deepspeed.initialize`` around ``module``; returns the DeepSpeedEngine.
+
+    On CPU DeepSpeed JIT-compiles its shared-memory comm op on first use, into
+    ``$TORCH_EXTENSIONS_DIR`` (scripts/env.sh; deploy/warm_deepspeed_ops.py warms it in images)."""
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        _default_env()
+    optimizer = None
+    if zero_stage > 0:
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trainable, lr=0.0)
+    try:
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=deepspeed_config(zero_stage, bf16)
+        )
+    except AssertionError as exc:  # DeepSpeed reports configuration problems as assertions
+        raise EngineError(f"deepspeed.initialize refused the worker model: {exc}") from exc
+    return engine
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def split_units(costs: list[int], world_size: int) -> list[list[int]]:
+    """Deterministic balanced split of unit indices across ranks (largest cost first to the
+    least-loaded rank); every rank computes the same split from the same unit list."""
+    loads = [0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shares[rank].append(index)
+        loads[rank] += costs[index]
+    return [sorted(share) for share in shares]
+
+
+def all_reduce_result(result: ClippedSum, device: torch.device) -> ClippedSum:
+    """Sum the ranks' clipped partial sums and statistics (min/max for the norm extremes)."""
+    dist = torch.distributed
+    names = sorted(result.sums)
+    flat = torch.cat([result.sums[n].reshape(-1) for n in names]).to(device)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    stats = torch.tensor(
+        [
+            result.count,
+            result.nonfinite,
+            result.clipped,
+            result.norm_sum,
+            result.norm_sum_sq,
+            result.loss_sum,
+            result.tokens,
+            result.skipped_examples,
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    big = torch.finfo(torch.float64).max
+    lo = torch.tensor([result.norm_min if result.count else big], dtype=torch.float64)
+    hi = torch.tensor([result.norm_max], dtype=torch.float64)
+    lo, hi = lo.to(device), hi.to(device)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    flat = flat.cpu()
+    sums, offset = {}, 0
+    for name in names:
+        size = result.sums[name].numel()
+        sums[name] = flat[offset : offset + size].view_as(result.sums[name]).clone()
+        offset += size
+    count, nonfinite, clipped, norm_sum, norm_sum_sq, loss_sum, tokens, skipped = stats.tolist()
+    return ClippedSum(
+        sums=sums,
+        count=int(count),
+        nonfinite=int(nonfinite),
+        clipped=int(clipped),
+        norm_min=float(lo) if count else 0.0,
+        norm_max=float(hi),
+        norm_sum=norm_sum,
+        norm_sum_sq=norm_sum_sq,
+        loss_sum=loss_sum,
+        tokens=int(tokens),
+        skipped_examples=int(skipped),
+    )

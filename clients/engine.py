@@ -1,0 +1,198 @@
+"""The worker's compute engine: the SUM of per-unit clipped gradients of a task's units.
+
+    sums = Σ_u c_u·g_u,   g_u = ∇ (1/n_u) Σ_{e∈u} mean_t CE_e,t,   c_u = min(1, C/‖g_u‖)
+
+over ALL trainable parameters jointly (notes/000.md Alg. 1/2: a user's gradient is the mean of its
+examples' unclipped gradients, clipped once; an example-level unit has one example). No
+normalization and no noise: those are the coordinator's. Loss layout, padding and the token
+budget are in :mod:`userdp.clients.batching`; clipping arithmetic in
+:mod:`userdp.clients.clipping`.
+
+Three clipping engines behind :meth:`ClippingEngine.clipped_sum` (docs/worker.md):
+
+- ``loop``: one forward/backward per unit (reference, always correct).
+- ``vectorized``: many units per micro-batch; exact per-unit norms from per-layer factors
+  captured by hooks, then the clipped sum by book-keeping (:mod:`userdp.clients.ghost`).
+- ``randomized``: the same pass with Hutchinson norm ESTIMATES from fresh Gaussian probes
+  (DP-SGD-RC, notes/001.md; :mod:`userdp.clients.sketch`); only for the randomized-clipping
+  strategy, whose accountant covers the estimate.
+
+:func:`build_engine` builds the model of the config (:func:`userdp.clients.model.build_model`)
+and wraps it with DeepSpeed (:mod:`userdp.clients.distributed`). Inside one worker with
+torch.distributed initialized (world size > 1), ``clipped_sum`` is a collective: every rank must
+call it with the same units; ranks split the units and all-reduce the clipped sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from userdp.clients.batching import EngineError, Unit, prepare_units
+from userdp.clients.clipping import Accumulator, ClippedSum, loop_clipped_sum
+from userdp.clients.distributed import all_reduce_result, split_units, world
+
+__all__ = [
+    "ENGINES",
+    "ClippedSum",
+    "ClippingEngine",
+    "EngineError",
+    "Unit",
+    "build_engine",
+]
+
+ENGINES = ("loop", "vectorized", "randomized")
+_ALIASES = {"ghost": "vectorized"}
+
+
+class ClippingEngine:
+    """Sums of clipped unit gradients on ``module`` (see the module docstring).
+
+    module: the torch model (for DeepSpeed, the engine's ``.module``); its trainable
+        ``named_parameters()`` (tied parameters once) are the keys of ``sums``.
+    engine: default clipping engine; a task may name another one per call.
+    probes: default Hutchinson probes k for ``randomized``.
+    token_budget: default padded tokens per micro-batch.
+    pad_id: token id written into padded positions (never a target).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        engine: str = "vectorized",
+        probes: int = 32,
+        token_budget: int = 8192,
+        pad_id: int = 0,
+        deepspeed_engine: Any = None,
+    ) -> None:
+        self.module = module
+        self.engine = self._engine_name(engine)
+        self.probes = int(probes)
+        self.token_budget = int(token_budget)
+        self.pad_id = int(pad_id)
+        self.deepspeed_engine = deepspeed_engine
+        self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise EngineError("the model has no trainable parameters")
+        self.device = next(iter(self.params.values())).device
+        config = getattr(module, "config", None)
+        self.max_positions = getattr(config, "n_positions", None) or getattr(
+            config, "max_position_embeddings", None
+        )
+
+    @staticmethod
+    def _engine_name(name: str) -> str:
+        name = _ALIASES.get(name, name)
+        if name not in ENGINES:
+            raise EngineError(f"engine {name!r} is not one of {ENGINES} (or 'ghost')")
+        return name
+
+    def trainable_parameters(self) -> dict[str, torch.Tensor]:
+        return dict(self.params)
+
+    def clipped_sum(
+        self,
+        units: Sequence[Unit],
+        clip_norm: float,
+        *,
+        engine: str | None = None,
+        probes: int | None = None,
+        token_budget: int | None = None,
+        local_steps: int = 0,
+        local_lr: float = 0.0,
+        local_batch_size: int = 0,
+        probe_seed: int | None = None,
+    ) -> ClippedSum:
+        """Σ_u clip(g_u, C) over ``units`` and its statistics (:class:`ClippedSum`).
+
+        engine/probes/token_budget: per-task overrides (None or 0/"" = the engine's defaults).
+        local_steps ≥ 1: DP-FedAvg, not implemented by this engine (raises EngineError).
+        probe_seed: TESTS ONLY — seeds the randomized engine's probes; production draws them from
+            an ``os.urandom``-seeded generator on every call."""
+        if not (clip_norm > 0 and clip_norm < float("inf")):
+            raise EngineError(f"clip_norm must be a positive finite number, got {clip_norm!r}")
+        if local_steps:
+            raise EngineError(
+                f"local_steps={local_steps}: DP-FedAvg local training is not implemented by the "
+                "worker engine; use a strategy with one gradient per unit (local_steps = 0)"
+            )
+        name = self._engine_name(engine) if engine else self.engine
+        budget = int(token_budget) if token_budget else self.token_budget
+        k = self.probes if probes is None else int(probes)
+        prepared = prepare_units(units, self.max_positions)
+        rank, world_size = world()
+        mine = list(range(len(prepared)))
+        if world_size > 1:
+            costs = [max(1, u.positions) for u in prepared]
+            mine = split_units(costs, world_size)[rank]
+        acc = Accumulator(self.params, float(clip_norm))
+        acc.skipped_examples = sum(prepared[i].skipped for i in mine)
+        if name == "loop":
+            loop_clipped_sum(self.module, self.params, prepared, mine, acc, budget, self.pad_id)
+        elif name == "vectorized":  # interim: exact, via the reference loop (next commit)
+            loop_clipped_sum(self.module, self.params, prepared, mine, acc, budget, self.pad_id)
+        else:
+            from userdp.clients.ghost import vectorized_clipped_sum
+
+            vectorized_clipped_sum(
+                self.module,
+                self.params,
+                prepared,
+                mine,
+                acc,
+                budget,
+                self.pad_id,
+                probes=k if name == "randomized" else None,
+                probe_seed=probe_seed,
+            )
+        result = acc.result()
+        if world_size > 1:
+            result = all_reduce_result(result, self.device)
+        return result
+
+
+def build_engine(
+    config: Any,
+    manifest: Any,
+    *,
+    seed: int | None = None,
+    use_deepspeed: bool = True,
+) -> ClippingEngine:
+    """The worker's engine for a validated :class:`userdp.config.Config` and shard manifest.
+
+    Builds the model (``model`` section; ``data.seq_len`` context), wraps it with DeepSpeed (ZeRO
+    ``model.zero_stage``, bf16 when ``model.dtype = "bf16"``) unless ``use_deepspeed`` is False
+    (in-process tests and tools), and takes the engine, probes and token budget from
+    ``strategy.engine``, ``strategy.probes`` and ``workers.token_budget``. Its initial weights
+    are replaced by the coordinator's broadcast; ``seed`` (default ``output.seed``, else 0) only
+    makes research runs reproducible."""
+    from userdp.clients.model import build_model, model_shape
+
+    shape = model_shape(manifest, config.data.seq_len)
+    if seed is None:
+        seed = config.output.seed if config.output.seed is not None else 0
+    device = torch.device(config.workers.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError("workers.device = 'cuda' but no CUDA device is visible; use 'cpu'")
+    module = build_model(config.model, shape, seed)
+    ds_engine = None
+    if use_deepspeed:
+        from userdp.clients.distributed import wrap_with_deepspeed
+
+        ds_engine = wrap_with_deepspeed(
+            module, config.model.zero_stage, config.model.dtype == "bf16"
+        )
+        module = ds_engine.module
+    else:
+        module = module.to(device)
+    pad_id = shape.pad_id if shape.pad_id is not None else 0
+    return ClippingEngine(
+        module,
+        engine=config.strategy.engine,
+        probes=config.strategy.probes,
+        token_budget=config.workers.token_budget,
+        pad_id=pad_id,
+        deepspeed_engine=ds_engine,
+    )
