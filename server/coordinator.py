@@ -126,6 +126,7 @@ class StepReport:
     failed_tasks: int
     shard_groups: int
     loss_mean: float
+    tokens: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -584,5 +585,6 @@ def _report(
         failed_tasks=gathered.failed_tasks,
         shard_groups=shard_groups,
         loss_mean=gathered.loss_sum / gathered.tokens if gathered.tokens else math.nan,
+        tokens=gathered.tokens,
         seconds=dict(times),
     )

@@ -62,8 +62,11 @@ def start_coordinator(
     checkpoint_dir: str | Path,
     frozen: Mapping[str, torch.Tensor] | None = None,
     allowed_workers: Iterable[str] | None = None,
+    test_only_disable_noise: bool = False,
 ) -> RunningCoordinator:
-    """Serve ``config.coordinator`` and return the resumed coordinator (see the module docstring)."""
+    """Serve ``config.coordinator`` and return the resumed coordinator (see the module docstring).
+
+    ``test_only_disable_noise``: see :class:`~userdp.server.coordinator.Coordinator`."""
     authorizer, tls = authorizer_from_config(config.coordinator, allowed_workers)
     registry, publisher = WorkerRegistry(), ModelPublisher()
     partial_bytes = sum(t.numel() * t.element_size() for t in params.values())
@@ -93,6 +96,7 @@ def start_coordinator(
             task_deadline_s=deadline / 2,
             checkpoint_every=config.coordinator.checkpoint_every,
         ),
+        test_only_disable_noise=test_only_disable_noise,
     )
     try:
         coordinator.resume()

@@ -43,8 +43,12 @@ def run_step(
     *,
     ledger: Any = None,
     workers: int = 2,
+    test_only_disable_noise: bool = False,
 ) -> StepRecord:
-    """One step; ``params`` is updated in place. ``ledger`` needs ``append(step, mechanism)``."""
+    """One step; ``params`` is updated in place. ``ledger`` needs ``append(step, mechanism)``.
+
+    ``test_only_disable_noise`` skips the noise (NOT PRIVATE) so tests can compare with the
+    coordinator's noiseless mode; no config key or CLI flag reaches it."""
     population = as_population(population)
     mechanism = strategy.mechanism()
     if ledger is not None and hasattr(ledger, "check_budget"):
@@ -64,7 +68,7 @@ def run_step(
         stats.append(stat)
     summed = strategy.aggregate(partials)
     total = ClipStatistics(sum(s.units for s in stats), sum(s.clipped for s in stats))
-    noisy = strategy.add_noise(step, summed, total)
+    noisy = summed if test_only_disable_noise else strategy.add_noise(step, summed, total)
     if ledger is not None:
         ledger.append(step, mechanism)  # before anything derived from `noisy` is released
     strategy.server_update(params, noisy, cohort)

@@ -18,6 +18,7 @@ from userdp import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "userdp.cli_config",
     "userdp.cli_shard",
+    "userdp.cli_simulate",
     "userdp.accounting.cli",
     "userdp.cli_deploy",
     "userdp.cli_certs",

@@ -1,7 +1,8 @@
 """``userdp coordinator --config F``: serve workers and run the DP training steps of the config.
 
-Reads the shard manifest (user -> shard, shard sha256; never rows), builds the strategy, the
-ledger (``<output.dir>/ledger.jsonl``) and the initial model, resumes from
+Reads the shard manifest (user -> shard, shard sha256; never rows), holds out the evaluation
+users, builds the strategy (σ calibrated to the target when not given), the ledger
+(``<output.dir>/ledger.jsonl``) and the initial model (:func:`userdp.run_components.prepare_run`), resumes from
 ``<output.dir>/checkpoints`` when it exists (the ledger decides what was spent), serves the
 ``userdp.v1`` protocol on ``coordinator.host:port`` (see :mod:`userdp.server.runtime` for the
 security choice) and runs until ``strategy.steps`` steps are done or the budget is exhausted.
@@ -22,7 +23,6 @@ def _interrupt(signum, frame):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from userdp.clients.shard_store import ShardStore
     from userdp.config import load_config
 
     logging.basicConfig(
@@ -31,30 +31,19 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if config.data.shards is None:
         raise ValueError("data.shards must name a shard directory for `userdp coordinator`")
-    try:  # the run's components: model, strategy factory and ledger (owned by other modules)
-        from userdp.run_components import build_ledger, build_model_tensors, build_strategy
-    except ModuleNotFoundError as exc:
-        raise ValueError(
-            f"userdp coordinator needs {exc.name} (model, strategy and ledger builders), which "
-            "this build lacks"
-        ) from None
-    from userdp.server.population import Population
+    from userdp.run_components import open_ledger, prepare_run
     from userdp.server.runtime import start_coordinator
 
-    with ShardStore(config.data.shards) as store:
-        counts = store.user_counts()
-        manifest = store.manifest
-    population = Population.from_manifest(manifest, {u: c.n_examples for u, c in counts.items()})
+    setup = prepare_run(config)  # user split, population, sigma calibrated to the target
     out = Path(config.output.dir)
     out.mkdir(parents=True, exist_ok=True)
-    trainable, frozen = build_model_tensors(config, manifest)
     running = start_coordinator(
         config,
-        strategy=build_strategy(config, population),
-        ledger=build_ledger(config, out),
-        params=trainable,
-        frozen=frozen,
-        population=population,
+        strategy=setup.strategy,
+        ledger=open_ledger(setup, out),
+        params=setup.trainable,
+        frozen=setup.frozen,
+        population=setup.population,
         checkpoint_dir=out / "checkpoints",
         allowed_workers=[w for w in (args.allow_workers or "").split(",") if w] or None,
     )

@@ -1,0 +1,197 @@
+"""``userdp simulate`` end to end: real coordinator, real gRPC, real worker processes with the
+DeepSpeed engine, ledger, report, plots, model — on a CI-sized demo corpus."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from userdp import cli
+from userdp.config import load_config, parse_config
+from userdp.run_components import prepare_run, split_users
+from userdp.run_outputs import config_toml, read_metrics
+from userdp.simulation import _worker_assignments, run
+
+REPORT_KEYS = {
+    "epsilon",
+    "delta",
+    "mechanism",
+    "unit",
+    "sampling",
+    "noise_multiplier",
+    "steps",
+    "expected_cohort_size",
+    "clip_norm",
+    "accounting_matches_sampling",
+    "caveats",
+    "evaluation",
+}
+
+
+def small_config(tmp_path: Path, **strategy):
+    return parse_config(
+        {
+            "data": {"demo_users": 40, "seq_len": 32, "eval_fraction": 0.1},
+            "model": {"preset": "gpt2-tiny"},
+            "strategy": {
+                "steps": 3,
+                "sampling_prob": 0.25,
+                "group_size": 2,
+                "engine": "loop",
+                "server_optimizer": "sgd",
+                "server_lr": 0.5,
+                **strategy,
+            },
+            "privacy": {"epsilon": 20.0},
+            "workers": {"count": 2},
+            "coordinator": {"step_deadline_s": 120.0},
+            "output": {"dir": str(tmp_path / "run"), "seed": 0},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def grpc_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sim")
+    config = small_config(tmp)
+    return config, run(config, mode="grpc", quiet=True)
+
+
+def test_grpc_run_writes_the_whole_run_folder(grpc_run) -> None:
+    config, result = grpc_run
+    out = result.run_dir
+    assert result.stopped == "finished" and result.steps_done == 3
+    for name in ("config.toml", "ledger.jsonl", "metrics.jsonl", "privacy_report.md"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert REPORT_KEYS <= set(report)
+    assert report["steps"] == 3 and report["unit"] == "user"
+    assert report["accounting_matches_sampling"] is True
+    assert report["epsilon"] <= config.privacy.epsilon  # σ was calibrated to the target
+    assert report["evaluation"]["baseline_eval_loss"] > 0
+    for plot in ("loss.png", "epsilon.png", "clip_fraction.png"):
+        assert (out / "plots" / plot).read_bytes()[:4] == b"\x89PNG"
+    weights = load_file(out / "model" / "model.safetensors")
+    assert torch.equal(
+        weights["transformer.h.0.attn.c_attn.weight"],
+        result.params["transformer.h.0.attn.c_attn.weight"],
+    )
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(r["loss"] > 0 and 0 <= r["clip_fraction"] <= 1 for r in steps if r["cohort_size"])
+    # the run's config as written is a valid config that names the resolved shards and σ
+    again = load_config(out / "config.toml")
+    assert again.privacy.noise_multiplier == pytest.approx(result.noise_multiplier)
+    assert Path(again.data.shards, "manifest.json").is_file()
+
+
+def test_ledger_epsilon_equals_userdp_account(grpc_run, capsys) -> None:
+    config, result = grpc_run
+    argv = [
+        "account",
+        "epsilon",
+        "--mechanism",
+        "uls",
+        "--noise-multiplier",
+        repr(result.noise_multiplier),
+        "--steps",
+        "3",
+        "--sampling-prob",
+        repr(config.strategy.sampling_prob),
+        "--delta",
+        repr(result.delta),
+        "--json",
+    ]
+    assert cli.main(argv) == 0
+    accounted = json.loads(capsys.readouterr().out)["epsilon"]
+    report = json.loads((result.run_dir / "privacy_report.json").read_text())
+    assert report["epsilon"] == pytest.approx(accounted, rel=1e-9)
+    assert result.epsilon == pytest.approx(accounted, rel=1e-9)
+
+
+def test_report_command_rerenders_from_the_folder(grpc_run, capsys) -> None:
+    _, result = grpc_run
+    out = result.run_dir
+    before = json.loads((out / "privacy_report.json").read_text())
+    (out / "privacy_report.json").unlink()
+    (out / "plots" / "loss.png").unlink()
+    assert cli.main(["report", str(out)]) == 0
+    after = json.loads((out / "privacy_report.json").read_text())
+    assert after["epsilon"] == before["epsilon"]
+    assert after["evaluation"] == before["evaluation"]
+    assert (out / "plots" / "loss.png").is_file()
+    assert json.loads(capsys.readouterr().out)["steps"] == 3
+
+
+def test_grpc_and_in_process_give_identical_updates_without_noise(tmp_path) -> None:
+    config = small_config(tmp_path, steps=2)
+    a = run(config, tmp_path / "grpc", mode="grpc", quiet=True, test_only_disable_noise=True)
+    b = run(config, tmp_path / "local", mode="in-process", quiet=True, test_only_disable_noise=True)
+    assert a.steps_done == b.steps_done == 2
+    initial = prepare_run(config).trainable
+    for name, value in a.params.items():
+        torch.testing.assert_close(value, b.params[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(value, initial[name]), f"{name} did not move"
+
+
+def test_a_run_over_its_budget_stops_before_the_step_that_would_exceed_it(tmp_path) -> None:
+    config = small_config(tmp_path, steps=50)
+    config = config.model_copy(
+        update={
+            "privacy": config.privacy.model_copy(update={"epsilon": 2.0, "noise_multiplier": 1.0})
+        }
+    )
+    result = run(config, mode="in-process", quiet=True)
+    assert result.stopped == "budget"
+    assert 0 < result.steps_done < 50
+    assert result.epsilon <= 2.0
+    report = json.loads((result.run_dir / "privacy_report.json").read_text())
+    assert report["steps"] == result.steps_done and report["epsilon"] <= 2.0
+
+
+def test_split_users_is_stable_disjoint_and_sized() -> None:
+    users = [f"user-{i:05d}" for i in range(2000)]
+    train, held = split_users(users, 0.1)
+    assert set(train).isdisjoint(held) and set(train) | set(held) == set(users)
+    assert 150 < len(held) < 250
+    assert set(split_users(list(reversed(users)), 0.1)[1]) == set(held)  # by user, not position
+    assert split_users(users[:2], 0.01)[1]  # at least one held-out user
+    assert split_users(users, 0.0) == (users, [])
+
+
+def test_config_toml_round_trips() -> None:
+    config = parse_config(
+        {"strategy": {"name": "els", "group_size": 16}, "privacy": {"delta": 1e-6}}
+    )
+    assert parse_config(__import__("tomllib").loads(config_toml(config))) == config
+
+
+def test_worker_assignment_spreads_replicas() -> None:
+    held = _worker_assignments(["s0", "s1", "s2", "s3"], 3, 2)
+    assert sorted(sum(held, [])) == sorted(["s0", "s1", "s2", "s3"] * 2)
+    assert all(len(set(h)) == len(h) for h in held)
+    with pytest.raises(ValueError, match="replicas"):
+        _worker_assignments(["s0"], 1, 2)
+    with pytest.raises(ValueError, match="workers.count"):
+        _worker_assignments(["s0"], 3, 1)
+
+
+def test_cli_rejects_config_and_demo_together(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "userdp.cli", "simulate", "--demo", "--config", "x.toml"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "not both" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "userdp.cli", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "not a run folder" in proc.stderr

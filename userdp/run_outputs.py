@@ -1,0 +1,246 @@
+"""What a run leaves in its folder, and how ``userdp report`` re-renders it.
+
+::
+
+    RUN_DIR/
+      config.toml            the config as run (data.shards resolved, σ as calibrated)
+      ledger.jsonl           fsync'd privacy ledger (the source of truth for ε)
+      metrics.jsonl          one JSON object per step (+ "eval" rows)
+      privacy_report.json    ε(δ) recomputed from the ledger, mechanism, assumptions, caveats,
+      privacy_report.md        and the held-out evaluation
+      plots/*.png            loss (train, held-out, no-fine-tuning baseline), ε by step, clip fraction
+      model/                 safetensors weights + config.json (transformers format)
+      checkpoints/           resumable coordinator state
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+REPORT_SAMPLING = {
+    "poisson": "poisson",
+    "balls-in-bins-fixed": "balls-in-bins-fixed",
+    "balls-in-bins-epoch": "balls-in-bins-per-epoch",
+    "padding": "padding",
+    "shuffle": "shuffle",
+}
+EVAL_CAVEAT = (
+    "Evaluation losses are computed on held-out users and published without noise: those users "
+    "are not covered by ε (they never contribute to training)."
+)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# ---- config.toml -------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string for everything json escapes
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def config_toml(config: Any) -> str:
+    """The config as TOML (keys with value None are left out: None means 'the default')."""
+    lines: list[str] = []
+    for section, values in config.model_dump().items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(v)}" for key, v in values.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_config(config: Any, run_dir: Path) -> Path:
+    path = run_dir / "config.toml"
+    _atomic_write_text(path, config_toml(config))
+    return path
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl`` (a resumed run appends to it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()
+        }
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(clean, sort_keys=True) + "\n")
+            f.flush()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{number} is not JSON (a truncated write?)") from None
+    return rows
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def write_facts(strategy_facts: Any, run_dir: Path) -> None:
+    """The strategy's own caveats, kept so ``userdp report`` can re-render without the run."""
+    _atomic_write_text(run_dir / "strategy_facts.json", json.dumps(strategy_facts.to_dict()))
+
+
+def render_report(run_dir: Path, config: Any, delta: float) -> dict:
+    """Recompute the privacy report from ``ledger.jsonl`` and add the held-out evaluation from
+    ``metrics.jsonl``; write ``privacy_report.{json,md}``. Returns the report dict."""
+    from userdp.accounting.report import build_report
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if r.get("kind") == "step"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    facts_path = run_dir / "strategy_facts.json"
+    facts = json.loads(facts_path.read_text()) if facts_path.is_file() else {}
+    caveats = list(facts.get("caveats", [])) + [EVAL_CAVEAT]
+    expected = steps[-1]["expected_cohort_size"] if steps else None
+    report = build_report(
+        run_dir / "ledger.jsonl",
+        delta,
+        unit="user",
+        sampling=REPORT_SAMPLING[config.strategy.sampling],
+        clip_norm=config.strategy.clip_norm,
+        expected_cohort_size=expected,
+        curve_points=10,
+        extra_caveats=tuple(caveats),
+    )
+    data = report.to_dict()
+    baseline = next((r for r in evals if r["step"] == 0), None)
+    final = evals[-1] if evals else None
+    data["evaluation"] = {
+        "held_out_users": final.get("users") if final else None,
+        "baseline_eval_loss": baseline["eval_loss"] if baseline else None,
+        "final_eval_loss": final["eval_loss"] if final else None,
+        "final_step": final["step"] if final else None,
+        "strategy": config.strategy.name,
+    }
+    data["target_epsilon"] = config.privacy.epsilon
+    markdown = report.to_markdown()
+    if final:
+        markdown += (
+            "\n## Held-out evaluation (user-level split)\n\n| | eval loss |\n|---|---|\n"
+            f"| no fine-tuning (step 0) | {_fmt(data['evaluation']['baseline_eval_loss'])} |\n"
+            f"| after step {final['step']} | {_fmt(final['eval_loss'])} |\n"
+        )
+    _atomic_write_text(run_dir / "privacy_report.json", json.dumps(data, indent=2, sort_keys=True))
+    _atomic_write_text(run_dir / "privacy_report.md", markdown)
+    return data
+
+
+def _fmt(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+# ---- plots -------------------------------------------------------------------------------------
+
+
+def render_plots(run_dir: Path) -> list[Path]:
+    """PNG plots from ``metrics.jsonl``: loss, ε by step, clip fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if r.get("kind") == "step"]
+    evals = [r for r in rows if r.get("kind") == "eval" and r.get("eval_loss") is not None]
+    out = run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    train = [(r["step"], r["loss"]) for r in steps if r.get("loss") is not None]
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss (sampled users)", alpha=0.6)
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out loss"
+        )
+        base = next((r["eval_loss"] for r in evals if r["step"] == 0), None)
+        if base is not None:
+            ax.axhline(base, color="gray", linestyle="--", label="no fine-tuning")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean token cross-entropy")
+    ax.set_title("Loss")
+    ax.legend()
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    eps = [(r["step"], r["epsilon"]) for r in steps if r.get("epsilon") is not None]
+    if eps:
+        ax.plot(*zip(*eps, strict=True), "-", label="ε spent (from the ledger)")
+    if steps and steps[-1].get("target_epsilon"):
+        ax.axhline(steps[-1]["target_epsilon"], color="red", linestyle="--", label="budget")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ε")
+    ax.set_title("Privacy spent")
+    ax.legend()
+    save(fig, "epsilon.png")
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    frac = [(r["step"], r["clip_fraction"]) for r in steps if r.get("clip_fraction") is not None]
+    if frac:
+        ax.plot(*zip(*frac, strict=True), "-")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("fraction of units clipped")
+    ax.set_title("Clip fraction")
+    save(fig, "clip_fraction.png")
+    return written
+
+
+# ---- model -------------------------------------------------------------------------------------
+
+
+def save_model(model: Any, tensors: Mapping[str, Any], run_dir: Path) -> Path:
+    """Load ``tensors`` into ``model`` and save it (safetensors + config.json) in ``model/``."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value.to(params[name].dtype))
+    target = run_dir / "model"
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+    return target

@@ -1,0 +1,435 @@
+"""``userdp simulate`` and ``userdp train``: one run from a config to a model and a privacy report.
+
+Three ways to reach the workers, one run loop (:class:`RunLoop`) and one set of outputs
+(:mod:`userdp.run_outputs`):
+
+- ``grpc`` (``simulate``): the real coordinator serves the ``userdp.v1`` protocol on loopback and
+  ``workers.count`` worker PROCESSES (``userdp worker``) hold the shards (``workers.replicas``
+  copies of each) and compute with the DeepSpeed engine.
+- ``in-process`` (``simulate --in-process``): the same strategy hooks
+  (:func:`userdp.strategies.inprocess.run_step`) and the same worker compute
+  (:class:`userdp.clients.worker_service.EngineCompute`, fed the same wire ``Task`` the
+  coordinator would send) in one process, without gRPC, checkpoints or retries: fast research
+  loops.
+- ``external`` (``train``): the coordinator serves ``coordinator.host:port`` and waits for an
+  already running deployment's workers to connect.
+
+Before step 1: σ is calibrated to the target (:mod:`userdp.run_components`), and the held-out
+users' loss is measured on the initial model (the no-fine-tuning baseline). Ctrl-C (or SIGTERM)
+stops cleanly: the grpc/external coordinator saves a checkpoint and the same command resumes; the
+ledger, not the step counter, says what was spent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODES = ("grpc", "in-process", "external")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps_done: int
+    epsilon: float | None
+    delta: float
+    noise_multiplier: float
+    baseline_eval_loss: float | None
+    final_eval_loss: float | None
+    stopped: str  # "finished", "budget", "interrupted"
+    params: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+
+
+def resolved_config(config: Any, setup: Any, out: Path, mode: str) -> Any:
+    """The config as run: shards resolved, σ and δ fixed, output dir set (written to
+    ``config.toml``, which workers and ``userdp report`` read)."""
+    coordinator = config.coordinator
+    if mode != "external":
+        coordinator = coordinator.model_copy(update={"host": "127.0.0.1", "port": 0})
+    return config.model_copy(
+        update={
+            "data": config.data.model_copy(update={"shards": str(setup.shard_dir.resolve())}),
+            "privacy": config.privacy.model_copy(
+                update={"noise_multiplier": setup.noise_multiplier, "delta": setup.delta}
+            ),
+            "output": config.output.model_copy(update={"dir": str(out)}),
+            "coordinator": coordinator,
+        }
+    )
+
+
+class RunLoop:
+    """Metrics, evaluation, progress and outputs around the steps of one run."""
+
+    def __init__(self, config: Any, out: Path, *, quiet: bool, test_only_disable_noise: bool):
+        from userdp.run_components import prepare_run
+
+        self.out = out
+        self.quiet = quiet
+        self.no_noise = test_only_disable_noise
+        out.mkdir(parents=True, exist_ok=True)
+        self.setup = prepare_run(config, quiet=quiet)
+        self.config = config
+        self.steps = config.strategy.steps
+        self.eval_every = max(1, self.steps // 10)
+        self.epsilon_every = max(1, self.steps // 50)
+        self.epsilon: float | None = None
+        self.last_loss: float | None = None
+        self.eval_losses: dict[int, float] = {}
+        self._bar: Any = None
+        self._last_time = time.perf_counter()
+
+    # -- components ------------------------------------------------------------------------------
+
+    def start(self, mode: str) -> None:
+        from userdp.run_components import open_ledger
+        from userdp.run_outputs import MetricsLog, read_metrics, write_config
+
+        self.run_config = resolved_config(self.config, self.setup, self.out, mode)
+        self.config_path = write_config(self.run_config, self.out)
+        self.ledger = open_ledger(self.setup, self.out)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.evaluator = self._evaluator()
+        done = {r["step"] for r in read_metrics(self.metrics.path) if r.get("kind") == "eval"}
+        if 0 not in done and not self.ledger.records:
+            self.evaluate(0)  # the no-fine-tuning baseline, before any privacy is spent
+        self.epsilon = self._spent()
+        if not self.quiet:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.steps, initial=len(self.ledger.records), unit="step")
+
+    def _evaluator(self) -> Any:
+        from userdp.clients.model import build_model, model_shape
+        from userdp.clients.shard_store import ShardStore
+        from userdp.evaluation import Evaluator, eval_examples
+
+        setup = self.setup
+        if not setup.eval_users:
+            return None
+        with ShardStore(setup.shard_dir) as store:
+            examples = eval_examples(store, setup.eval_users, self.config.data.seq_len)
+        shape = model_shape(setup.manifest, self.config.data.seq_len)
+        model = build_model(self.config.model, shape, seed=0)
+        evaluator = Evaluator(model, examples, pad_id=shape.pad_id or 0)
+        evaluator.load(setup.frozen)
+        return evaluator
+
+    def evaluate(self, step: int, params: dict[str, torch.Tensor] | None = None) -> None:
+        if self.evaluator is None:
+            return
+        self.evaluator.load(params if params is not None else self.setup.trainable)
+        loss = self.evaluator.loss()
+        self.eval_losses[step] = loss
+        self.metrics.write(
+            {"kind": "eval", "step": step, "eval_loss": loss, "users": len(self.setup.eval_users)}
+        )
+
+    def _spent(self) -> float | None:
+        return self.ledger.spent(self.setup.delta) if self.ledger.records else None
+
+    # -- per step --------------------------------------------------------------------------------
+
+    def on_step(
+        self,
+        step: int,
+        units: int,
+        expected: float,
+        clipped: int,
+        nonfinite: int,
+        loss: float,
+        tokens: int,
+        params: dict[str, torch.Tensor],
+    ) -> None:
+        now = time.perf_counter()
+        seconds, self._last_time = now - self._last_time, now
+        done = step + 1
+        if done % self.epsilon_every == 0 or done == self.steps:
+            self.epsilon = self._spent()
+        self.last_loss = loss if math.isfinite(loss) else self.last_loss
+        self.metrics.write(
+            {
+                "kind": "step",
+                "step": step,
+                "loss": loss,
+                "epsilon": self.epsilon,
+                "target_epsilon": self.config.privacy.epsilon,
+                "cohort_size": units,
+                "expected_cohort_size": expected,
+                "clip_fraction": clipped / units if units else None,
+                "nonfinite": nonfinite,
+                "step_time_s": seconds,
+                "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            }
+        )
+        if done % self.eval_every == 0 or done == self.steps:
+            self.evaluate(done, params)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(eps=f"{self.epsilon or 0:.3g}", loss=f"{loss:.3f}")
+        else:
+            log.info("step %d: loss %.4f, eps %s, %d units", step, loss, self.epsilon, units)
+
+    def finish(self, params: dict[str, torch.Tensor], stopped: str) -> RunResult:
+        from userdp.run_outputs import render_plots, render_report, save_model, write_facts
+
+        if self._bar is not None:
+            self._bar.close()
+        steps_done = len(self.ledger.records)
+        if steps_done and steps_done not in self.eval_losses and stopped != "interrupted":
+            self.evaluate(steps_done, params)
+        self.epsilon = self._spent()
+        self.ledger.close()
+        write_facts(self.setup.strategy.facts(), self.out)
+        if steps_done:
+            render_report(self.out, self.run_config, self.setup.delta)
+        if self.run_config.output.plots:
+            render_plots(self.out)
+        if self.evaluator is not None:
+            save_model(self.evaluator.model, {**self.setup.frozen, **params}, self.out)
+        losses = sorted(self.eval_losses.items())
+        return RunResult(
+            run_dir=self.out,
+            steps_done=steps_done,
+            epsilon=self.epsilon,
+            delta=self.setup.delta,
+            noise_multiplier=self.setup.noise_multiplier,
+            baseline_eval_loss=self.eval_losses.get(0),
+            final_eval_loss=losses[-1][1] if losses else None,
+            stopped=stopped,
+            params=params,
+        )
+
+
+# ---- the three transports ----------------------------------------------------------------------
+
+
+def _worker_assignments(shards: list[str], workers: int, replicas: int) -> list[list[str]]:
+    """Shard j goes to workers j, j+1, … (mod W): ``replicas`` distinct holders per shard."""
+    if replicas > workers:
+        raise ValueError(f"workers.replicas = {replicas} > workers.count = {workers}")
+    held: list[list[str]] = [[] for _ in range(workers)]
+    for j, shard in enumerate(shards):
+        for k in range(replicas):
+            held[(j + k) % workers].append(shard)
+    empty = [i for i, names in enumerate(held) if not names]
+    if empty:
+        raise ValueError(
+            f"workers.count = {workers} exceeds what {len(shards)} shards x {replicas} replicas "
+            "can keep busy; lower workers.count or raise workers.replicas"
+        )
+    return held
+
+
+def _spawn_workers(loop: RunLoop, address: str) -> list[subprocess.Popen]:
+    setup, config = loop.setup, loop.run_config
+    shards = [entry.name for entry in setup.manifest.shards]
+    held = _worker_assignments(shards, config.workers.count, config.workers.replicas)
+    logs = loop.out / "logs"
+    logs.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    threads = max(1, (os.cpu_count() or 1) // len(held))
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    procs = []
+    for i, names in enumerate(held):
+        cmd = [
+            sys.executable,
+            "-m",
+            "userdp.cli",
+            "worker",
+            "--coordinator",
+            address,
+            "--shards",
+            str(setup.shard_dir),
+            "--shard-names",
+            ",".join(names),
+            "--worker-id",
+            f"sim-worker-{i}",
+            "--config",
+            str(loop.config_path),
+        ]
+        log_file = open(logs / f"worker-{i}.log", "ab")  # noqa: SIM115 (closed by the process)
+        procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env))
+    return procs
+
+
+def _stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _run_coordinator(loop: RunLoop, spawn: bool) -> tuple[dict[str, torch.Tensor], str]:
+    from userdp.server.runtime import start_coordinator
+
+    setup = loop.setup
+    running = start_coordinator(
+        loop.run_config,
+        strategy=setup.strategy,
+        ledger=loop.ledger,
+        params=setup.trainable,
+        frozen=setup.frozen,
+        population=setup.population,
+        checkpoint_dir=loop.out / "checkpoints",
+        test_only_disable_noise=loop.no_noise,
+    )
+    coordinator = running.coordinator
+    address = f"{loop.run_config.coordinator.host}:{running.server.port}"
+    procs = _spawn_workers(loop, address) if spawn else []
+    if not spawn:
+        print(f"userdp train: coordinator listening on {address}", file=sys.stderr, flush=True)
+    finished, stopped = False, "interrupted"
+    try:
+        if not coordinator.wait_for_workers():
+            dead = [p.args[-5] for p in procs if p.poll() is not None]
+            raise RuntimeError(
+                "workers did not connect in time"
+                + (f"; exited: {dead} (see {loop.out / 'logs'})" if dead else "")
+            )
+
+        def on_step(report: Any) -> None:
+            loop.on_step(
+                report.step,
+                report.units,
+                report.expected_cohort_size,
+                report.clipped,
+                report.nonfinite,
+                report.loss_mean,
+                report.tokens,
+                setup.trainable,
+            )
+
+        coordinator.run(loop.steps, on_step=on_step)
+        finished = True
+        stopped = "budget" if coordinator.budget_exhausted else "finished"
+    finally:
+        coordinator.save()
+        running.stop(finished)
+        _stop_workers(procs)
+    return setup.trainable, stopped
+
+
+def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
+    from userdp.accounting.ledger import BudgetExceededError
+    from userdp.clients.shard_store import ShardStore
+    from userdp.clients.worker_service import build_compute
+    from userdp.server.coordinator import task_proto
+    from userdp.strategies.base import ClipStatistics
+    from userdp.strategies.inprocess import run_step
+
+    setup, config = loop.setup, loop.run_config
+    params = setup.trainable
+    store = ShardStore(setup.shard_dir)
+    compute = build_compute(config, store)
+    compute.apply_model({k: _Local(v) for k, v in setup.frozen.items()}, full=True)
+    step_stats: dict[str, float] = {}
+
+    def worker(spec: Any, unit_ids: Any, current: dict[str, torch.Tensor]) -> tuple[dict, Any]:
+        compute.apply_model({k: _Local(v) for k, v in current.items()}, full=False)
+        task = task_proto(spec, step_stats["step"], "in-process", 0, 0, list(unit_ids), 0.0)
+        result = compute.compute(task)
+        for key in ("loss_sum", "tokens", "nonfinite"):
+            step_stats[key] += getattr(result, key)
+        return dict(result.sums), ClipStatistics(result.count, result.clipped)
+
+    start = loop.ledger.last_step + 1 if loop.ledger.records else 0
+    stopped = "finished"
+    try:
+        for step in range(start, loop.steps):
+            step_stats.update(step=step, loss_sum=0.0, tokens=0, nonfinite=0)
+            try:
+                record = run_step(
+                    setup.strategy,
+                    step,
+                    params,
+                    setup.population,
+                    worker,
+                    ledger=loop.ledger,
+                    workers=config.workers.count,
+                    test_only_disable_noise=loop.no_noise,
+                )
+            except BudgetExceededError as exc:
+                log.warning("stopping before step %d: %s", step, exc)
+                stopped = "budget"
+                break
+            tokens = int(step_stats["tokens"])
+            loss = step_stats["loss_sum"] / tokens if tokens else math.nan
+            loop.on_step(
+                step,
+                record.units,
+                record.expected_size,
+                record.clipped,
+                int(step_stats["nonfinite"]),
+                loss,
+                tokens,
+                params,
+            )
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    finally:
+        store.close()
+    return params, stopped
+
+
+@dataclass(frozen=True)
+class _Local:
+    """A local tensor where :meth:`EngineCompute.apply_model` expects a received one."""
+
+    tensor: torch.Tensor
+
+    def torch(self) -> torch.Tensor:
+        return self.tensor
+
+
+def run(
+    config: Any,
+    output: str | Path | None = None,
+    *,
+    mode: str = "grpc",
+    quiet: bool = False,
+    test_only_disable_noise: bool = False,
+    on_ready: Callable[[RunLoop], None] | None = None,
+) -> RunResult:
+    """Run ``config`` (see the module docstring); ``output`` overrides ``output.dir``.
+
+    ``test_only_disable_noise`` (NOT PRIVATE) exists for the test that compares the grpc and
+    in-process paths; no config key or CLI flag reaches it."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    out = Path(output or config.output.dir)
+    loop = RunLoop(config, out, quiet=quiet, test_only_disable_noise=test_only_disable_noise)
+    loop.start(mode)
+    if on_ready is not None:
+        on_ready(loop)
+    stopped = "interrupted"
+    params = loop.setup.trainable
+    try:
+        if mode == "in-process":
+            params, stopped = _run_in_process(loop)
+        else:
+            params, stopped = _run_coordinator(loop, spawn=(mode == "grpc"))
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    result = loop.finish(params, stopped)
+    return result
