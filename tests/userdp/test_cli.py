@@ -32,3 +32,19 @@ def test_no_command_prints_help_and_exits_2() -> None:
     result = subprocess.run([_userdp()], capture_output=True, text=True)
     assert result.returncode == 2
     assert "usage: userdp" in result.stdout
+
+
+def test_readme_cli_reference_names_every_command() -> None:
+    """The README's CLI reference and the registered commands cannot drift apart."""
+    import re
+    from pathlib import Path
+
+    from userdp.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- CLI-REFERENCE -->")[1].split("<!-- /CLI-REFERENCE -->")[0]
+    documented = set(re.findall(r"`userdp ([a-z-]+)", block))
+    parser = build_parser()
+    registered = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001
+    assert registered <= documented, f"undocumented commands: {sorted(registered - documented)}"
+    assert documented - {"--version", "--help"} <= registered, sorted(documented - registered)
