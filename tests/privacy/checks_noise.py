@@ -1,0 +1,229 @@
+"""Noise checks on the real strategies in the reference step loop (``strategies.inprocess``).
+
+Each ``check_*`` runs the real hooks (sample → aggregate → add_noise → server_update) through
+:func:`userdp.strategies.inprocess.run_step` and raises AssertionError when a DP property fails.
+The expected values are computed from this module's constants (σ, C, q, N, G, lr), never read
+back from the code under test, so a bug cannot cancel itself out.
+
+Recipes (notes/002.md §8.2): R4 (absolute noise oracle, here an exact χ² test of the std of the
+released update with zero or known contributions), R8 (expected-cohort normalization: the step is
+chosen so the realized cohort is ≥ 25% off the expected one), R3's "noise reused" failure mode
+(independence across steps, retries and resumes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from userdp.strategies.base import ClipStatistics
+from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
+from userdp.strategies.dpftrl import BltDpFtrl
+from userdp.strategies.inprocess import run_step
+from userdp.strategies.noise import GaussianNoise, NoiseRng
+from userdp.strategies.optimizers import Sgd
+
+from .stats import ALPHA, assert_gaussian_noise, assert_uncorrelated
+
+# The mechanism's constants. Chosen so every classic wrong factor moves the std far outside the
+# ±1.2% acceptance interval of 10⁵ coordinates: σ² vs σ (×2), σ vs σ·C (×1/3), √B (×4.5),
+# 1/B (×1/20), realized vs expected cohort (≥ ±25%, enforced below).
+SIGMA = 2.0
+CLIP = 3.0
+LR = 0.5
+N_USERS = 400
+Q = 0.05  # expected cohort qN = 20
+G = 4  # ELS: examples per user in D_sub
+BINS = 20  # balls-in-bins: expected cohort N/b = 20
+BANDED = (1.0, 0.5)  # banded Toeplitz C for BLT-DP-FTRL: (C⁻¹)_k = (−0.5)^k
+SAMPLER_SEED = 11
+NOISE_SEED = 20240607
+SHAPES = {"w": (400, 256), "b": (512,)}  # 102 912 coordinates
+MIN_COHORT_GAP = 0.25
+
+
+def user_ids() -> list[str]:
+    return [f"u{i:04d}" for i in range(N_USERS)]
+
+
+def examples_per_user() -> dict[str, int]:
+    """A fixed, uneven population for ELS: 1..9 examples per user."""
+    return {u: 1 + (7 * i) % 9 for i, u in enumerate(user_ids())}
+
+
+def dsub_size() -> int:
+    """|D_sub| = Σ_u min(n_u, G), computed here independently of the sampler."""
+    return sum(min(n, G) for n in examples_per_user().values())
+
+
+ELS_P = 20.0 / dsub_size()  # expected batch p·|D_sub| = 20
+
+
+def zero_params() -> dict[str, np.ndarray]:
+    return {name: np.zeros(shape) for name, shape in SHAPES.items()}
+
+
+def zero_compute(task, unit_ids, params):
+    """A worker whose every unit contributes zero (so the release is pure noise)."""
+    sums = {name: np.zeros_like(np.asarray(value)) for name, value in params.items()}
+    return sums, ClipStatistics(len(unit_ids), 0)
+
+
+def test_rng() -> GaussianNoise:
+    return GaussianNoise(NoiseRng.for_testing(NOISE_SEED))
+
+
+def make_strategy(kind: str, production_noise: bool = False):
+    """The real built-in strategy of ``kind`` with this module's constants; its noise comes from
+    a fixed test seed, or with ``production_noise`` from the default generator (os.urandom)."""
+    if kind == "uls":
+        return UserLevelSampling(
+            noise_multiplier=SIGMA,
+            clip_norm=CLIP,
+            sampling_prob=Q,
+            seed=SAMPLER_SEED,
+            noise=None if production_noise else test_rng(),
+            optimizer=Sgd(LR),
+        )
+    if kind == "els":
+        return ExampleLevelSampling(
+            noise_multiplier=SIGMA,
+            clip_norm=CLIP,
+            sampling_prob=ELS_P,
+            group_size=G,
+            seed=SAMPLER_SEED,
+            noise=test_rng(),
+            optimizer=Sgd(LR),
+        )
+    if kind == "blt":
+        return BltDpFtrl(
+            noise_multiplier=SIGMA,
+            clip_norm=CLIP,
+            bins=BINS,
+            epochs=2,
+            banded_coefs=list(BANDED),
+            seed=SAMPLER_SEED,
+            rng=NoiseRng.for_testing(NOISE_SEED),
+            optimizer=Sgd(LR),
+        )
+    raise ValueError(kind)
+
+
+def population(kind: str):
+    return examples_per_user() if kind == "els" else user_ids()
+
+
+def expected_cohort(kind: str) -> float:
+    """The normalizer the mechanism promises, from the constants: qN, p|D_sub|, N/b."""
+    return {"uls": Q * N_USERS, "els": ELS_P * dsub_size(), "blt": N_USERS / BINS}[kind]
+
+
+def banded_noise_variance(step: int) -> float:
+    """Var of (C⁻¹Z)_step per coordinate for the banded C = Toeplitz(BANDED): Σ_{k≤t} ĉ_k²."""
+    inverse = [1.0 / BANDED[0]]
+    for k in range(1, step + 1):
+        acc = sum(BANDED[j] * inverse[k - j] for j in range(1, min(k, len(BANDED) - 1) + 1))
+        inverse.append(-acc / BANDED[0])
+    return float(sum(c * c for c in inverse))
+
+
+def step_with_cohort_gap(strategy, pop, start: int = 0, limit: int = 400) -> tuple[int, int]:
+    """The first step ≥ start whose realized cohort differs from the expected one by at least
+    MIN_COHORT_GAP (relative), so normalizing by the realized size is detectable."""
+    expected = None
+    for step in range(start, limit):
+        cohort = strategy.sample_cohort(step, pop)
+        expected = cohort.expected_size
+        if abs(len(cohort) - expected) >= MIN_COHORT_GAP * expected:
+            return step, len(cohort)
+    raise AssertionError(f"no step in [{start}, {limit}) has a cohort ≥ 25% off {expected}")
+
+
+def released_update(strategy, step, pop, compute=zero_compute, params=None):
+    """Run one real step; return (params before − params after) per tensor, and the cohort size."""
+    params = params if params is not None else zero_params()
+    before = {name: np.array(value, copy=True) for name, value in params.items()}
+    record = run_step(strategy, step, params, pop, compute)
+    return {name: before[name] - np.asarray(params[name]) for name in params}, record.units
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+
+
+def check_noise_magnitude(kind: str = "uls") -> None:
+    """R4 + R8: with zero contributions, the released update of one step is exactly
+    N(0, (lr·σ·C/E)²) per coordinate, E the EXPECTED cohort (qN, p|D_sub|, N/b) — tested on a step
+    whose realized cohort is ≥ 25% off E. BLT: step t carries σ·C·(C⁻¹Z)_t, variance
+    σ²C²·Σ_{k≤t} ĉ_k²; steps 0..2 are checked."""
+    strategy = make_strategy(kind)
+    pop = population(kind)
+    expected = expected_cohort(kind)
+    if kind == "blt":
+        for step in range(3):
+            update, realized = released_update(strategy, step, pop)
+            std = LR * SIGMA * CLIP * banded_noise_variance(step) ** 0.5 / expected
+            values = np.concatenate([v.ravel() for v in update.values()])
+            assert_gaussian_noise(
+                values, std, f"BLT step {step} (cohort {realized}, expected {expected:g})"
+            )
+        return
+    step, realized = step_with_cohort_gap(make_strategy(kind), pop)
+    update, units = released_update(strategy, step, pop)
+    assert units == realized, f"step {step}: {units} units ran, the sampler drew {realized}"
+    values = np.concatenate([v.ravel() for v in update.values()])
+    assert_gaussian_noise(
+        values,
+        LR * SIGMA * CLIP / expected,
+        f"{kind} step {step}: update = lr·(Σclip + σ·C·z)/E with E = {expected:g} expected units "
+        f"({realized} realized)",
+    )
+
+
+def check_noise_fresh_across_steps() -> None:
+    """Noise of two consecutive steps is independent (production generator, os.urandom)."""
+    strategy = make_strategy("uls", production_noise=True)
+    pop = user_ids()
+    first, _ = released_update(strategy, 0, pop)
+    second, _ = released_update(strategy, 1, pop)
+    for name in SHAPES:
+        assert_uncorrelated(first[name], second[name], f"steps 0 and 1, tensor {name!r}")
+    # within one step, two tensors must not share a stream either
+    n = SHAPES["b"][0]
+    assert_uncorrelated(first["w"].ravel()[:n], first["b"], "step 0, tensors 'w' and 'b'")
+
+
+def check_noise_fresh_on_retry() -> None:
+    """A step index run twice (a retry after an abort that released nothing) draws fresh noise:
+    the strategy contract of ``Strategy.add_noise``."""
+    strategy = make_strategy("uls", production_noise=True)
+    pop = user_ids()
+    first, _ = released_update(strategy, 5, pop)
+    again, _ = released_update(strategy, 5, pop)
+    assert_uncorrelated(first["w"], again["w"], "step 5 and its retry")
+
+
+def check_noise_fresh_after_resume() -> None:
+    """A run restored from a checkpoint (a NEW strategy object built from the same config, then
+    ``load_state_dict``) never replays noise: its draws are independent of every draw made before
+    the checkpoint, including the same step index replayed (charged, never released)."""
+    pop = user_ids()
+    before = make_strategy("uls", production_noise=True)
+    draws = [released_update(before, step, pop)[0]["w"] for step in range(2)]
+    state = before.state_dict()
+    after = make_strategy("uls", production_noise=True)
+    after.load_state_dict(state)
+    for step in (1, 2):  # step 1 replayed (charged before the crash, never released), then 2
+        draws.append(released_update(after, step, pop)[0]["w"])
+    pairs = [(i, j) for i in range(2, len(draws)) for j in range(i)]
+    for i, j in pairs:
+        assert_uncorrelated(
+            draws[i], draws[j], f"draw {i} (after resume) vs draw {j}", ALPHA / len(pairs)
+        )
+
+
+__all__ = [
+    "ALPHA",
+    "check_noise_fresh_across_steps",
+    "check_noise_fresh_after_resume",
+    "check_noise_fresh_on_retry",
+    "check_noise_magnitude",
+]

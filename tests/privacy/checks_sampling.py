@@ -1,0 +1,229 @@
+"""Sampling ↔ accountant agreement, and the ledger's ε (notes/002.md R8, R9).
+
+What the accountant is told (``strategy.mechanism()``, appended to the ledger every step) must be
+what the sampler does: the empirical inclusion frequency of units over many steps is tested
+against the mechanism's q with an exact binomial interval; Poisson sampling must also LOOK
+Poisson (cohort sizes Binomial(N, q) from step to step, every unit equally likely, fresh every
+step), or a fixed-size / frozen sampler would pass a rate-only test. ELS must never use more than
+the mechanism's G distinct examples of a user over the whole run (D_sub is chosen once). The
+ledger's ε after T real steps must equal dp_accounting's own Poisson-subsampled Gaussian for the
+configured (σ, q) and T, recomputed here independently of userdp's accountant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import dp_accounting
+import numpy as np
+from userdp.accounting import epsilon
+from userdp.accounting.api import compose_epsilon
+from userdp.accounting.ledger import Ledger, group_phases, read_ledger
+from userdp.strategies.base import parse_example_unit_id
+from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
+from userdp.strategies.inprocess import run_steps
+from userdp.strategies.noise import GaussianNoise, NoiseRng
+
+from .stats import binomial_interval, chi2_interval
+
+SIGMA = 1.0
+CLIP = 1.0
+Q = 0.1
+N_USERS = 500
+STEPS = 400
+SEED = 5
+DELTA = 1e-5
+
+LEDGER_SIGMA = 2.0  # cheap PLDs: the real ledger re-accounts the whole run twice per step
+LEDGER_Q = 0.05
+LEDGER_STEPS = 10
+
+ELS_G = 3
+ELS_P = 0.2
+ELS_STEPS = 300
+
+
+def _users(n: int = N_USERS) -> list[str]:
+    return [f"user-{i}" for i in range(n)]
+
+
+def _uls() -> UserLevelSampling:
+    return UserLevelSampling(
+        noise_multiplier=SIGMA,
+        clip_norm=CLIP,
+        sampling_prob=Q,
+        seed=SEED,
+        noise=GaussianNoise(NoiseRng.for_testing(1)),
+    )
+
+
+def check_uls_sampler_matches_accountant() -> None:
+    """ULS: users are included independently with the mechanism's q, fresh every step."""
+    strategy = _uls()
+    users = _users()
+    mechanism = strategy.mechanism()
+    assert mechanism.kind == "uls", f"Poisson-user sampling accounted as {mechanism.kind!r}"
+    q = mechanism.sampling_prob
+    index = {u: i for i, u in enumerate(users)}
+    counts = np.zeros(N_USERS, dtype=np.int64)
+    sizes = np.zeros(STEPS, dtype=np.int64)
+    for step in range(STEPS):
+        cohort = strategy.sample_cohort(step, users)
+        assert len(set(cohort.unit_ids)) == len(cohort), f"step {step}: a user sampled twice"
+        for unit in cohort.unit_ids:
+            counts[index[unit]] += 1
+        sizes[step] = len(cohort)
+    total = int(counts.sum())
+    rate = total / (N_USERS * STEPS)  # shape tests below use the empirical rate, not q
+    # every user equally likely and fresh every step (a frozen cohort is 0/T per user)
+    heterogeneity = float(np.sum((counts - counts.mean()) ** 2) / (STEPS * rate * (1 - rate)))
+    h_lo, h_hi = chi2_interval(N_USERS - 1, slack=0.05)
+    assert h_lo <= heterogeneity <= h_hi, (
+        f"per-user inclusion counts (min {counts.min()}, max {counts.max()} of {STEPS} steps) are "
+        f"not iid Binomial({STEPS}, {rate:.4f}): statistic {heterogeneity:.1f} outside "
+        f"[{h_lo:.1f}, {h_hi:.1f}]; users are not sampled independently each step"
+    )
+    # cohort sizes vary like Binomial(N, q) (a fixed-size cohort is not Poisson sampling)
+    dispersion = float(np.sum((sizes - sizes.mean()) ** 2) / (N_USERS * rate * (1 - rate)))
+    d_lo, d_hi = chi2_interval(STEPS - 1, slack=0.05)
+    assert d_lo <= dispersion <= d_hi, (
+        f"cohort sizes (min {sizes.min()}, max {sizes.max()}, var {sizes.var():.2f}) are not "
+        f"Binomial({N_USERS}, {rate:.4f}) (variance {N_USERS * rate * (1 - rate):.2f}): "
+        f"dispersion statistic {dispersion:.1f} outside [{d_lo:.1f}, {d_hi:.1f}]; the accountant "
+        "assumes Poisson sampling (fixed-size cohorts have no tight accountant and must be flagged)"
+    )
+    lo, hi = binomial_interval(N_USERS * STEPS, q)
+    assert lo <= total <= hi, (
+        f"sampler included users at rate {rate:.5f} over {STEPS} steps but the accountant "
+        f"(ledger mechanism) is told q = {q:g}: {total} inclusions is outside the exact "
+        f"Binomial({N_USERS * STEPS}, {q:g}) interval [{lo}, {hi}]"
+    )
+
+
+def _els_population() -> dict[str, int]:
+    """Users with 1..8 examples: most have more than G, so D_sub matters."""
+    return {f"user-{i}": 1 + (5 * i) % 8 for i in range(300)}
+
+
+def check_els_sampler_matches_accountant() -> None:
+    """ELS: over the whole run a user contributes at most the mechanism's G distinct examples
+    (D_sub chosen once, Alg. 1), and each example of D_sub is included with the mechanism's p."""
+    population = _els_population()
+    strategy = ExampleLevelSampling(
+        noise_multiplier=SIGMA,
+        clip_norm=CLIP,
+        sampling_prob=ELS_P,
+        group_size=ELS_G,
+        seed=SEED,
+        noise=GaussianNoise(NoiseRng.for_testing(1)),
+    )
+    mechanism = strategy.mechanism()
+    assert mechanism.kind == "els", f"example-level sampling accounted as {mechanism.kind!r}"
+    used: dict[str, set[int]] = defaultdict(set)
+    total = 0
+    for step in range(ELS_STEPS):
+        cohort = strategy.sample_cohort(step, population)
+        for unit in cohort.unit_ids:
+            user, example = parse_example_unit_id(unit)
+            assert 0 <= example < population[user], f"{unit}: no such example"
+            used[user].add(example)
+        total += len(cohort)
+    worst_user, worst = max(((u, len(e)) for u, e in used.items()), key=lambda x: x[1])
+    assert worst <= mechanism.group_size, (
+        f"user {worst_user} contributed {worst} distinct examples over {ELS_STEPS} steps but the "
+        f"accountant assumes at most G = {mechanism.group_size} per user (D_sub must be chosen "
+        "once; its sensitivity is Binom(G, p))"
+    )
+    d_sub = sum(min(n, ELS_G) for n in population.values())  # from the config's G, not the code
+    lo, hi = binomial_interval(d_sub * ELS_STEPS, mechanism.sampling_prob)
+    assert lo <= total <= hi, (
+        f"ELS sampled {total} examples in {ELS_STEPS} steps of |D_sub| = {d_sub}: rate "
+        f"{total / (d_sub * ELS_STEPS):.5f}, but the accountant is told p = "
+        f"{mechanism.sampling_prob:g} (exact interval [{lo}, {hi}])"
+    )
+
+
+def _reference_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    """dp_accounting's own PLD accountant for T Poisson-subsampled Gaussian steps."""
+    accountant = dp_accounting.pld.PLDAccountant()
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    accountant.compose(dp_accounting.SelfComposedDpEvent(event, steps))
+    return float(accountant.get_epsilon(delta))
+
+
+def _zero_compute(task, unit_ids, params):
+    from userdp.strategies.base import ClipStatistics
+
+    return {n: np.zeros_like(v) for n, v in params.items()}, ClipStatistics(len(unit_ids), 0)
+
+
+def check_ledger_epsilon_matches_steps_run(tmp_path: Path, steps: int = LEDGER_STEPS) -> None:
+    """After T real steps with the real ledger: T records (steps 0..T−1), each the configured
+    ULS mechanism (σ, q), and the ledger's ε — live and re-read from the file alone — equal
+    dp_accounting's ε for (σ, q, T) (and userdp's ``epsilon`` for the strategy's mechanism)."""
+    strategy = UserLevelSampling(
+        noise_multiplier=LEDGER_SIGMA,
+        clip_norm=CLIP,
+        sampling_prob=LEDGER_Q,
+        seed=SEED,
+        noise=GaussianNoise(NoiseRng.for_testing(1)),
+    )
+    path = Path(tmp_path) / "ledger.jsonl"
+    with Ledger.create(path, budget_epsilon=100.0, delta=DELTA) as ledger:
+        params = {"w": np.zeros(8)}
+        run_steps(strategy, params, _users(400), _zero_compute, steps, ledger=ledger)
+        recorded = [int(r["step"]) for r in ledger.records]
+        assert recorded == list(range(steps)), (
+            f"ledger records steps {recorded[:3]}…{recorded[-3:]} ({len(recorded)}) after "
+            f"{steps} released steps 0..{steps - 1}: every release must be charged exactly once"
+        )
+        configured = {"kind": "uls", "noise_multiplier": LEDGER_SIGMA, "sampling_prob": LEDGER_Q}
+        for record in ledger.records:
+            assert record["mechanism"] == configured, (
+                f"ledger step {record['step']} records {record['mechanism']}, but the run used "
+                f"{configured} (σ and q of the noise and sampler actually run)"
+            )
+        live = ledger.spent(DELTA)
+    _, records = read_ledger(path)
+    from_file = compose_epsilon(group_phases(records), DELTA)
+    reference = _reference_epsilon(LEDGER_SIGMA, LEDGER_Q, steps, DELTA)
+    api = epsilon(strategy.mechanism(), steps, DELTA)
+    for name, value in (("ledger.spent", live), ("re-read ledger", from_file), ("epsilon()", api)):
+        assert math.isclose(value, reference, rel_tol=1e-9), (
+            f"{name} gives ε = {value:.8g} after {steps} steps of σ={LEDGER_SIGMA}, "
+            f"q={LEDGER_Q} but "
+            f"dp_accounting's PLD accountant gives {reference:.8g} (δ={DELTA:g}): the accountant "
+            "was given the wrong steps or q"
+        )
+
+
+def check_unaccounted_sampling_is_flagged() -> None:
+    """Sampling schemes whose accounting does not hold must say so: fixed-size shuffling is
+    flagged (not a guarantee), truncation/padding switches to zero-out adjacency, Poisson is
+    neither. And the flag must agree with what the sampler does: a sampler whose cohort sizes
+    never vary is not Poisson."""
+    users = _users(200)
+    for sampling, extra in (("poisson", {}), ("shuffle", {}), ("truncated", {"cohort_cap": 15})):
+        strategy = UserLevelSampling(
+            noise_multiplier=SIGMA, clip_norm=CLIP, sampling_prob=Q, sampling=sampling, **extra
+        )
+        sizes = {len(strategy.sample_cohort(step, users)) for step in range(50)}
+        facts = strategy.facts()
+        if sampling == "shuffle" or len(sizes) == 1:
+            assert not facts.sampling_matches_accounting, (
+                f"sampling={sampling!r} draws fixed-size cohorts (sizes {sorted(sizes)}) but "
+                "facts() claims the Poisson accountant matches it; the report would print ε as "
+                "a guarantee"
+            )
+            assert any("NOT MATCH" in c.upper() for c in facts.caveats), (
+                f"sampling={sampling!r}: no caveat says the accounting does not match"
+            )
+        else:
+            assert facts.sampling_matches_accounting, f"{sampling}: flagged as unaccounted"
+        expected_adjacency = "zero-out" if sampling == "truncated" else "add-remove"
+        assert facts.adjacency == expected_adjacency, (
+            f"sampling={sampling!r} reports adjacency {facts.adjacency!r}; expected "
+            f"{expected_adjacency!r} (padding/truncation only holds under zero-out)"
+        )

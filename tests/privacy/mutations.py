@@ -1,0 +1,409 @@
+"""Deliberately broken variants of userdp: one pytest fixture per classic DP bug.
+
+Each fixture injects ONE bug into the real code path with ``monkeypatch`` (undone after the test)
+by replacing a real method or constant with the buggy version an engineer could plausibly write.
+``test_bugs.py`` runs every check under the mutations it must catch and requires an
+AssertionError from the check itself (its message is matched), so the suite is tested too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from userdp.accounting import api as accounting_api
+from userdp.accounting.ledger import Ledger
+from userdp.server import aggregation
+from userdp.server.aggregation import StepGather, Verdict
+from userdp.strategies import noise as noise_module
+from userdp.strategies import samplers
+from userdp.strategies import tensors as T
+from userdp.strategies.base import Strategy, as_population
+from userdp.strategies.blt import BandedNoise
+from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
+from userdp.strategies.noise import GaussianNoise, NoiseMechanism, NoiseRng
+
+# ---------------------------------------------------------------------------------------------
+# noise scale and normalization
+
+
+def _add_noise_with_std(std_of):
+    def add_noise(self, step, summed, stats=None):
+        return self.noise.add(step, summed, std=std_of(self))
+
+    return add_noise
+
+
+@pytest.fixture
+def mutation_noise_not_scaled_by_clip(monkeypatch):
+    """std = σ instead of σ·C (the uncalibrated Opacus-0.15 patch of notes/002.md §5)."""
+    monkeypatch.setattr(Strategy, "add_noise", _add_noise_with_std(lambda s: s.noise_multiplier))
+
+
+@pytest.fixture
+def mutation_noise_std_sigma_squared(monkeypatch):
+    """std = σ²·C (σ² mistaken for the std)."""
+    monkeypatch.setattr(
+        Strategy, "add_noise", _add_noise_with_std(lambda s: s.noise_multiplier**2 * s.clip_norm)
+    )
+
+
+@pytest.fixture
+def mutation_noise_std_times_sqrt_cohort(monkeypatch):
+    """std = σ·C·√B: noise added per unit and summed (per-example noise, √B too large)."""
+    monkeypatch.setattr(
+        Strategy,
+        "add_noise",
+        _add_noise_with_std(
+            lambda s: s.noise_multiplier * s.clip_norm * math.sqrt(s.expected_cohort_size)
+        ),
+    )
+
+
+@pytest.fixture
+def mutation_noise_std_over_cohort(monkeypatch):
+    """std = σ·C/B on the SUM: the noise is divided by B twice (1/B too small)."""
+    monkeypatch.setattr(
+        Strategy,
+        "add_noise",
+        _add_noise_with_std(lambda s: s.noise_multiplier * s.clip_norm / s.expected_cohort_size),
+    )
+
+
+@pytest.fixture
+def mutation_no_noise(monkeypatch):
+    """The noise is never added (e.g. a debug flag left on)."""
+    monkeypatch.setattr(Strategy, "add_noise", lambda self, step, summed, stats=None: dict(summed))
+
+
+@pytest.fixture
+def mutation_normalize_by_realized_cohort(monkeypatch):
+    """The server divides the noisy sum by the REALIZED cohort size instead of the expected one."""
+
+    def server_update(self, params, noisy_sum, cohort):
+        scale = 1.0 / max(len(cohort), 1)
+        self.optimizer.step(params, {name: value * scale for name, value in noisy_sum.items()})
+
+    monkeypatch.setattr(Strategy, "server_update", server_update)
+
+
+@pytest.fixture
+def mutation_blt_noise_not_correlated(monkeypatch):
+    """BLT/banded noise drawn iid: C⁻¹ is never applied, but the ledger records the correlation."""
+
+    def sample(self, step, like):
+        self._advance(step)
+        return {name: self.rng.normal_like(value) for name, value in like.items()}
+
+    monkeypatch.setattr(BandedNoise, "sample", sample)
+
+
+# ---------------------------------------------------------------------------------------------
+# noise on every parameter
+
+
+def _noise_only_where(keep):
+    original = NoiseMechanism.add
+
+    def add(self, step, summed, *, std):
+        noisy = original(self, step, summed, std=std)
+        return {
+            name: noisy[name] if keep(value) else summed[name] for name, value in summed.items()
+        }
+
+    return add
+
+
+@pytest.fixture
+def mutation_noise_skips_zero_sum_tensors(monkeypatch):
+    """Tensors whose clipped sum is exactly zero get no noise (a "sparse update" shortcut: LoRA's
+    A matrices at initialization, layers no sampled user touched)."""
+    monkeypatch.setattr(
+        NoiseMechanism, "add", _noise_only_where(lambda v: bool(np.any(T.to_numpy(v) != 0)))
+    )
+
+
+@pytest.fixture
+def mutation_noise_only_on_matrices(monkeypatch):
+    """Noise only on ≥ 2-D tensors: biases, LayerNorm gains and 1-D adapters are released raw."""
+    monkeypatch.setattr(NoiseMechanism, "add", _noise_only_where(lambda v: np.ndim(v) >= 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# noise reuse
+
+
+@pytest.fixture
+def mutation_noise_generator_reseeded_identically(monkeypatch):
+    """The noise generator is reset to its initial seed before every draw (every step, every
+    tensor gets the same stream)."""
+    original = NoiseRng.normal_like
+
+    def normal_like(self, x):
+        if not hasattr(self, "_mutation_entropy"):
+            self._mutation_entropy = self._root.entropy
+        self._seed(self._mutation_entropy)
+        return original(self, x)
+
+    monkeypatch.setattr(NoiseRng, "normal_like", normal_like)
+
+
+@pytest.fixture
+def mutation_noise_seeded_by_step(monkeypatch):
+    """Noise derived from (fixed seed, step): fresh across steps, REPLAYED on a retry or resume."""
+
+    def sample(self, step, like):
+        rng = NoiseRng(_test_seed=1000 + int(step))
+        return {name: rng.normal_like(value) for name, value in like.items()}
+
+    monkeypatch.setattr(GaussianNoise, "sample", sample)
+
+
+@pytest.fixture
+def mutation_noise_seed_from_config(monkeypatch):
+    """The noise generator is seeded from the config seed instead of os.urandom: every new
+    process (a resumed coordinator) starts the same stream."""
+    monkeypatch.setattr(noise_module, "_urandom_seed", lambda: 1234)
+
+
+# ---------------------------------------------------------------------------------------------
+# exactly once and clipping at the coordinator
+
+
+@pytest.fixture
+def mutation_duplicate_discard_disabled(monkeypatch):
+    """A naive aggregator: any well-formed partial of the current step for a known task is added
+    (no live-task check, no per-unit guard), so late results of re-issued tasks count twice."""
+
+    def offer(self, partial):
+        if partial.step != self.step:
+            return Verdict(False, False, "other step")
+        task = self._tasks.get(partial.task_id)
+        if task is None:
+            return Verdict(False, False, "unknown task")
+        problem = self._check(partial, task.unit_ids)
+        if problem is not None:
+            self.fail(task.task_id, task.attempt, problem)
+            return Verdict(False, True, problem)
+        self._contributed.update(task.unit_ids)
+        for name, value in partial.tensors.items():
+            self._sums[name].add_(aggregation._as_torch(value).to(torch.float64))
+        task.live = False
+        for group_id in task.groups:
+            self._groups[group_id].done = True
+        self._stats.units += len(task.unit_ids)
+        self._stats.count += partial.count
+        return Verdict(True, False, "accepted")
+
+    monkeypatch.setattr(StepGather, "offer", offer)
+
+
+@pytest.fixture
+def mutation_closed_task_results_accepted(monkeypatch):
+    """Results of closed (timed-out, failed) tasks are treated as live; only the last-resort
+    per-unit guard remains."""
+    original = StepGather.offer
+
+    def offer(self, partial):
+        task = self._tasks.get(partial.task_id)
+        if task is not None and partial.step == self.step:
+            task.live = True
+        return original(self, partial)
+
+    monkeypatch.setattr(StepGather, "offer", offer)
+
+
+@pytest.fixture
+def mutation_unclipped_partial_accepted(monkeypatch):
+    """The coordinator's ‖partial‖ ≤ count·C check is disabled (tolerance ∞)."""
+    monkeypatch.setattr(aggregation, "NORM_TOLERANCE", math.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling and accounting
+
+
+@pytest.fixture
+def mutation_sampler_q_differs(monkeypatch):
+    """The Poisson sampler includes units with 1.3·q while the mechanism reports q."""
+
+    def sample(self, step, n):
+        rng = samplers._rng(self.seed, samplers._POISSON, step)
+        return samplers.poisson_positions(rng, n, min(1.0, 1.3 * self.sampling_prob))
+
+    monkeypatch.setattr(samplers.PoissonSampler, "sample", sample)
+
+
+@pytest.fixture
+def mutation_sampler_frozen_cohort(monkeypatch):
+    """The sampler's randomness ignores the step: the same cohort every step (rate still q)."""
+
+    def sample(self, step, n):
+        rng = samplers._rng(self.seed, samplers._POISSON, 0)
+        return samplers.poisson_positions(rng, n, self.sampling_prob)
+
+    monkeypatch.setattr(samplers.PoissonSampler, "sample", sample)
+
+
+@pytest.fixture
+def mutation_sampler_fixed_size(monkeypatch):
+    """Fixed-size cohorts of round(qN) uniformly chosen units, still accounted as Poisson."""
+
+    def sample(self, step, n):
+        rng = samplers._rng(self.seed, samplers._POISSON, step)
+        return np.sort(rng.choice(n, round(self.sampling_prob * n), replace=False))
+
+    monkeypatch.setattr(samplers.PoissonSampler, "sample", sample)
+
+
+@pytest.fixture
+def mutation_mechanism_reports_wrong_q(monkeypatch):
+    """ULS tells the ledger q·0.7 (e.g. q computed from a different N, train + eval users)."""
+    original = UserLevelSampling.mechanism
+
+    def mechanism(self):
+        m = original(self)
+        return dataclasses.replace(m, sampling_prob=m.sampling_prob * 0.7)
+
+    monkeypatch.setattr(UserLevelSampling, "mechanism", mechanism)
+
+
+@pytest.fixture
+def mutation_els_dsub_redrawn_each_step(monkeypatch):
+    """ELS draws a fresh ≤ G subset per user every step: over the run a user contributes more
+    than G examples, but the accountant assumes D_sub (G per user) was chosen once."""
+
+    def subset(self, population):
+        counts = as_population(population).require_examples("ELS")
+        self._subset = samplers.ExampleSubset(counts, self.group_size, samplers.secret_seed())
+        return self._subset
+
+    monkeypatch.setattr(ExampleLevelSampling, "subset", subset)
+
+
+@pytest.fixture
+def mutation_els_accounted_as_example_level(monkeypatch):
+    """ELS reports group size 1 to the accountant (example-level ε reported as user-level)."""
+    original = ExampleLevelSampling.mechanism
+
+    def mechanism(self):
+        return dataclasses.replace(original(self), group_size=1)
+
+    monkeypatch.setattr(ExampleLevelSampling, "mechanism", mechanism)
+
+
+@pytest.fixture
+def mutation_accountant_drops_a_step(monkeypatch):
+    """The accountant composes one step fewer than it is given (off by one)."""
+    original = accounting_api._normalize_phases
+
+    def normalize(phases):
+        out = original(phases)
+        if out:
+            mechanism, count = out[-1]
+            out[-1] = (mechanism, max(count - 1, 1))
+        return out
+
+    monkeypatch.setattr(accounting_api, "_normalize_phases", normalize)
+
+
+@pytest.fixture
+def mutation_ledger_skips_first_step(monkeypatch):
+    """The first released step is never charged (an ``if step:`` guard in the append path)."""
+    original = Ledger.append
+
+    def append(self, step, mechanism, **kwargs):
+        if step == 0:
+            return {}
+        return original(self, step, mechanism, **kwargs)
+
+    monkeypatch.setattr(Ledger, "append", append)
+
+
+@pytest.fixture
+def mutation_shuffle_claims_poisson_accounting(monkeypatch):
+    """Fixed-size shuffling reports that the Poisson accountant matches it (no caveat)."""
+    original = UserLevelSampling.facts
+
+    def facts(self):
+        f = original(self)
+        kept = tuple(c for c in f.caveats if "NOT MATCH" not in c.upper())
+        return dataclasses.replace(f, sampling_matches_accounting=True, caveats=kept)
+
+    monkeypatch.setattr(UserLevelSampling, "facts", facts)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-unit clipping in the worker's engine
+
+
+@pytest.fixture
+def mutation_engine_does_not_clip(monkeypatch):
+    """The clip factor is always 1: unit gradients are summed unclipped (missing clipping)."""
+    from userdp.clients import clipping
+
+    monkeypatch.setattr(clipping, "clip_factor", lambda norm, clip_norm: 1.0)
+
+
+@pytest.fixture
+def mutation_engine_clips_after_summing(monkeypatch):
+    """Batch-level clipping: the units' gradients are summed first, then the SUM is clipped to C
+    (notes/002.md §2, "mini-batch clipping")."""
+    from userdp.clients.engine import ClippingEngine
+
+    original = ClippingEngine.clipped_sum
+
+    def clipped_sum(self, units, clip_norm, **kwargs):
+        result = original(self, units, 1e30, **kwargs)  # nothing binds: Σ_u g_u
+        norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in result.sums.values()))
+        factor = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+        result.sums = {name: t * factor for name, t in result.sums.items()}
+        return result
+
+    monkeypatch.setattr(ClippingEngine, "clipped_sum", clipped_sum)
+
+
+def _per_example_units(unit):
+    from userdp.clients.engine import Unit
+
+    return [Unit(f"{unit.unit_id}/{i}", [e]) for i, e in enumerate(unit.examples)]
+
+
+@pytest.fixture
+def mutation_engine_clips_per_example(monkeypatch):
+    """ULS treated like ELS: every example of a user is clipped and summed (sensitivity m·C)."""
+    from userdp.clients.engine import ClippingEngine
+
+    original = ClippingEngine.clipped_sum
+
+    def clipped_sum(self, units, clip_norm, **kwargs):
+        expanded = [u for unit in units for u in _per_example_units(unit)]
+        return original(self, expanded, clip_norm, **kwargs)
+
+    monkeypatch.setattr(ClippingEngine, "clipped_sum", clipped_sum)
+
+
+@pytest.fixture
+def mutation_engine_averages_clipped_examples(monkeypatch):
+    """ULS user gradient = mean of the per-example CLIPPED gradients (norm ≤ C, wrong vector)."""
+    from userdp.clients.engine import ClippingEngine
+
+    original = ClippingEngine.clipped_sum
+
+    def clipped_sum(self, units, clip_norm, **kwargs):
+        total = None
+        for unit in units:
+            part = original(self, _per_example_units(unit), clip_norm, **kwargs)
+            scale = 1.0 / max(len(unit.examples), 1)
+            if total is None:
+                total = part
+                total.sums = {n: t * scale for n, t in part.sums.items()}
+            else:
+                total.sums = {n: total.sums[n] + t * scale for n, t in part.sums.items()}
+        total.count = len(units)
+        return total
+
+    monkeypatch.setattr(ClippingEngine, "clipped_sum", clipped_sum)

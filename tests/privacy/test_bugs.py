@@ -1,0 +1,336 @@
+"""Bug-catching tests for user-level DP, with a mutation check (issue 10, notes/002.md §8).
+
+Two tests per row of :data:`CASES`:
+
+* ``test_check_passes_on_the_real_code``: every check passes on userdp as it is;
+* ``test_mutation_is_caught``: with ONE classic bug injected into the real code path (a fixture of
+  ``mutations.py``), the same check raises AssertionError whose message names the failed property.
+
+So each test below can fail, and is shown to fail for the bug it exists to catch. The table is the
+contract: :data:`REQUIRED_BUGS` lists the bugs issue 10 names, and
+``test_every_required_bug_is_caught`` fails when one of them has no row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import pytest
+
+from . import checks_clipping as clipping
+from . import checks_coordinator as coordinator
+from . import checks_gather as gather
+from . import checks_model_noise as model_noise
+from . import checks_noise as noise
+from . import checks_sampling as sampling
+
+
+def _no_tmp(check: Callable[[], None]) -> Callable[[object], None]:
+    return lambda tmp_path: check()
+
+
+CHECKS: dict[str, Callable[[object], None]] = {
+    **{
+        f"engine_{engine}_{name}": _no_tmp(partial(check, engine))
+        for engine in ("loop", "vectorized")
+        for name, check in (
+            ("bounds_each_unit", clipping.check_engine_bounds_each_unit_by_clip_norm),
+            ("clips_before_summing", clipping.check_engine_clips_each_unit_before_summing),
+            ("clips_user_mean", clipping.check_engine_clips_user_mean_not_examples),
+        )
+    },
+    "noise_magnitude_uls": _no_tmp(partial(noise.check_noise_magnitude, "uls")),
+    "noise_magnitude_els": _no_tmp(partial(noise.check_noise_magnitude, "els")),
+    "noise_magnitude_blt": _no_tmp(partial(noise.check_noise_magnitude, "blt")),
+    "noise_every_tensor_lora": _no_tmp(
+        partial(model_noise.check_noise_on_every_trainable_tensor, 4)
+    ),
+    "noise_every_tensor_full": _no_tmp(
+        partial(model_noise.check_noise_on_every_trainable_tensor, 0)
+    ),
+    "noise_fresh_across_steps": _no_tmp(noise.check_noise_fresh_across_steps),
+    "noise_fresh_on_retry": _no_tmp(noise.check_noise_fresh_on_retry),
+    "noise_fresh_after_resume": _no_tmp(noise.check_noise_fresh_after_resume),
+    "exactly_once_gather": _no_tmp(gather.check_exactly_once_under_retries),
+    "unclipped_partial_rejected": _no_tmp(gather.check_unclipped_partial_is_rejected),
+    "coordinator_noise_magnitude": coordinator.check_coordinator_noise_magnitude,
+    "coordinator_exactly_once": coordinator.check_coordinator_counts_each_unit_once,
+    "coordinator_resume_fresh_noise": coordinator.check_coordinator_resume_draws_fresh_noise,
+    "uls_sampler_matches_accountant": _no_tmp(sampling.check_uls_sampler_matches_accountant),
+    "els_sampler_matches_accountant": _no_tmp(sampling.check_els_sampler_matches_accountant),
+    "ledger_epsilon_matches_run": sampling.check_ledger_epsilon_matches_steps_run,
+    "unaccounted_sampling_flagged": _no_tmp(sampling.check_unaccounted_sampling_is_flagged),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    bug: str
+    check: str
+    mutation: str
+    message: str
+    """Regex the check's AssertionError must match (the property it reports as broken)."""
+
+
+NOISE_STD = r"noise std is"
+NO_NOISE = r"noise std is \S+ but the mechanism requires \S+ \(ratio 0\.0000;"
+REUSED = r"IDENTICAL|correlated"
+TWICE = r"counted twice"
+
+
+def _cases(bug: str, mutation: str, message: str, *checks: str) -> list[Case]:
+    return [Case(bug, check, mutation, message) for check in checks]
+
+
+CASES: list[Case] = [
+    # --- per-unit clipping in the worker engine (R1, R2, R5) -----------------------------------
+    *_cases(
+        "missing clipping",
+        "mutation_engine_does_not_clip",
+        r"missing clipping",
+        "engine_loop_bounds_each_unit",
+        "engine_vectorized_bounds_each_unit",
+    ),
+    *_cases(
+        "clipping after averaging (batch-level)",
+        "mutation_engine_clips_after_summing",
+        r"clipping after summing/averaging",
+        "engine_loop_clips_before_summing",
+        "engine_vectorized_clips_before_summing",
+    ),
+    *_cases(
+        "ULS clipping per example instead of per user",
+        "mutation_engine_clips_per_example",
+        r"clipped per example instead of once per user",
+        "engine_loop_clips_user_mean",
+        "engine_vectorized_clips_user_mean",
+    ),
+    *_cases(
+        "ULS clipping per example instead of per user",
+        "mutation_engine_averages_clipped_examples",
+        r"clipped per example instead of once per user",
+        "engine_loop_clips_user_mean",
+    ),
+    # --- noise magnitude: exact χ² test of the released update's std (R4, R8) ------------------
+    *_cases(
+        "noise not scaled by C",
+        "mutation_noise_not_scaled_by_clip",
+        NOISE_STD,
+        "noise_magnitude_uls",
+        "noise_magnitude_blt",
+        "coordinator_noise_magnitude",
+    ),
+    *_cases(
+        "noise std σ² instead of σ",
+        "mutation_noise_std_sigma_squared",
+        NOISE_STD,
+        "noise_magnitude_uls",
+        "noise_magnitude_els",
+    ),
+    *_cases(
+        "noise std off by √B",
+        "mutation_noise_std_times_sqrt_cohort",
+        NOISE_STD,
+        "noise_magnitude_uls",
+        "noise_magnitude_els",
+        "coordinator_noise_magnitude",
+    ),
+    *_cases(
+        "noise std off by 1/B",
+        "mutation_noise_std_over_cohort",
+        NOISE_STD,
+        "noise_magnitude_uls",
+        "noise_magnitude_blt",
+    ),
+    *_cases(
+        "noise normalized by realized instead of expected cohort",
+        "mutation_normalize_by_realized_cohort",
+        NOISE_STD,
+        "noise_magnitude_uls",
+        "noise_magnitude_els",
+        "coordinator_noise_magnitude",
+    ),
+    *_cases(
+        "missing noise",
+        "mutation_no_noise",
+        NO_NOISE,
+        "noise_magnitude_uls",
+        "coordinator_noise_magnitude",
+    ),
+    *_cases(
+        "correlated (BLT) noise drawn iid",
+        "mutation_blt_noise_not_correlated",
+        NOISE_STD,
+        "noise_magnitude_blt",
+    ),
+    # --- noise on every trainable tensor --------------------------------------------------------
+    *_cases(
+        "noise missing on some parameters",
+        "mutation_noise_skips_zero_sum_tensors",
+        NO_NOISE,
+        "noise_every_tensor_lora",
+    ),
+    *_cases(
+        "noise missing on some parameters",
+        "mutation_noise_only_on_matrices",
+        NO_NOISE,
+        "noise_every_tensor_full",
+        "coordinator_noise_magnitude",
+    ),
+    # --- fresh noise ----------------------------------------------------------------------------
+    *_cases(
+        "noise reused across steps",
+        "mutation_noise_generator_reseeded_identically",
+        REUSED,
+        "noise_fresh_across_steps",
+        "noise_fresh_on_retry",
+    ),
+    *_cases(
+        "noise reused on retry",
+        "mutation_noise_seeded_by_step",
+        REUSED,
+        "noise_fresh_on_retry",
+    ),
+    *_cases(
+        "noise reused after resume",
+        "mutation_noise_seeded_by_step",
+        REUSED,
+        "noise_fresh_after_resume",
+        "coordinator_resume_fresh_noise",
+    ),
+    *_cases(
+        "noise reused after resume",
+        "mutation_noise_seed_from_config",
+        REUSED,
+        "noise_fresh_after_resume",
+        "coordinator_resume_fresh_noise",
+    ),
+    # --- exactly once, clipping enforced at the coordinator ------------------------------------
+    *_cases(
+        "unit counted twice on retry",
+        "mutation_duplicate_discard_disabled",
+        TWICE,
+        "exactly_once_gather",
+        "coordinator_exactly_once",
+    ),
+    *_cases(
+        "unit counted twice on retry",
+        "mutation_closed_task_results_accepted",
+        TWICE,
+        "exactly_once_gather",
+    ),
+    *_cases(
+        "missing clipping",
+        "mutation_unclipped_partial_accepted",
+        r"a worker that does not clip",
+        "unclipped_partial_rejected",
+    ),
+    # --- sampling vs accounting -----------------------------------------------------------------
+    *_cases(
+        "sampler inclusion probability ≠ accountant q",
+        "mutation_sampler_q_differs",
+        r"the accountant \(ledger mechanism\) is told q",
+        "uls_sampler_matches_accountant",
+    ),
+    *_cases(
+        "sampler inclusion probability ≠ accountant q",
+        "mutation_mechanism_reports_wrong_q",
+        r"the accountant \(ledger mechanism\) is told q",
+        "uls_sampler_matches_accountant",
+    ),
+    *_cases(
+        "sampler not fresh every step",
+        "mutation_sampler_frozen_cohort",
+        r"not iid Binomial",
+        "uls_sampler_matches_accountant",
+    ),
+    *_cases(
+        "fixed-size sampling accounted as Poisson",
+        "mutation_sampler_fixed_size",
+        r"are not Binomial",
+        "uls_sampler_matches_accountant",
+    ),
+    *_cases(
+        "fixed-size sampling accounted as Poisson",
+        "mutation_shuffle_claims_poisson_accounting",
+        r"claims the Poisson accountant matches",
+        "unaccounted_sampling_flagged",
+    ),
+    *_cases(
+        "ELS user contributes more than G examples",
+        "mutation_els_dsub_redrawn_each_step",
+        r"distinct examples",
+        "els_sampler_matches_accountant",
+    ),
+    *_cases(
+        "ELS accounted at example level",
+        "mutation_els_accounted_as_example_level",
+        r"distinct examples",
+        "els_sampler_matches_accountant",
+    ),
+    *_cases(
+        "accountant given wrong steps",
+        "mutation_accountant_drops_a_step",
+        r"dp_accounting's PLD accountant gives",
+        "ledger_epsilon_matches_run",
+    ),
+    *_cases(
+        "accountant given wrong steps",
+        "mutation_ledger_skips_first_step",
+        r"every release must be charged exactly once",
+        "ledger_epsilon_matches_run",
+    ),
+    *_cases(
+        "accountant given wrong q",
+        "mutation_mechanism_reports_wrong_q",
+        r"but the run used",
+        "ledger_epsilon_matches_run",
+    ),
+]
+
+REQUIRED_BUGS = frozenset(
+    {
+        "missing clipping",
+        "clipping after averaging (batch-level)",
+        "ULS clipping per example instead of per user",
+        "noise not scaled by C",
+        "noise normalized by realized instead of expected cohort",
+        "noise std off by √B",
+        "noise std off by 1/B",
+        "noise std σ² instead of σ",
+        "noise missing on some parameters",
+        "noise reused across steps",
+        "noise reused on retry",
+        "noise reused after resume",
+        "unit counted twice on retry",
+        "sampler inclusion probability ≠ accountant q",
+        "accountant given wrong steps",
+        "accountant given wrong q",
+    }
+)
+
+
+def _case_id(case: Case) -> str:
+    return f"{case.check}-{case.mutation.removeprefix('mutation_')}"
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_check_passes_on_the_real_code(name, tmp_path):
+    CHECKS[name](tmp_path)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_mutation_is_caught(case, request, tmp_path):
+    request.getfixturevalue(case.mutation)  # inject the bug (monkeypatch, undone afterwards)
+    with pytest.raises(AssertionError, match=case.message):
+        CHECKS[case.check](tmp_path)
+
+
+def test_every_required_bug_is_caught():
+    covered = {case.bug for case in CASES}
+    missing = sorted(REQUIRED_BUGS - covered)
+    assert not missing, f"no check with a mutation test for: {missing}"
+    unused = sorted(set(CHECKS) - {case.check for case in CASES})
+    assert not unused, f"checks without a mutation proving they can fail: {unused}"
