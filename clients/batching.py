@@ -9,8 +9,8 @@ target; they are DROPPED from their unit and counted (``skipped_examples``); a u
 examples has a zero gradient (it still counts as one unit, with norm 0).
 
 Layout: every row of a micro-batch is one example of one unit, rows are right-padded (causal
-attention: padding after the last real token cannot change the real positions) and padded
-positions have weight 0. Row r of example e in unit u has weight 1 / (n_u · (L_e − 1)) on each of
+attention: padding after the last real token cannot change the real positions; the attention
+mask marks it too) and padded positions have weight 0. Row r of example e in unit u has weight 1 / (n_u · (L_e − 1)) on each of
 its L_e − 1 positions, so Σ_t w_t·CE_t over a unit's rows is exactly that unit's loss.
 
 Budget: a micro-batch's cost is its PADDED size, rows × longest row. Units are packed greedily in
@@ -193,7 +193,9 @@ def token_losses(module: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
 
     Padding positions are zeroed with ``where`` (not a multiply) so that a non-finite value at a
     padded position cannot leak into the sum as 0·NaN."""
-    logits = module(input_ids=batch.inputs, use_cache=False).logits
+    logits = module(
+        input_ids=batch.inputs, attention_mask=batch.mask.long(), use_cache=False
+    ).logits
     vocab = logits.shape[-1]
     ce = torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, vocab), batch.targets.reshape(-1), reduction="none"

@@ -32,6 +32,8 @@ import torch
 from userdp.clients.batching import EngineError, Unit, prepare_units
 from userdp.clients.clipping import Accumulator, ClippedSum, loop_clipped_sum
 from userdp.clients.distributed import all_reduce_result, split_units, world
+from userdp.clients.ghost import vectorized_clipped_sum
+from userdp.clients.sketch import GaussianProbes
 
 __all__ = [
     "ENGINES",
@@ -107,7 +109,8 @@ class ClippingEngine:
     ) -> ClippedSum:
         """Σ_u clip(g_u, C) over ``units`` and its statistics (:class:`ClippedSum`).
 
-        engine/probes/token_budget: per-task overrides (None or 0/"" = the engine's defaults).
+        engine/token_budget: per-task overrides (None, "" or 0 = the engine's defaults).
+        probes: Hutchinson probes k for ``randomized`` (None = the default; 0 = exact norms).
         local_steps ≥ 1: DP-FedAvg, not implemented by this engine (raises EngineError).
         probe_seed: TESTS ONLY — seeds the randomized engine's probes; production draws them from
             an ``os.urandom``-seeded generator on every call."""
@@ -131,11 +134,10 @@ class ClippingEngine:
         acc.skipped_examples = sum(prepared[i].skipped for i in mine)
         if name == "loop":
             loop_clipped_sum(self.module, self.params, prepared, mine, acc, budget, self.pad_id)
-        elif name == "vectorized":  # interim: exact, via the reference loop (next commit)
-            loop_clipped_sum(self.module, self.params, prepared, mine, acc, budget, self.pad_id)
         else:
-            from userdp.clients.ghost import vectorized_clipped_sum
-
+            probe_source = None
+            if name == "randomized" and k > 0:  # k = 0: exact norms (the proto's "0 = exact")
+                probe_source = GaussianProbes(k, seed=probe_seed)
             vectorized_clipped_sum(
                 self.module,
                 self.params,
@@ -144,8 +146,7 @@ class ClippingEngine:
                 acc,
                 budget,
                 self.pad_id,
-                probes=k if name == "randomized" else None,
-                probe_seed=probe_seed,
+                probes=probe_source,
             )
         result = acc.result()
         if world_size > 1:

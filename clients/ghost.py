@@ -1,0 +1,394 @@
+"""The ``vectorized`` (exact) and ``randomized`` (Hutchinson) engines: per-unit norms of many units
+from ONE forward and ONE activation backward, then the clipped sum by book-keeping.
+
+Per micro-batch (rows = examples of whole units, see :mod:`userdp.clients.batching`):
+
+1. Forward with hooks on every module that owns a trainable parameter; each call records its
+   input and keeps its output.
+2. ``torch.autograd.grad(Σ_u loss_u, outputs)``: the gradient G of every recorded output. Weight
+   gradients are NOT computed (they are not requested), nothing touches ``.grad``.
+3. Per unit u and parameter, the gradient is a sum over the unit's (real) tokens t of rank-one
+   terms. Writing a weight as [dim0, dim1] in its storage layout, every use c of it contributes
+   L_c,t R_c,tᵀ:
+
+   =============  ===========================  =====================  ==================
+   layer          storage                      L_t (dim0)             R_t (dim1)
+   =============  ===========================  =====================  ==================
+   Linear         W [out, in], y = x Wᵀ + b    g_t (output grad)      a_t (input)
+   Conv1D         W [in, out], y = x W + b     a_t                    g_t
+   Embedding      W [V, d],    y = W[x]        onehot(x_t)            g_t
+   =============  ===========================  =====================  ==================
+
+   so the unit's gradient is M_u = Σ_c L_cᵀ R_c over the unit's token rows. A TIED weight (GPT-2's
+   ``lm_head.weight`` is ``transformer.wte.weight``) is one parameter with two uses; its gradient
+   is the SUM of both, so the norm has cross terms and both uses are handled together.
+
+   User-level norm (DESIGN.md risk 2): over ALL the unit's tokens,
+       ‖M_u‖²_F = Σ_{c,c'} Σ_{t,s} (L_c,t·L_c',s)(R_c,t·R_c',s)          ("ghost", T_u² terms)
+   (onehot·onehot = [x_t = x_s], onehot(x_t)·g_s = g_s[x_t]), or materialize M_u (d0×d1) and
+   square it. Per unit and parameter we pick the cheaper: ghost costs ≈ T_u²(d0 + d1), the
+   materialized gradient T_u·d0·d1 (onehot uses: T_u·d1). Long users (T_u ≫ width) therefore
+   materialize; short examples use the ghost identity.
+
+   Biases (Σ_t g_t) and parameters of any other module (LayerNorm, RMSNorm, …: "generic") are
+   small: their per-unit gradients are materialized, for generic modules by re-running the
+   module on the unit's rows of its recorded input and a vjp with the unit's rows of G.
+
+4. c_u = min(1, C/‖g_u‖) with ‖g_u‖² = Σ over parameters; non-finite → the unit is dropped.
+5. Book-keeping (Bu et al. 2023): Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the tokens of the kept
+   units (c_t = the token's unit factor) — one weight-gradient-sized matmul per use, no second
+   backward. Tokens of dropped units are removed before the product, so a NaN there cannot reach
+   the sum.
+
+Randomized (DP-SGD-RC, notes/001.md §4): step 3 for the L/R weights is replaced by a sketch. Per
+micro-batch and weight a FRESH P ∈ ℝ^{d0×k}, P_ij ~ N(0, 1/k), is drawn (shared by the units of
+the micro-batch, independent of the data); n̂ = ‖M_uᵀ P‖² = ‖Σ_c R_cᵀ (L_c P)‖²_F (tied uses are
+summed as sketches before squaring). Its law is Σ_j λ_j χ²_j(k)/k over the squared singular values
+λ_j of M_u, independently per weight, and biases/generic parameters add their exact squared
+norms (a deterministic term: the limit of many small χ² components). The accountant
+(accounting/randomized_clipping.py) bounds Z = ‖g‖/√n̂ by the rank-1 worst case √(k/χ²_k) —
+which covers this law (notes/001.md §8.4, §12.3). c_u = min(1, C/√n̂_u).
+
+Requirements on the model (checked; an unsupported model raises EngineError, use ``loop``): every
+trainable parameter is used through a hooked module call, and every hooked call takes and
+returns tensors laid out [rows, length, …] (batch-first tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from userdp.clients.batching import (
+    EngineError,
+    MicroBatch,
+    PreparedUnit,
+    make_batch,
+    pack_units,
+    token_losses,
+)
+from userdp.clients.clipping import Accumulator, add_clipped_unit, unit_gradient
+from userdp.clients.norms import (
+    Factor,
+    exact_squared_norm,
+    materialize,
+    sketch_squared_norm,
+)
+from userdp.clients.sketch import ProbeSource
+
+try:
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - transformers is a dependency of the worker
+    Conv1D = ()
+
+LINEAR, CONV1D, EMBEDDING, LAYERNORM, GENERIC = "linear", "conv1d", "embedding", "ln", "generic"
+
+
+def _kind(module: torch.nn.Module) -> str:
+    if isinstance(module, torch.nn.Linear):
+        return LINEAR
+    if Conv1D and isinstance(module, Conv1D):
+        return CONV1D
+    if isinstance(module, torch.nn.Embedding):
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise EngineError(
+                f"{type(module).__name__} with max_norm/scale_grad_by_freq/sparse is not "
+                "supported by the vectorized engines; use strategy.engine = 'loop'"
+            )
+        return EMBEDDING
+    if isinstance(module, torch.nn.LayerNorm):
+        return LAYERNORM
+    return GENERIC
+
+
+@dataclass
+class Call:
+    """One recorded call of a hooked module."""
+
+    module: torch.nn.Module
+    kind: str
+    inputs: torch.Tensor
+    output: torch.Tensor
+    grad: torch.Tensor | None = None
+
+
+@dataclass
+class Capture:
+    """Forward hooks on every module that directly owns a trainable parameter."""
+
+    params: dict[str, torch.Tensor]
+    rows: int
+    calls: list[Call] = field(default_factory=list)
+    enabled: bool = True
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = field(default_factory=dict)
+
+    def attach(self, root: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        names = {id(p): n for n, p in self.params.items()}
+        handles = []
+        for module in root.modules():
+            owned = [
+                (local, names[id(p)])
+                for local, p in module.named_parameters(recurse=False)
+                if id(p) in names
+            ]
+            if not owned:
+                continue
+            kind = _kind(module)
+            self.owners[id(module)] = owned
+            handles.append(module.register_forward_hook(self._hook(kind)))
+        covered = {name for owned in self.owners.values() for _, name in owned}
+        missing = sorted(set(self.params) - covered)
+        if missing:  # pragma: no cover - nn.Module parameters always have an owner
+            raise EngineError(f"trainable parameters without an owning module: {missing[:3]}")
+        return handles
+
+    def _hook(self, kind: str):
+        def hook(module, inputs, output):
+            if self.enabled:
+                if not inputs or not isinstance(inputs[0], torch.Tensor):
+                    raise EngineError(
+                        f"{type(module).__name__} is called without a tensor input; the "
+                        "vectorized engines cannot attribute its gradient: use engine 'loop'"
+                    )
+                if not isinstance(output, torch.Tensor):
+                    raise EngineError(
+                        f"{type(module).__name__} returns {type(output).__name__}, not a tensor;"
+                        " the vectorized engines need tensor outputs: use engine 'loop'"
+                    )
+                x = inputs[0]
+                if x.shape[:1] == (1,) and output.shape[:1] == (1,) and self.rows > 1:
+                    # broadcast over rows (e.g. GPT-2's position embedding of [1, length]
+                    # position ids): expand so that each row gets its own output gradient
+                    x = x.expand(self.rows, *x.shape[1:])
+                    output = output.expand(self.rows, *output.shape[1:])
+                self.calls.append(Call(module, kind, x.detach(), output))
+                return output
+            return None
+
+        return hook
+
+
+@dataclass
+class Layout:
+    """Token bookkeeping of one micro-batch: flat position -> local unit, per-unit positions."""
+
+    rows: int
+    length: int
+    unit_positions: list[torch.Tensor]  # per local unit: flat indices of its real positions
+    unit_rows: list[torch.Tensor]  # per local unit: its row indices
+    positions: torch.Tensor  # all real positions, unit by unit
+    position_unit: torch.Tensor  # the local unit of each entry of ``positions``
+    spans: list[slice]  # per local unit: its entries in ``positions``
+
+    @classmethod
+    def of(cls, batch: MicroBatch) -> Layout:
+        rows, length = batch.inputs.shape
+        flat_unit = batch.row_unit[:, None].expand(rows, length).reshape(-1)
+        flat_mask = batch.mask.reshape(-1)
+        positions, unit_rows = [], []
+        for unit in batch.units:
+            positions.append(torch.nonzero((flat_unit == unit) & flat_mask).squeeze(1))
+            unit_rows.append(torch.nonzero(batch.row_unit == unit).squeeze(1))
+        owner = torch.cat(
+            [torch.full((len(p),), j, device=p.device) for j, p in enumerate(positions)]
+        )
+        spans, start = [], 0
+        for p in positions:
+            spans.append(slice(start, start + len(p)))
+            start += len(p)
+        return cls(rows, length, positions, unit_rows, torch.cat(positions), owner, spans)
+
+    def real(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """[real positions (unit by unit), features] of a [rows, length, ...] tensor."""
+        return self.flat(tensor, what)[self.positions]
+
+    def flat(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        if tuple(tensor.shape[:2]) != (self.rows, self.length):
+            raise EngineError(
+                f"{what} has shape {tuple(tensor.shape)}, not [rows={self.rows}, "
+                f"length={self.length}, ...]; the vectorized engines need batch-first token "
+                "tensors at every layer that owns a trainable parameter: use engine 'loop'"
+            )
+        return tensor.reshape(self.rows * self.length, -1)
+
+
+def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]):
+    """Per weight name: [(L factor, R rows)]; per small parameter (bias, LayerNorm): gradient
+    rows [positions, numel]; rows are the real positions, unit by unit (``layout.positions``).
+    Generic calls: [(call, owned names)]."""
+    weights: dict[str, list[tuple[Factor, torch.Tensor]]] = {}
+    token_rows: dict[str, list[torch.Tensor]] = {}
+    generic: list[tuple[Call, list[tuple[str, str]]]] = []
+    names = {id(p): n for n, p in params.items()}
+    for call in calls:
+        module = call.module
+        grad = call.grad
+        if grad is None:
+            grad = torch.zeros_like(call.output)
+        owned = [
+            (local, names[id(p)])
+            for local, p in module.named_parameters(recurse=False)
+            if id(p) in names
+        ]
+        if call.kind == GENERIC:
+            generic.append((Call(module, call.kind, call.inputs, call.output, grad), owned))
+            continue
+        g = layout.real(grad, f"{type(module).__name__} output")
+        if call.kind == LAYERNORM:  # y = x̂ ⊙ w + b: ∂w = g ⊙ x̂, ∂b = g per position
+            normalized = torch.nn.functional.layer_norm(
+                call.inputs, module.normalized_shape, eps=module.eps
+            )
+            per_position = {"weight": g * layout.real(normalized, "LayerNorm input"), "bias": g}
+            for local, name in owned:
+                token_rows.setdefault(name, []).append(per_position[local])
+            continue
+        for local, name in owned:
+            if local == "bias":
+                token_rows.setdefault(name, []).append(g)
+                continue
+            if call.kind == EMBEDDING:
+                ids = call.inputs
+                if tuple(ids.shape) != (layout.rows, layout.length):
+                    layout.flat(ids, "Embedding input")
+                index = ids.reshape(-1)[layout.positions]
+                g_used = g
+                if module.padding_idx is not None:  # no gradient flows to the padding row
+                    g_used = g * (index != module.padding_idx)[:, None].to(g.dtype)
+                use = (Factor(None, index, module.num_embeddings), g_used)
+            else:
+                a = layout.real(call.inputs, f"{type(module).__name__} input")
+                if call.kind == LINEAR:
+                    use = (Factor(g, None, g.shape[1]), a)
+                else:  # Conv1D
+                    use = (Factor(a, None, a.shape[1]), g)
+            weights.setdefault(name, []).append(use)
+    return weights, token_rows, generic
+
+
+def _generic_unit_grads(
+    call: Call, owned: list[tuple[str, str]], layout: Layout, capture: Capture
+) -> dict[str, torch.Tensor]:
+    """Per-unit gradients [U, numel] of a generic module's own parameters: the module is re-run
+    on each unit's rows of its recorded input and differentiated against those rows of G."""
+    local = dict(call.module.named_parameters(recurse=False))
+    tensors = [local[name] for name, _ in owned]
+    out: dict[str, list[torch.Tensor]] = {global_name: [] for _, global_name in owned}
+    capture.enabled = False
+    try:
+        for rows in layout.unit_rows:
+            with torch.enable_grad():
+                y = call.module(call.inputs[rows])
+                parts = torch.autograd.grad(
+                    y, tensors, grad_outputs=call.grad[rows].to(y.dtype), allow_unused=True
+                )
+            for (_, global_name), part, tensor in zip(owned, parts, tensors, strict=True):
+                zero = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
+                out[global_name].append(zero if part is None else part.reshape(-1).float())
+    finally:
+        capture.enabled = True
+    return {name: torch.stack(rows) for name, rows in out.items()}
+
+
+def _micro_batch(
+    module: torch.nn.Module,
+    params: dict[str, torch.Tensor],
+    batch: MicroBatch,
+    acc: Accumulator,
+    probes: ProbeSource | None,
+) -> None:
+    capture = Capture(params, int(batch.inputs.shape[0]))
+    handles = capture.attach(module)
+    try:
+        losses = token_losses(module, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    layout = Layout.of(batch)
+    weighted = (losses * batch.weights).sum()
+    outputs = [call.output for call in capture.calls]
+    grads = torch.autograd.grad(weighted, outputs, allow_unused=True)
+    for call, grad in zip(capture.calls, grads, strict=True):
+        call.grad = grad
+        call.output = call.output.detach()
+    weights, token_rows, generic = _uses(capture.calls, layout, params)
+
+    n_units = len(batch.units)
+    sq = torch.zeros(n_units, dtype=torch.float64)
+    # weights: exact (ghost or materialized) or sketched, per unit
+    for name, uses in weights.items():
+        shape = params[name].shape
+        probe = probes.draw(shape[0], params[name].device) if probes is not None else None
+        for j, span in enumerate(layout.spans):
+            unit_uses = [(f.select(span), r[span]) for f, r in uses]
+            if probe is None:
+                sq[j] += exact_squared_norm(unit_uses, shape)
+            else:
+                sq[j] += sketch_squared_norm(unit_uses, probe)
+    # biases, LayerNorm and generic parameters: materialized per-unit gradients [U, numel]
+    small: dict[str, torch.Tensor] = {}
+    for name, parts in token_rows.items():
+        rows = sum(part.to(torch.float32) for part in parts)
+        per_unit = torch.zeros((n_units, rows.shape[1]), dtype=torch.float32, device=rows.device)
+        small[name] = per_unit.index_add_(0, layout.position_unit, rows)
+    for call, owned in generic:
+        for name, per_unit in _generic_unit_grads(call, owned, layout, capture).items():
+            small[name] = small[name] + per_unit if name in small else per_unit
+    for per_unit in small.values():
+        sq += per_unit.double().pow(2).sum(1).cpu()
+
+    # clip factors, statistics
+    unit_losses = losses.detach().reshape(-1)[layout.positions].double()
+    factors: list[float | None] = []
+    for j, span in enumerate(layout.spans):
+        norm = math.sqrt(float(sq[j])) if math.isfinite(float(sq[j])) else float("nan")
+        loss_sum = float(unit_losses[span].sum())
+        factors.append(acc.record(norm, loss_sum, span.stop - span.start))
+    kept = [j for j, f in enumerate(factors) if f is not None]
+    if not kept:
+        return
+    device = layout.positions.device
+    unit_factor = torch.tensor(
+        [f if f is not None else 0.0 for f in factors], dtype=torch.float32, device=device
+    )
+    keep: torch.Tensor | slice = slice(None)
+    if len(kept) < n_units:  # drop the tokens of non-finite units before any product
+        keep = torch.cat([torch.arange(layout.spans[j].start, layout.spans[j].stop) for j in kept])
+        keep = keep.to(device)
+    token_factor = unit_factor[layout.position_unit][keep][:, None]
+    # book-keeping: Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the kept tokens
+    for name, uses in weights.items():
+        scaled = [(f.select(keep), r[keep].to(torch.float32) * token_factor) for f, r in uses]
+        acc.add(name, materialize(scaled, params[name].shape))
+    kept_index = torch.tensor(kept, device=device)
+    for name, per_unit in small.items():
+        kept_rows = per_unit[kept_index] * unit_factor[kept_index][:, None]
+        acc.add(name, kept_rows.sum(0).reshape(params[name].shape))
+
+
+def vectorized_clipped_sum(
+    module: torch.nn.Module,
+    params: dict[str, torch.Tensor],
+    prepared: Sequence[PreparedUnit],
+    indices: Sequence[int],
+    acc: Accumulator,
+    token_budget: int,
+    pad_id: int,
+    probes: ProbeSource | None = None,
+) -> None:
+    """Add clip(g_u)·… of ``prepared[indices]`` to ``acc``: exact norms, or sketched norms when
+    ``probes`` is given. Units over the token budget run through the loop path (chunked, exact
+    norm; for the randomized engine an exact norm means Z = 1, inside the accountant's law)."""
+    local = [prepared[i] for i in indices]
+    batches, oversized = pack_units(local, token_budget)
+    device = next(iter(params.values())).device
+    for unit in local:
+        if not unit.examples:
+            acc.record(0.0, 0.0, 0)
+    for batch_units in batches:
+        batch = make_batch(local, batch_units, device, pad_id)
+        _micro_batch(module, params, batch, acc, probes)
+    for j in oversized:
+        grads, loss_sum, tokens = unit_gradient(module, params, local, j, token_budget, pad_id)
+        add_clipped_unit(acc, grads, loss_sum, tokens)

@@ -1,0 +1,188 @@
+"""The ``vectorized`` engine (clients/ghost.py) agrees with ``loop``: ghost and materialized
+user-level norms, the tied wte/lm_head weight, LayerNorm and generic modules, book-keeping sums,
+non-finite units, oversized units; unsupported layouts are refused, not silently mis-clipped."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from userdp.clients.engine import ClippingEngine, EngineError, Unit
+from userdp.clients.norms import Factor, ghost_squared_norm, materialize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.clients.engine_fixtures import (  # noqa: E402
+    assert_sums_close,
+    random_units,
+    tiny_model,
+    total_norm,
+)
+from tests.clients.test_engine import poison_token  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    return tiny_model(lora_rank=2)
+
+
+def both(module, units, clip_norm, **kwargs):
+    loop = ClippingEngine(module, engine="loop", **kwargs).clipped_sum(units, clip_norm)
+    vec = ClippingEngine(module, engine="vectorized", **kwargs).clipped_sum(units, clip_norm)
+    return loop, vec
+
+
+def assert_same(loop, vec):
+    assert_sums_close(vec.sums, loop.sums, rtol=2e-5)
+    assert (vec.count, vec.nonfinite, vec.clipped, vec.tokens) == (
+        loop.count,
+        loop.nonfinite,
+        loop.clipped,
+        loop.tokens,
+    )
+    for key in ("norm_min", "norm_max", "norm_sum", "norm_sum_sq", "loss_sum"):
+        assert getattr(vec, key) == pytest.approx(getattr(loop, key), rel=1e-5), key
+
+
+def test_ghost_identity_equals_materialized_norm_with_tied_uses():
+    """‖Σ_c L_cᵀR_c‖² by Σ_{c,c'} ⟨L_cL_c'ᵀ, R_cR_c'ᵀ⟩, for dense and onehot (embedding) uses of
+    one weight, in float64 (notes/001.md RC-1)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, width, n = 11, 5, 9
+    dense = Factor(torch.randn(n, vocab, generator=gen, dtype=torch.float64), None, vocab)
+    onehot = Factor(None, torch.randint(0, vocab, (n,), generator=gen), vocab)
+    uses = [
+        (dense, torch.randn(n, width, generator=gen, dtype=torch.float64)),
+        (onehot, torch.randn(n, width, generator=gen, dtype=torch.float64)),
+    ]
+    full = materialize(uses, torch.Size([vocab, width])).double()
+    explicit = uses[0][0].dense.T @ uses[0][1]
+    explicit.index_add_(0, onehot.index, uses[1][1])
+    assert torch.allclose(full, explicit, rtol=1e-5, atol=1e-5)
+    assert ghost_squared_norm(uses) == pytest.approx(float(explicit.pow(2).sum()), rel=1e-10)
+
+
+@pytest.mark.parametrize("clip_norm", [3.5, 1e6])
+def test_vectorized_equals_loop(model, clip_norm):
+    # up to 6 examples of up to 24 tokens: units below and above the ghost/materialize switch
+    units = random_units(7, seed=11, max_examples=6)
+    loop, vec = both(model, units, clip_norm)
+    assert 0 < loop.clipped < 7 if clip_norm == 3.5 else loop.clipped == 0
+    assert_same(loop, vec)
+
+
+def test_vectorized_equals_loop_with_lora(lora_model):
+    units = random_units(5, seed=12)
+    loop, vec = both(lora_model, units, 0.05)
+    assert loop.clipped > 0 and all("lora_" in n for n in vec.sums)
+    assert_same(loop, vec)
+
+
+def test_vectorized_micro_batches_and_oversized_units(model):
+    """Budget 40: several micro-batches, and units over budget run chunked through the loop
+    path; one example over the budget runs alone."""
+    rng = np.random.default_rng(13)
+    units = random_units(4, seed=13, max_examples=3)
+    units.append(Unit("long-example", [rng.integers(3, 259, 24)]))  # 23 positions
+    loop = ClippingEngine(model, engine="loop").clipped_sum(units, 3.5)
+    for budget in (40, 10):
+        vec = ClippingEngine(model, engine="vectorized", token_budget=budget)
+        assert_same(loop, vec.clipped_sum(units, 3.5))
+
+
+def test_vectorized_huge_gradient_contributes_exactly_c():
+    module = tiny_model()
+    with torch.no_grad():
+        module.transformer.wte.weight.mul_(1e3)
+    got = ClippingEngine(module, engine="vectorized").clipped_sum(random_units(1, seed=3), 0.5)
+    assert got.clipped == 1 and got.norm_max > 100
+    assert total_norm(got.sums) == pytest.approx(0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_vectorized_nonfinite_unit_is_dropped_from_a_shared_micro_batch(value):
+    module = tiny_model()
+    poison = 200
+    clean = [u for u in random_units(8, seed=5) if all(poison not in e for e in u.examples)][:4]
+    bad = Unit("bad", [np.array([5, 6, poison, 7, 8]), np.array([9, 10, 11])])
+    baseline = ClippingEngine(module, engine="loop").clipped_sum(clean, 1.0)
+    handle = poison_token(module, poison, value)
+    try:
+        got = ClippingEngine(module, engine="vectorized").clipped_sum(
+            [*clean[:2], bad, *clean[2:]], 1.0
+        )
+    finally:
+        handle.remove()
+    assert got.nonfinite == 1 and got.count == len(clean)
+    assert all(torch.isfinite(t).all() for t in got.sums.values())
+    assert_sums_close(got.sums, baseline.sums, rtol=2e-5)
+
+
+# ---- a toy causal LM with a "generic" module (re-run per unit) ------------------------------
+
+
+class ScaleNorm(torch.nn.Module):
+    """RMS-style norm with a learned gain: not one of the specialized layer kinds."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.gain
+
+
+class ToyLM(torch.nn.Module):
+    def __init__(self, vocab: int = 31, width: int = 8, transpose: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.norm = ScaleNorm(width)
+        self.mix = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.transpose = transpose
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        h = self.embed(input_ids)
+        h = torch.cumsum(self.norm(h), dim=1)  # causal mixing over positions
+        if self.transpose:  # [length, rows, width]: tokens not batch-first
+            h = self.mix(h.transpose(0, 1)).transpose(0, 1)
+        else:
+            h = torch.tanh(self.mix(h))
+        return SimpleNamespace(logits=self.head(h))
+
+
+def toy_units(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [
+        Unit(f"t{i}", [rng.integers(0, 31, int(rng.integers(2, 9))) for _ in range(1 + i % 3)])
+        for i in range(n)
+    ]
+
+
+def test_generic_modules_are_rerun_per_unit_and_agree_with_loop():
+    module = ToyLM()
+    units = toy_units(6)
+    unclipped = ClippingEngine(module, engine="loop").clipped_sum(units, 1e6)
+    clip_norm = unclipped.norm_sum / unclipped.count  # the mean norm: some units clip
+    loop = ClippingEngine(module, engine="loop").clipped_sum(units, clip_norm)
+    vec = ClippingEngine(module, engine="vectorized").clipped_sum(units, clip_norm)
+    assert 0 < loop.clipped < 6
+    assert_same(loop, vec)
+    assert float(vec.sums["norm.gain"].abs().sum()) > 0
+
+
+def test_layouts_the_vectorized_engine_cannot_attribute_are_refused():
+    module = ToyLM(transpose=True)
+    units = [Unit("a", [np.arange(9) % 31] * 3)]  # 3 rows x 8 positions
+    with pytest.raises(EngineError, match="use engine 'loop'"):
+        ClippingEngine(module, engine="vectorized").clipped_sum(units, 1.0)
+    assert ClippingEngine(module, engine="loop").clipped_sum(units, 1.0).count == 1
