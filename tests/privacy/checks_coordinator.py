@@ -198,7 +198,7 @@ def check_coordinator_counts_each_unit_once(tmp_path: Path) -> None:
     noiseless single-process reference and the report counts each unit once."""
     population = toy.toy_population(N_USERS, 2)
     s0, s1 = sorted(population.shard_sha256)
-    settings = CoordinatorSettings(step_deadline_s=20, task_deadline_s=1.0, max_step_retries=0)
+    settings = CoordinatorSettings(step_deadline_s=20, task_deadline_s=1.5, max_step_retries=0)
     strategy = _strategy(0)
     start = _params({"w": (6,), "b": (2, 3)})
     loop = make_loopback(
@@ -213,12 +213,13 @@ def check_coordinator_counts_each_unit_once(tmp_path: Path) -> None:
     backup_log: list = []
     try:
         # ties go to the smallest id: a-late gets shard 0, b-slow shard 1, c-backup nothing
-        # a-late: 1.4 s (> the 1 s task deadline), result sent anyway at ~1.4 s
-        # b-slow: 2.5 s, times out at 1 s too (keeps a re-issued task outstanding)
-        # c-backup: gets both re-issues at ~1 s, answers at ~1.7 s, after the late result
-        start_worker(loop, "a-late", [s0], TimedCompute(1.4, log=late_log), LateWorker)
+        # a-late: 2.0 s (> the 1.5 s task deadline); its result is sent anyway at ~2.0 s
+        # b-slow: 2.5 s, times out at 1.5 s too (keeps a re-issued task outstanding)
+        # c-backup: gets both re-issues at ~1.5 s and answers at ~2.5 s, after the late result
+        # and before the re-issued task's own deadline (~3.0 s): 0.5 s margins both ways
+        start_worker(loop, "a-late", [s0], TimedCompute(2.0, log=late_log), LateWorker)
         start_worker(loop, "b-slow", [s1], TimedCompute(2.5))
-        start_worker(loop, "c-backup", [s0, s1], TimedCompute(0.0, 0.7, backup_log))
+        start_worker(loop, "c-backup", [s0, s1], TimedCompute(0.0, 1.0, backup_log))
         assert loop.coordinator.wait_for_workers(20), "workers did not connect"
         reports = loop.coordinator.run(1)
     finally:

@@ -201,29 +201,104 @@ def check_ledger_epsilon_matches_steps_run(tmp_path: Path, steps: int = LEDGER_S
 
 def check_unaccounted_sampling_is_flagged() -> None:
     """Sampling schemes whose accounting does not hold must say so: fixed-size shuffling is
-    flagged (not a guarantee), truncation/padding switches to zero-out adjacency, Poisson is
-    neither. And the flag must agree with what the sampler does: a sampler whose cohort sizes
-    never vary is not Poisson."""
+    flagged (the printed ε is not a guarantee), truncation/padding switches to zero-out adjacency,
+    Poisson is neither — and Poisson cohorts must really vary in size (a fixed-size sampler that
+    claims the Poisson accountant is the same bug)."""
     users = _users(200)
-    for sampling, extra in (("poisson", {}), ("shuffle", {}), ("truncated", {"cohort_cap": 15})):
+    expected = {  # sampling: (accounting matches, adjacency)
+        "poisson": (True, "add-remove"),
+        "shuffle": (False, "add-remove"),
+        "truncated": (True, "zero-out"),
+    }
+    for sampling, (matches, adjacency) in expected.items():
+        extra = {"cohort_cap": 30} if sampling == "truncated" else {}
         strategy = UserLevelSampling(
-            noise_multiplier=SIGMA, clip_norm=CLIP, sampling_prob=Q, sampling=sampling, **extra
+            noise_multiplier=SIGMA,
+            clip_norm=CLIP,
+            sampling_prob=Q,
+            sampling=sampling,
+            seed=SEED,
+            **extra,
         )
         sizes = {len(strategy.sample_cohort(step, users)) for step in range(50)}
         facts = strategy.facts()
-        if sampling == "shuffle" or len(sizes) == 1:
-            assert not facts.sampling_matches_accounting, (
-                f"sampling={sampling!r} draws fixed-size cohorts (sizes {sorted(sizes)}) but "
-                "facts() claims the Poisson accountant matches it; the report would print ε as "
-                "a guarantee"
-            )
+        claims = "claims" if facts.sampling_matches_accounting else "does not claim"
+        assert facts.sampling_matches_accounting == matches, (
+            f"sampling={sampling!r} (cohort sizes {sorted(sizes)[:3]}…) {claims} the Poisson "
+            f"accountant matches it; expected {matches} (a fixed-size shuffle that claims the "
+            "Poisson accountant matches prints ε as a guarantee)"
+        )
+        if not matches:
             assert any("NOT MATCH" in c.upper() for c in facts.caveats), (
                 f"sampling={sampling!r}: no caveat says the accounting does not match"
             )
-        else:
-            assert facts.sampling_matches_accounting, f"{sampling}: flagged as unaccounted"
-        expected_adjacency = "zero-out" if sampling == "truncated" else "add-remove"
-        assert facts.adjacency == expected_adjacency, (
+        if sampling == "poisson":
+            assert len(sizes) > 1, (
+                f"Poisson sampling drew 50 cohorts of one size {sizes}: fixed-size sampling "
+                "claims the Poisson accountant matches"
+            )
+        assert facts.adjacency == adjacency, (
             f"sampling={sampling!r} reports adjacency {facts.adjacency!r}; expected "
-            f"{expected_adjacency!r} (padding/truncation only holds under zero-out)"
+            f"{adjacency!r} (padding/truncation only holds under zero-out)"
         )
+
+
+# ---- the config boundary: calibration and the strategy built from the config ---------------
+
+CAL_Q = 0.2
+CAL_STEPS = 8
+CAL_EPSILON = 6.0
+CAL_USERS = 300
+
+
+def check_config_calibration_matches_run(tmp_path: Path) -> None:
+    """A run from a config (``userdp.run_components``): σ is calibrated to the config's (ε, δ)
+    over its T steps; the strategy built from the config must report (σ, q) to the ledger,
+    sample at the config's q, and the run's ε — recomputed by dp_accounting for (σ, q, T) —
+    must not exceed the config's ε."""
+    import os
+
+    from userdp.config import parse_config
+    from userdp.run_components import make_strategy, resolve_noise_multiplier
+
+    config = parse_config(
+        {
+            "strategy": {"name": "uls", "sampling_prob": CAL_Q, "steps": CAL_STEPS},
+            "privacy": {"epsilon": CAL_EPSILON, "delta": DELTA},
+            "output": {"seed": SEED},
+        }
+    )
+
+    def reported(sigma: float) -> None:
+        mechanism = make_strategy(config, CAL_USERS, sigma).mechanism().to_dict()
+        configured = {"kind": "uls", "noise_multiplier": sigma, "sampling_prob": CAL_Q}
+        assert mechanism == configured, (
+            f"the strategy built from the config reports {mechanism} to the ledger but the "
+            f"config says q = {CAL_Q} with σ = {sigma:.6g}: the accountant is given the wrong q"
+        )
+
+    reported(1.0)  # cheap, before the calibration
+    saved = os.environ.get("USERDP_CACHE_DIR")
+    os.environ["USERDP_CACHE_DIR"] = str(Path(tmp_path) / "cache")  # hermetic: no stale cache
+    try:
+        sigma = resolve_noise_multiplier(config, CAL_USERS, DELTA)
+    finally:
+        if saved is None:
+            os.environ.pop("USERDP_CACHE_DIR", None)
+        else:
+            os.environ["USERDP_CACHE_DIR"] = saved
+    reported(sigma)
+    strategy = make_strategy(config, CAL_USERS, sigma)
+    run_epsilon = _reference_epsilon(sigma, CAL_Q, CAL_STEPS, DELTA)
+    assert run_epsilon <= CAL_EPSILON * (1 + 1e-6), (
+        f"σ = {sigma:.6g} was calibrated for the config's ε = {CAL_EPSILON} over {CAL_STEPS} "
+        f"steps of q = {CAL_Q}, but dp_accounting gives ε = {run_epsilon:.6g} for that run: "
+        "calibration was given the wrong steps or q"
+    )
+    users = _users(CAL_USERS)
+    total = sum(len(strategy.sample_cohort(step, users)) for step in range(200))
+    lo, hi = binomial_interval(CAL_USERS * 200, CAL_Q)
+    assert lo <= total <= hi, (
+        f"the config's sampler includes users at rate {total / (CAL_USERS * 200):.4f}, but the "
+        f"config (and the accountant) say q = {CAL_Q}: exact interval [{lo}, {hi}] of 60000"
+    )

@@ -407,3 +407,17 @@ def mutation_engine_averages_clipped_examples(monkeypatch):
         return total
 
     monkeypatch.setattr(ClippingEngine, "clipped_sum", clipped_sum)
+
+
+@pytest.fixture
+def mutation_calibration_for_fewer_steps(monkeypatch):
+    """σ is calibrated for T − 1 steps while the run takes T (an off-by-one in the step count
+    handed to the calibration)."""
+    from userdp.accounting import calibration
+
+    original = calibration.calibrate_noise_multiplier
+
+    def calibrate(template, target_epsilon, delta, steps, **kwargs):
+        return original(template, target_epsilon, delta, max(steps - 1, 1), **kwargs)
+
+    monkeypatch.setattr(calibration, "calibrate_noise_multiplier", calibrate)

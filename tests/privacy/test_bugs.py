@@ -62,6 +62,7 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "els_sampler_matches_accountant": _no_tmp(sampling.check_els_sampler_matches_accountant),
     "ledger_epsilon_matches_run": sampling.check_ledger_epsilon_matches_steps_run,
     "unaccounted_sampling_flagged": _no_tmp(sampling.check_unaccounted_sampling_is_flagged),
+    "config_calibration_matches_run": sampling.check_config_calibration_matches_run,
 }
 
 
@@ -255,7 +256,7 @@ CASES: list[Case] = [
     *_cases(
         "fixed-size sampling accounted as Poisson",
         "mutation_shuffle_claims_poisson_accounting",
-        r"claims the Poisson accountant matches",
+        r"claims the Poisson accountant matches it; expected False",
         "unaccounted_sampling_flagged",
     ),
     *_cases(
@@ -287,6 +288,18 @@ CASES: list[Case] = [
         "mutation_mechanism_reports_wrong_q",
         r"but the run used",
         "ledger_epsilon_matches_run",
+    ),
+    *_cases(
+        "accountant given wrong q",
+        "mutation_mechanism_reports_wrong_q",
+        r"the accountant is given the wrong q",
+        "config_calibration_matches_run",
+    ),
+    *_cases(
+        "accountant given wrong steps",
+        "mutation_calibration_for_fewer_steps",
+        r"calibration was given the wrong steps or q",
+        "config_calibration_matches_run",
     ),
 ]
 
