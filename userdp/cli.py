@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "userdp.cli_config",
     "userdp.cli_shard",
     "userdp.cli_simulate",
+    "userdp.cli_audit",
     "userdp.accounting.cli",
     "userdp.cli_deploy",
     "userdp.cli_certs",

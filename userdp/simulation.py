@@ -342,11 +342,11 @@ def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
     params = setup.trainable
     store = ShardStore(setup.shard_dir)
     compute = build_compute(config, store)
-    compute.apply_model({k: _Local(v) for k, v in setup.frozen.items()}, full=True)
+    compute.apply_model({k: LocalTensor(v) for k, v in setup.frozen.items()}, full=True)
     step_stats: dict[str, float] = {}
 
     def worker(spec: Any, unit_ids: Any, current: dict[str, torch.Tensor]) -> tuple[dict, Any]:
-        compute.apply_model({k: _Local(v) for k, v in current.items()}, full=False)
+        compute.apply_model({k: LocalTensor(v) for k, v in current.items()}, full=False)
         task = task_proto(spec, step_stats["step"], "in-process", 0, 0, list(unit_ids), 0.0)
         result = compute.compute(task)
         for key in ("loss_sum", "tokens", "nonfinite"):
@@ -393,7 +393,7 @@ def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
 
 
 @dataclass(frozen=True)
-class _Local:
+class LocalTensor:
     """A local tensor where :meth:`EngineCompute.apply_model` expects a received one."""
 
     tensor: torch.Tensor
