@@ -186,3 +186,12 @@ def test_layouts_the_vectorized_engine_cannot_attribute_are_refused():
     with pytest.raises(EngineError, match="use engine 'loop'"):
         ClippingEngine(module, engine="vectorized").clipped_sum(units, 1.0)
     assert ClippingEngine(module, engine="loop").clipped_sum(units, 1.0).count == 1
+
+
+def test_bf16_model_vectorized_matches_loop_to_bf16_precision():
+    module = tiny_model(dtype="bf16")
+    units = random_units(4, seed=14)
+    loop, vec = both(module, units, 3.5)
+    assert all(t.dtype == torch.float32 for t in vec.sums.values())
+    assert_sums_close(vec.sums, loop.sums, rtol=3e-2)
+    assert vec.norm_sum == pytest.approx(loop.norm_sum, rel=3e-2)

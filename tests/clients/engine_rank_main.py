@@ -1,0 +1,72 @@
+"""One rank of the multi-rank engine test (run as a subprocess by test_engine_distributed.py).
+
+    python engine_rank_main.py OUT_DIR ZERO_STAGE ENGINE
+
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT come from the environment. Builds the worker engine
+with ``build_engine`` (DeepSpeed, gloo on CPU), counts every call of the ZeRO optimizer's
+gradient-reduction hook, computes the clipped sum of a fixed unit list and writes rank 0's result
+(safetensors + JSON). A positive control then runs a plain ``.backward()`` to show the spy works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main(out_dir: str, zero_stage: int, engine_name: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from userdp.clients.engine import build_engine
+
+    from tests.clients.engine_fixtures import SEQ_LEN, byte_manifest, random_units
+    from userdp.config import parse_config
+
+    config = parse_config(
+        {
+            "data": {"seq_len": SEQ_LEN},
+            "model": {"zero_stage": zero_stage},
+            "strategy": {"engine": engine_name},
+            "workers": {"token_budget": 64},
+        }
+    )
+    engine = build_engine(config, byte_manifest())
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    reductions = []
+    optimizer = engine.deepspeed_engine.optimizer
+    if zero_stage > 0:
+        original = optimizer.process_gradients
+
+        def spy(param, i):
+            reductions.append(i)
+            return original(param, i)
+
+        optimizer.process_gradients = spy
+    units = random_units(7, seed=31, max_examples=4)
+    result = engine.clipped_sum(units, 3.5)
+    during = len(reductions)
+    grads_untouched = all(p.grad is None for p in engine.module.parameters())
+    if zero_stage > 0:  # positive control: an ordinary backward does reach ZeRO's hooks
+        ids = torch.as_tensor(units[0].examples[0], dtype=torch.long)[None]
+        engine.deepspeed_engine.backward(engine.module(input_ids=ids, labels=ids).loss)
+    out = Path(out_dir)
+    stats = {k: v for k, v in asdict(result).items() if k != "sums"}
+    stats.update(
+        rank=rank,
+        world=world,
+        reductions_during_clipped_sum=during,
+        reductions_after_plain_backward=len(reductions),
+        grads_untouched=grads_untouched,
+    )
+    (out / f"stats-{rank}.json").write_text(json.dumps(stats))
+    save_file({k: v.contiguous() for k, v in result.sums.items()}, str(out / f"sums-{rank}.st"))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,94 @@
+"""Multi-rank inside one worker: DeepSpeed (gloo on CPU) around the model, ranks split the units
+(never a unit), per-unit gradients bypass ZeRO's reduction hooks, the clipped sums and statistics
+are all-reduced; the result equals the single-process ``loop`` engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from userdp.clients.distributed import free_port, split_units
+from userdp.clients.engine import ClippingEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.clients.engine_fixtures import assert_sums_close, random_units, tiny_model  # noqa: E402
+
+RANK_MAIN = Path(__file__).with_name("engine_rank_main.py")
+
+
+def run_ranks(tmp_path: Path, world: int, zero_stage: int, engine: str) -> list[dict]:
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(RANK_MAIN), str(tmp_path), str(zero_stage), engine],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    for proc in procs:
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, output[-4000:]
+    return [json.loads((tmp_path / f"stats-{r}.json").read_text()) for r in range(world)]
+
+
+def single_process_loop():
+    units = random_units(7, seed=31, max_examples=4)
+    return ClippingEngine(tiny_model(seed=0), engine="loop").clipped_sum(units, 3.5)
+
+
+def check_against_loop(tmp_path: Path, stats: list[dict], world: int) -> None:
+    reference = single_process_loop()
+    assert 0 < reference.clipped < 7
+    for rank, rank_stats in enumerate(stats):
+        assert rank_stats["world"] == world
+        assert_sums_close(load_file(str(tmp_path / f"sums-{rank}.st")), reference.sums, rtol=2e-5)
+        for key in ("count", "nonfinite", "clipped", "tokens"):
+            assert rank_stats[key] == getattr(reference, key), key
+        for key in ("norm_min", "norm_max", "norm_sum", "norm_sum_sq", "loss_sum"):
+            assert rank_stats[key] == pytest.approx(getattr(reference, key), rel=1e-5), key
+        assert rank_stats["grads_untouched"]
+
+
+def test_split_units_is_balanced_deterministic_and_never_splits_a_unit():
+    costs = [50, 10, 10, 30, 5, 45]
+    shares = split_units(costs, 2)
+    assert sorted(i for share in shares for i in share) == list(range(6))
+    loads = [sum(costs[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= max(costs)
+    assert shares == split_units(costs, 2)
+    assert split_units(costs, 1) == [list(range(6))]
+
+
+def test_two_ranks_zero2_vectorized_equal_single_process_loop(tmp_path):
+    stats = run_ranks(tmp_path, 2, zero_stage=2, engine="vectorized")
+    check_against_loop(tmp_path, stats, 2)
+    for rank_stats in stats:
+        assert rank_stats["reductions_during_clipped_sum"] == 0
+        assert rank_stats["reductions_after_plain_backward"] > 0  # the spy does see reductions
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero_stage", "engine"), [(0, "loop"), (1, "vectorized"), (2, "loop")])
+def test_two_ranks_other_stages_and_engines(tmp_path, zero_stage, engine):
+    stats = run_ranks(tmp_path, 2, zero_stage=zero_stage, engine=engine)
+    check_against_loop(tmp_path, stats, 2)
+    if zero_stage:
+        assert all(s["reductions_during_clipped_sum"] == 0 for s in stats)
