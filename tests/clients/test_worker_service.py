@@ -1,9 +1,10 @@
 """EngineCompute: a task's unit ids -> the user's selected examples (real ShardStore, real
 select_examples) -> the engine; end to end over gRPC with a Population read from the manifest.
 
-The clipping engine here is a LABELLED TEST DOUBLE (``TokenCountEngine``: each unit contributes a
-constant vector whose norm is min(C, its token count / 100)) because userdp.clients.engine is not
-in this build yet; it exists to check which examples reach the engine, not gradients."""
+Most tests use a LABELLED TEST DOUBLE (``TokenCountEngine``: each unit contributes a constant
+vector whose norm is min(C, its token count / 100)) to check which examples reach the engine
+cheaply; ``test_end_to_end_over_grpc_with_the_real_engine`` runs the real clipping engine
+(userdp.clients.engine) on a tiny GPT-2 and checks the step against a single-process reference."""
 
 from __future__ import annotations
 
@@ -163,3 +164,73 @@ def test_end_to_end_over_grpc_with_a_real_manifest(shard_dir, tmp_path):
     cohort = uls_strategy(q=0.5).sample_cohort(0, population)
     assert report.units == len(cohort.unit_ids) == len(engine.seen)
     assert sorted(u.unit_id for u in engine.seen) == sorted(cohort.unit_ids)
+
+
+class RecordingEngine:
+    """The REAL clipping engine (userdp.clients.engine), recording what each task asked of it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.module = engine.module
+        self.calls: list[tuple[list, float, dict]] = []
+
+    def clipped_sum(self, units, clip_norm, **options):
+        self.calls.append((list(units), clip_norm, options))
+        return self.engine.clipped_sum(units, clip_norm, **options)
+
+
+def test_end_to_end_over_grpc_with_the_real_engine(shard_dir, tmp_path):
+    """A coordinator step over gRPC with the real vectorized engine on a tiny GPT-2 equals the
+    single-process reference: the ``loop`` engine's clipped sum of the same units, then the
+    strategy's server update (noise disabled, test-only)."""
+    from userdp.clients.engine import ClippingEngine, build_engine
+    from userdp.clients.engine import Unit as EngineUnit
+    from userdp.server.aggregation import template_of
+
+    from userdp.config import parse_config
+
+    store = ShardStore(shard_dir)
+    counts = store.user_counts()
+    population = Population.from_manifest(
+        store.manifest, {u: c.n_examples for u, c in counts.items()}
+    )
+    config = parse_config({"data": {"seq_len": 128}, "strategy": {"engine": "vectorized"}})
+    engine = RecordingEngine(build_engine(config, store.manifest, use_deepspeed=False))
+    reference_engine = build_engine(config, store.manifest, use_deepspeed=False)
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    strategy = uls_strategy(q=0.5, clip_norm=0.5, lr=0.1)
+    loop = make_loopback(tmp_path, population=population, strategy=strategy)
+    loop.coordinator.params.clear()
+    loop.coordinator.params.update({n: t.clone() for n, t in params.items()})
+    loop.coordinator.template = template_of(params)
+    loop.coordinator.publisher.publish(loop.coordinator.model_version, params, {})
+    holdings = [(e.name, e.sha256) for e in store.manifest.shards]
+    client = WorkerClient(
+        loop.server.address,
+        "w0",
+        holdings,
+        EngineCompute(store, engine, EngineUnit),
+        backoff=Backoff(0.05, 0.2),
+    )
+    thread = threading.Thread(target=client.run, daemon=True)
+    thread.start()
+    try:
+        assert loop.coordinator.wait_for_workers(10)
+        report = loop.coordinator.run(1)[0]
+        after = {n: t.clone() for n, t in loop.coordinator.params.items()}
+    finally:
+        client.stop()
+        loop.close()
+    units = [u for call in engine.calls for u in call[0]]
+    assert all(call[1] == 0.5 and call[2]["engine"] == "vectorized" for call in engine.calls)
+    cohort = uls_strategy(q=0.5).sample_cohort(0, population)
+    assert sorted(u.unit_id for u in units) == sorted(cohort.unit_ids)
+    assert report.units == report.count == len(units) and report.clipped > 0
+    reference = ClippingEngine(reference_engine.module, engine="loop").clipped_sum(units, 0.5)
+    expected = {n: t.clone() for n, t in params.items()}
+    replay = uls_strategy(q=0.5, clip_norm=0.5, lr=0.1)
+    replay_cohort = replay.sample_cohort(0, population)
+    replay.server_update(expected, reference.sums, replay_cohort)
+    for name in params:
+        assert torch.allclose(after[name], expected[name], rtol=1e-4, atol=1e-6), name
+    assert not all(torch.equal(after[n], params[n]) for n in params)  # the step moved the model
