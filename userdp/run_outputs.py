@@ -30,6 +30,11 @@ REPORT_SAMPLING = {
     "padding": "padding",
     "shuffle": "shuffle",
 }
+METRICS_CAVEAT = (
+    "metrics.jsonl and plots/ hold statistics of the TRAINING users computed without noise "
+    "(realized cohort sizes, sampled users' training loss, clip fractions): they are NOT covered "
+    "by ε. Share the model and this report; keep the metrics and plots inside the trust boundary."
+)
 EVAL_CAVEAT = (
     "Evaluation losses are computed on held-out users and published without noise: those users "
     "are not covered by ε (they never contribute to training)."
@@ -125,7 +130,7 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
     evals = [r for r in rows if r.get("kind") == "eval"]
     facts_path = run_dir / "strategy_facts.json"
     facts = json.loads(facts_path.read_text()) if facts_path.is_file() else {}
-    caveats = list(facts.get("caveats", [])) + [EVAL_CAVEAT]
+    caveats = list(facts.get("caveats", [])) + [METRICS_CAVEAT, EVAL_CAVEAT]
     expected = steps[-1]["expected_cohort_size"] if steps else None
     report = build_report(
         run_dir / "ledger.jsonl",

@@ -195,3 +195,12 @@ def test_cli_rejects_config_and_demo_together(tmp_path) -> None:
         text=True,
     )
     assert proc.returncode == 2 and "not a run folder" in proc.stderr
+
+
+def test_report_says_what_epsilon_does_not_cover(grpc_run) -> None:
+    from userdp.run_outputs import EVAL_CAVEAT, METRICS_CAVEAT
+
+    _, result = grpc_run
+    report = json.loads((result.run_dir / "privacy_report.json").read_text())
+    assert METRICS_CAVEAT in report["caveats"] and EVAL_CAVEAT in report["caveats"]
+    assert "NOT covered" in (result.run_dir / "privacy_report.md").read_text()
