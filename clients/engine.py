@@ -17,6 +17,9 @@ Three clipping engines behind :meth:`ClippingEngine.clipped_sum` (docs/worker.md
   (DP-SGD-RC, notes/001.md; :mod:`userdp.clients.sketch`); only for the randomized-clipping
   strategy, whose accountant covers the estimate.
 
+With ``local_steps ≥ 1`` (DP-FedAvg) the clipped quantity is each unit's local model delta
+(:mod:`userdp.clients.fedavg`).
+
 :func:`build_engine` builds the model of the config (:func:`userdp.clients.model.build_model`)
 and wraps it with DeepSpeed (:mod:`userdp.clients.distributed`). Inside one worker with
 torch.distributed initialized (world size > 1), ``clipped_sum`` is a collective: every rank must
@@ -32,6 +35,7 @@ import torch
 from userdp.clients.batching import EngineError, Unit, prepare_units
 from userdp.clients.clipping import Accumulator, ClippedSum, loop_clipped_sum
 from userdp.clients.distributed import all_reduce_result, split_units, world
+from userdp.clients.fedavg import fedavg_clipped_sum
 from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.sketch import GaussianProbes
 
@@ -111,16 +115,13 @@ class ClippingEngine:
 
         engine/token_budget: per-task overrides (None, "" or 0 = the engine's defaults).
         probes: Hutchinson probes k for ``randomized`` (None = the default; 0 = exact norms).
-        local_steps ≥ 1: DP-FedAvg, not implemented by this engine (raises EngineError).
+        local_steps ≥ 1: DP-FedAvg (:mod:`userdp.clients.fedavg`): the clipped quantity is each
+            unit's model delta after ``local_steps`` SGD steps (``local_lr``, batches of
+            ``local_batch_size`` examples, 0 = all); norms are exact whatever ``engine`` says.
         probe_seed: TESTS ONLY — seeds the randomized engine's probes; production draws them from
             an ``os.urandom``-seeded generator on every call."""
         if not (clip_norm > 0 and clip_norm < float("inf")):
             raise EngineError(f"clip_norm must be a positive finite number, got {clip_norm!r}")
-        if local_steps:
-            raise EngineError(
-                f"local_steps={local_steps}: DP-FedAvg local training is not implemented by the "
-                "worker engine; use a strategy with one gradient per unit (local_steps = 0)"
-            )
         name = self._engine_name(engine) if engine else self.engine
         budget = int(token_budget) if token_budget else self.token_budget
         k = self.probes if probes is None else int(probes)
@@ -132,7 +133,20 @@ class ClippingEngine:
             mine = split_units(costs, world_size)[rank]
         acc = Accumulator(self.params, float(clip_norm))
         acc.skipped_examples = sum(prepared[i].skipped for i in mine)
-        if name == "loop":
+        if local_steps:
+            fedavg_clipped_sum(
+                self.module,
+                self.params,
+                prepared,
+                mine,
+                acc,
+                budget,
+                self.pad_id,
+                local_steps=int(local_steps),
+                local_lr=float(local_lr),
+                local_batch_size=int(local_batch_size),
+            )
+        elif name == "loop":
             loop_clipped_sum(self.module, self.params, prepared, mine, acc, budget, self.pad_id)
         else:
             probe_source = None

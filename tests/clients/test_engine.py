@@ -190,8 +190,8 @@ def test_lora_sums_hold_only_adapter_parameters():
 
 def test_bad_inputs_raise_clear_errors():
     engine = tiny_engine("loop")
-    with pytest.raises(EngineError, match="local_steps"):
-        engine.clipped_sum(random_units(1), 1.0, local_steps=2, local_lr=0.1)
+    with pytest.raises(EngineError, match="local_lr"):
+        engine.clipped_sum(random_units(1), 1.0, local_steps=2, local_lr=0.0)
     with pytest.raises(EngineError, match="clip_norm"):
         engine.clipped_sum(random_units(1), 0.0)
     with pytest.raises(EngineError, match="data.seq_len"):
