@@ -74,7 +74,7 @@ from userdp.clients.norms import (
     Factor,
     exact_squared_norm,
     materialize,
-    sketch_squared_norm,
+    sketch_squared_norms,
 )
 from userdp.clients.sketch import ProbeSource
 
@@ -181,6 +181,7 @@ class Layout:
     positions: torch.Tensor  # all real positions, unit by unit
     position_unit: torch.Tensor  # the local unit of each entry of ``positions``
     spans: list[slice]  # per local unit: its entries in ``positions``
+    dense: bool = False  # no padding and units in row order: positions = all flat positions
 
     @classmethod
     def of(cls, batch: MicroBatch) -> Layout:
@@ -198,11 +199,16 @@ class Layout:
         for p in positions:
             spans.append(slice(start, start + len(p)))
             start += len(p)
-        return cls(rows, length, positions, unit_rows, torch.cat(positions), owner, spans)
+        every = torch.cat(positions)
+        dense = len(every) == rows * length and torch.equal(
+            every, torch.arange(rows * length, device=every.device)
+        )
+        return cls(rows, length, positions, unit_rows, every, owner, spans, dense)
 
     def real(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """[real positions (unit by unit), features] of a [rows, length, ...] tensor."""
-        return self.flat(tensor, what)[self.positions]
+        flat = self.flat(tensor, what)
+        return flat if self.dense else flat[self.positions]
 
     def flat(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         if tuple(tensor.shape[:2]) != (self.rows, self.length):
@@ -319,19 +325,20 @@ def _micro_batch(
     # weights: exact (ghost or materialized) or sketched, per unit
     for name, uses in weights.items():
         shape = params[name].shape
-        probe = probes.draw(shape[0], params[name].device) if probes is not None else None
+        if probes is not None:
+            probe = probes.draw(shape[0], params[name].device)
+            sq += torch.tensor(sketch_squared_norms(uses, probe, layout.spans), dtype=sq.dtype)
+            continue
         for j, span in enumerate(layout.spans):
             unit_uses = [(f.select(span), r[span]) for f, r in uses]
-            if probe is None:
-                sq[j] += exact_squared_norm(unit_uses, shape)
-            else:
-                sq[j] += sketch_squared_norm(unit_uses, probe)
+            sq[j] += exact_squared_norm(unit_uses, shape)
     # biases, LayerNorm and generic parameters: materialized per-unit gradients [U, numel]
     small: dict[str, torch.Tensor] = {}
     for name, parts in token_rows.items():
         rows = sum(part.to(torch.float32) for part in parts)
-        per_unit = torch.zeros((n_units, rows.shape[1]), dtype=torch.float32, device=rows.device)
-        small[name] = per_unit.index_add_(0, layout.position_unit, rows)
+        # segment sums over each unit's span (not a matmul with an assignment matrix: 0·NaN
+        # from a non-finite unit's rows would reach every other unit)
+        small[name] = torch.stack([rows[span].sum(0) for span in layout.spans])
     for call, owned in generic:
         for name, per_unit in _generic_unit_grads(call, owned, layout, capture).items():
             small[name] = small[name] + per_unit if name in small else per_unit

@@ -83,10 +83,23 @@ def exact_squared_norm(uses: Sequence[tuple[Factor, torch.Tensor]], shape: torch
     return float(materialize(uses, shape).double().pow(2).sum())
 
 
+def sketch_squared_norms(
+    uses: Sequence[tuple[Factor, torch.Tensor]], probes: torch.Tensor, spans: Sequence[slice]
+) -> list[float]:
+    """n̂ per span of rows: ‖Σ_c R_cᵀ (L_c P)‖²_F with P [d0, k] (Hutchinson; exact when P = I).
+
+    L_c P is computed once for all rows; each span (a unit's rows) then costs one [d1, k] product."""
+    projected = [(left.times(probes).to(torch.float32), right) for left, right in uses]
+    out = []
+    for span in spans:
+        total = None
+        for lp, right in projected:
+            part = right[span].to(torch.float32).T @ lp[span]
+            total = part if total is None else total + part
+        out.append(float(total.double().pow(2).sum()))
+    return out
+
+
 def sketch_squared_norm(uses: Sequence[tuple[Factor, torch.Tensor]], probes: torch.Tensor) -> float:
-    """n̂ = ‖Σ_c R_cᵀ (L_c P)‖²_F with P [d0, k] (Hutchinson; exact when P = I)."""
-    total = None
-    for left, right in uses:
-        part = right.to(torch.float32).T @ left.times(probes).to(torch.float32)
-        total = part if total is None else total + part
-    return float(total.double().pow(2).sum())
+    """n̂ of all rows as one unit (see :func:`sketch_squared_norms`)."""
+    return sketch_squared_norms(uses, probes, [slice(None)])[0]
