@@ -9,11 +9,12 @@ byte vocabulary) it times and measures peak memory of:
   for ULS (a unit = a user's G examples) and ELS (a unit = one example; same tokens);
 - long sequences (``--long-seq``, default 1024): ``vectorized`` vs ``randomized`` peak memory.
 
-Every measurement runs in its own child process (so the peak is its own); peak memory is the
-child's RSS sampled every 2 ms above its RSS just before the measured call (CPU), or
-``torch.cuda.max_memory_allocated`` above the allocation before it (GPU). One warm-up call on a
-single small unit precedes the measured calls; the time is the fastest of ``--repeat`` runs
-(peak memory is from the first). Prints JSON, then a markdown table.
+Timing: one child process per token set runs every mode on the same model and tokens,
+INTERLEAVED round by round (a shared machine drifts), after one warm-up call each; the time is
+the fastest of ``--repeat`` rounds. Memory: one child process per mode (so the peak is its own),
+one call after a warm-up; peak = RSS sampled every 2 ms above the RSS just before the call (CPU),
+or ``torch.cuda.max_memory_allocated`` above the allocation before it (GPU). Prints JSON, then a
+markdown table.
 
     .venv/bin/python benchmarks/worker.py                   # GPT-2-small, 64 users, G=8, seq 128
     .venv/bin/python benchmarks/worker.py --quick           # gpt2-tiny, 16 users, G=4, seq 64
@@ -88,8 +89,7 @@ def nonprivate_step(module, units, token_budget: int) -> None:
     module.zero_grad(set_to_none=True)
 
 
-def child(spec: dict) -> dict:
-    """One measurement (runs in its own process)."""
+def _setup(spec: dict):
     import torch
     from userdp.clients.engine import ClippingEngine
     from userdp.clients.model import ModelShape, build_model
@@ -101,63 +101,92 @@ def child(spec: dict) -> dict:
     module.to(device)
     units = make_units(spec["users"], spec["group_size"], spec["seq_len"], spec["unit"])
     warm = make_units(1, 1, min(spec["seq_len"], 16), "user", seed=1)
-    mode = spec["mode"]
-    engine = None
-    if mode != "nonprivate":
+
+    def runner(mode: str):
+        if mode == "nonprivate":
+            return lambda batch: nonprivate_step(module, batch, spec["token_budget"])
         engine = ClippingEngine(
             module, engine=mode, probes=spec["probes"], token_budget=spec["token_budget"]
         )
+        return lambda batch: engine.clipped_sum(batch, 1.0)
 
-    def run(batch) -> None:
-        if engine is None:
-            nonprivate_step(module, batch, spec["token_budget"])
-        else:
-            engine.clipped_sum(batch, 1.0)
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
+    return torch, device, units, warm, runner, sync
+
+
+def child_memory(spec: dict) -> dict:
+    """Peak memory of one mode (its own process, one call after a warm-up)."""
+    torch, device, units, warm, runner, sync = _setup(spec)
+    run = runner(spec["mode"])
     run(warm)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
+    if device.type == "cuda":
+        sync()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        started = time.perf_counter()
         run(units)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
+        sync()
         peak = torch.cuda.max_memory_allocated() - base
     else:
         with PeakRss() as rss:
+            run(units)
+        peak = rss.peak - rss.base
+    return {"peak_mb": peak / 1e6}
+
+
+def child_timing(spec: dict) -> dict:
+    """Seconds per mode, modes INTERLEAVED round by round, fastest of ``repeat`` rounds."""
+    _, _, units, warm, runner, sync = _setup(spec)
+    runs = {mode: runner(mode) for mode in spec["modes"]}
+    for run in runs.values():
+        run(warm)
+    best = {mode: float("inf") for mode in runs}
+    for _ in range(spec["repeat"]):
+        for mode, run in runs.items():
+            sync()
             started = time.perf_counter()
             run(units)
-            seconds = time.perf_counter() - started
-        peak = rss.peak - rss.base
-    for _ in range(spec["repeat"] - 1):  # shared machines are noisy: keep the fastest run
-        started = time.perf_counter()
-        run(units)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = min(seconds, time.perf_counter() - started)
+            sync()
+            best[mode] = min(best[mode], time.perf_counter() - started)
     tokens = sum(len(e) - 1 for u in units for e in u.examples)
-    return {"seconds": seconds, "peak_mb": peak / 1e6, "tokens": tokens}
+    return {"seconds": best, "tokens": tokens}
 
 
-def measure(spec: dict) -> dict:
+def measure(kind: str, spec: dict) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+        [sys.executable, str(Path(__file__).resolve()), "--child", kind, json.dumps(spec)],
         capture_output=True,
         text=True,
         env=env,
         check=False,
     )
     if out.returncode != 0:
-        raise SystemExit(f"measurement {spec} failed:\n{out.stderr[-4000:]}")
-    return {**spec, **json.loads(out.stdout.strip().splitlines()[-1])}
+        raise SystemExit(f"measurement {kind} {spec} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_case(case: str, spec: dict, modes: list[str]) -> list[dict]:
+    """Rows for one token set: non-private first, then ``modes``, with ratios to non-private."""
+    all_modes = ["nonprivate", *modes]
+    timing = measure("timing", {**spec, "modes": all_modes})
+    rows = []
+    for mode in all_modes:
+        memory = measure("memory", {**spec, "mode": mode})
+        row = {"case": case, **spec, "mode": mode, "tokens": timing["tokens"]}
+        row.update(seconds=timing["seconds"][mode], peak_mb=memory["peak_mb"])
+        rows.append(row)
+    for row in rows:
+        row["time_ratio"] = row["seconds"] / rows[0]["seconds"]
+        row["memory_ratio"] = row["peak_mb"] / max(rows[0]["peak_mb"], 1e-9)
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="gpt2-tiny, 16 users, G=4, seq 64")
     parser.add_argument("--preset", default=None, choices=["gpt2-tiny", "gpt2-small"])
     parser.add_argument("--users", type=int, default=None)
@@ -172,10 +201,12 @@ def main() -> int:
     parser.add_argument("--engines", default="loop,vectorized,randomized")
     parser.add_argument("--skip-els", action="store_true")
     parser.add_argument("--skip-long", action="store_true")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs; the fastest is kept")
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds; the fastest is kept")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+        kind, spec = args.child
+        run = child_timing if kind == "timing" else child_memory
+        print(json.dumps(run(json.loads(spec))))
         return 0
 
     quick = args.quick
@@ -194,25 +225,12 @@ def main() -> int:
     }
     engines = [e for e in args.engines.split(",") if e]
     rows = []
-    units = ["user"] if args.skip_els else ["user", "example"]
-    for unit in units:
-        reference = measure({**base, "unit": unit, "mode": "nonprivate"})
-        rows.append({"case": f"{unit} step", **reference})
-        for mode in engines:
-            got = measure({**base, "unit": unit, "mode": mode})
-            got["time_ratio"] = got["seconds"] / reference["seconds"]
-            got["memory_ratio"] = got["peak_mb"] / max(reference["peak_mb"], 1e-9)
-            rows.append({"case": f"{unit} step", **got})
+    for unit in ["user"] if args.skip_els else ["user", "example"]:
+        rows += measure_case(f"{unit} step", {**base, "unit": unit}, engines)
     if not args.skip_long:
         long = {**base, "seq_len": args.long_seq, "users": args.long_users, "group_size": 2}
         long["token_budget"] = max(args.token_budget, 2 * args.long_seq)
-        reference = measure({**long, "mode": "nonprivate"})
-        rows.append({"case": "long seq", **reference})
-        for mode in ("vectorized", "randomized"):
-            got = measure({**long, "mode": mode})
-            got["time_ratio"] = got["seconds"] / reference["seconds"]
-            got["memory_ratio"] = got["peak_mb"] / max(reference["peak_mb"], 1e-9)
-            rows.append({"case": "long seq", **got})
+        rows += measure_case("long seq", long, ["vectorized", "randomized"])
     result = {
         "benchmark": "worker clipping engines",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, device {args.device}",
@@ -230,8 +248,8 @@ def main() -> int:
         mode = r["mode"] + (f" (k={r['probes']})" if r["mode"] == "randomized" else "")
         print(
             f"| {r['case']} | {r['preset']} | {r['unit']} | {shape} | {mode} | {r['tokens']} | "
-            f"{r['seconds']:.2f} | {r.get('time_ratio', 1.0):.2f} | {r['peak_mb']:.0f} | "
-            f"{r.get('memory_ratio', 1.0):.2f} |"
+            f"{r['seconds']:.2f} | {r['time_ratio']:.2f} | {r['peak_mb']:.0f} | "
+            f"{r['memory_ratio']:.2f} |"
         )
     return 0
 

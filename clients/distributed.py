@@ -48,11 +48,17 @@ def deepspeed_config(zero_stage: int, bf16: bool) -> dict[str, Any]:
     }
 
 
-def wrap_with_deepspeed(module: torch.nn.Module, zero_stage: int, bf16: bool) -> Any:
+def wrap_with_deepspeed(
+    module: torch.nn.Module, zero_stage: int, bf16: bool, device: str = "cpu"
+) -> Any:
     """``deepspeed.initialize`` around ``module``; returns the DeepSpeedEngine.
 
-    On CPU DeepSpeed JIT-compiles its shared-memory comm op on first use, into
-    ``$TORCH_EXTENSIONS_DIR`` (scripts/env.sh; deploy/warm_deepspeed_ops.py warms it in images)."""
+    ``device`` is ``workers.device``: for "cpu" DeepSpeed's CPU accelerator is selected
+    (``DS_ACCELERATOR``, unless already set) and the placement is checked afterwards. On CPU
+    DeepSpeed JIT-compiles its shared-memory comm op on first use, into ``$TORCH_EXTENSIONS_DIR``
+    (scripts/env.sh; deploy/warm_deepspeed_ops.py warms it in images)."""
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
     if not torch.distributed.is_initialized():
@@ -67,6 +73,12 @@ def wrap_with_deepspeed(module: torch.nn.Module, zero_stage: int, bf16: bool) ->
         )
     except AssertionError as exc:  # DeepSpeed reports configuration problems as assertions
         raise EngineError(f"deepspeed.initialize refused the worker model: {exc}") from exc
+    placed = next(engine.module.parameters()).device.type
+    if placed != device:
+        raise EngineError(
+            f"DeepSpeed placed the model on {placed!r} but workers.device = {device!r}: set "
+            f"workers.device = {placed!r} or DS_ACCELERATOR={device} before the worker starts"
+        )
     return engine
 
 

@@ -79,6 +79,9 @@ class ClippingEngine:
         self.token_budget = int(token_budget)
         self.pad_id = int(pad_id)
         self.deepspeed_engine = deepspeed_engine
+        # the vectorized engines check their per-unit attribution against one plain batch
+        # gradient on their first all-finite micro-batch (clients/ghost.py verify_attribution)
+        self.attribution_verified = False
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         if not self.params:
             raise EngineError("the model has no trainable parameters")
@@ -152,7 +155,7 @@ class ClippingEngine:
             probe_source = None
             if name == "randomized" and k > 0:  # k = 0: exact norms (the proto's "0 = exact")
                 probe_source = GaussianProbes(k, seed=probe_seed)
-            vectorized_clipped_sum(
+            verified = vectorized_clipped_sum(
                 self.module,
                 self.params,
                 prepared,
@@ -161,7 +164,9 @@ class ClippingEngine:
                 budget,
                 self.pad_id,
                 probes=probe_source,
+                verify=not self.attribution_verified,
             )
+            self.attribution_verified = self.attribution_verified or verified
         result = acc.result()
         if world_size > 1:
             result = all_reduce_result(result, self.device)
@@ -197,7 +202,7 @@ def build_engine(
         from userdp.clients.distributed import wrap_with_deepspeed
 
         ds_engine = wrap_with_deepspeed(
-            module, config.model.zero_stage, config.model.dtype == "bf16"
+            module, config.model.zero_stage, config.model.dtype == "bf16", device.type
         )
         module = ds_engine.module
     else:

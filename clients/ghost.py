@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from userdp.clients.batching import (
@@ -69,155 +68,24 @@ from userdp.clients.batching import (
     pack_units,
     token_losses,
 )
+from userdp.clients.capture import (
+    EMBEDDING,
+    GENERIC,
+    LAYERNORM,
+    LINEAR,
+    Call,
+    Capture,
+    Layout,
+)
 from userdp.clients.clipping import Accumulator, add_clipped_unit, unit_gradient
 from userdp.clients.norms import (
     Factor,
-    exact_squared_norm,
+    Padded,
+    batched_exact_squared_norms,
+    batched_sketch_squared_norms,
     materialize,
-    sketch_squared_norms,
 )
 from userdp.clients.sketch import ProbeSource
-
-try:
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - transformers is a dependency of the worker
-    Conv1D = ()
-
-LINEAR, CONV1D, EMBEDDING, LAYERNORM, GENERIC = "linear", "conv1d", "embedding", "ln", "generic"
-
-
-def _kind(module: torch.nn.Module) -> str:
-    if isinstance(module, torch.nn.Linear):
-        return LINEAR
-    if Conv1D and isinstance(module, Conv1D):
-        return CONV1D
-    if isinstance(module, torch.nn.Embedding):
-        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-            raise EngineError(
-                f"{type(module).__name__} with max_norm/scale_grad_by_freq/sparse is not "
-                "supported by the vectorized engines; use strategy.engine = 'loop'"
-            )
-        return EMBEDDING
-    if isinstance(module, torch.nn.LayerNorm):
-        return LAYERNORM
-    return GENERIC
-
-
-@dataclass
-class Call:
-    """One recorded call of a hooked module."""
-
-    module: torch.nn.Module
-    kind: str
-    inputs: torch.Tensor
-    output: torch.Tensor
-    grad: torch.Tensor | None = None
-
-
-@dataclass
-class Capture:
-    """Forward hooks on every module that directly owns a trainable parameter."""
-
-    params: dict[str, torch.Tensor]
-    rows: int
-    calls: list[Call] = field(default_factory=list)
-    enabled: bool = True
-    owners: dict[int, list[tuple[torch.nn.Module, str]]] = field(default_factory=dict)
-
-    def attach(self, root: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-        names = {id(p): n for n, p in self.params.items()}
-        handles = []
-        for module in root.modules():
-            owned = [
-                (local, names[id(p)])
-                for local, p in module.named_parameters(recurse=False)
-                if id(p) in names
-            ]
-            if not owned:
-                continue
-            kind = _kind(module)
-            self.owners[id(module)] = owned
-            handles.append(module.register_forward_hook(self._hook(kind)))
-        covered = {name for owned in self.owners.values() for _, name in owned}
-        missing = sorted(set(self.params) - covered)
-        if missing:  # pragma: no cover - nn.Module parameters always have an owner
-            raise EngineError(f"trainable parameters without an owning module: {missing[:3]}")
-        return handles
-
-    def _hook(self, kind: str):
-        def hook(module, inputs, output):
-            if self.enabled:
-                if not inputs or not isinstance(inputs[0], torch.Tensor):
-                    raise EngineError(
-                        f"{type(module).__name__} is called without a tensor input; the "
-                        "vectorized engines cannot attribute its gradient: use engine 'loop'"
-                    )
-                if not isinstance(output, torch.Tensor):
-                    raise EngineError(
-                        f"{type(module).__name__} returns {type(output).__name__}, not a tensor;"
-                        " the vectorized engines need tensor outputs: use engine 'loop'"
-                    )
-                x = inputs[0]
-                if x.shape[:1] == (1,) and output.shape[:1] == (1,) and self.rows > 1:
-                    # broadcast over rows (e.g. GPT-2's position embedding of [1, length]
-                    # position ids): expand so that each row gets its own output gradient
-                    x = x.expand(self.rows, *x.shape[1:])
-                    output = output.expand(self.rows, *output.shape[1:])
-                self.calls.append(Call(module, kind, x.detach(), output))
-                return output
-            return None
-
-        return hook
-
-
-@dataclass
-class Layout:
-    """Token bookkeeping of one micro-batch: flat position -> local unit, per-unit positions."""
-
-    rows: int
-    length: int
-    unit_positions: list[torch.Tensor]  # per local unit: flat indices of its real positions
-    unit_rows: list[torch.Tensor]  # per local unit: its row indices
-    positions: torch.Tensor  # all real positions, unit by unit
-    position_unit: torch.Tensor  # the local unit of each entry of ``positions``
-    spans: list[slice]  # per local unit: its entries in ``positions``
-    dense: bool = False  # no padding and units in row order: positions = all flat positions
-
-    @classmethod
-    def of(cls, batch: MicroBatch) -> Layout:
-        rows, length = batch.inputs.shape
-        flat_unit = batch.row_unit[:, None].expand(rows, length).reshape(-1)
-        flat_mask = batch.mask.reshape(-1)
-        positions, unit_rows = [], []
-        for unit in batch.units:
-            positions.append(torch.nonzero((flat_unit == unit) & flat_mask).squeeze(1))
-            unit_rows.append(torch.nonzero(batch.row_unit == unit).squeeze(1))
-        owner = torch.cat(
-            [torch.full((len(p),), j, device=p.device) for j, p in enumerate(positions)]
-        )
-        spans, start = [], 0
-        for p in positions:
-            spans.append(slice(start, start + len(p)))
-            start += len(p)
-        every = torch.cat(positions)
-        dense = len(every) == rows * length and torch.equal(
-            every, torch.arange(rows * length, device=every.device)
-        )
-        return cls(rows, length, positions, unit_rows, every, owner, spans, dense)
-
-    def real(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        """[real positions (unit by unit), features] of a [rows, length, ...] tensor."""
-        flat = self.flat(tensor, what)
-        return flat if self.dense else flat[self.positions]
-
-    def flat(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        if tuple(tensor.shape[:2]) != (self.rows, self.length):
-            raise EngineError(
-                f"{what} has shape {tuple(tensor.shape)}, not [rows={self.rows}, "
-                f"length={self.length}, ...]; the vectorized engines need batch-first token "
-                "tensors at every layer that owns a trainable parameter: use engine 'loop'"
-            )
-        return tensor.reshape(self.rows * self.length, -1)
 
 
 def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]):
@@ -303,7 +171,10 @@ def _micro_batch(
     batch: MicroBatch,
     acc: Accumulator,
     probes: ProbeSource | None,
-) -> None:
+    verify: bool = False,
+) -> bool:
+    """Process one micro-batch into ``acc``; with ``verify``, first check the attribution (see
+    :func:`verify_attribution`). Returns whether a verification ran and passed."""
     capture = Capture(params, int(batch.inputs.shape[0]))
     handles = capture.attach(module)
     try:
@@ -314,6 +185,11 @@ def _micro_batch(
     layout = Layout.of(batch)
     weighted = (losses * batch.weights).sum()
     outputs = [call.output for call in capture.calls]
+    direct = None
+    if verify:
+        direct = torch.autograd.grad(
+            weighted, list(params.values()), retain_graph=True, allow_unused=True
+        )
     grads = torch.autograd.grad(weighted, outputs, allow_unused=True)
     for call, grad in zip(capture.calls, grads, strict=True):
         call.grad = grad
@@ -322,23 +198,24 @@ def _micro_batch(
 
     n_units = len(batch.units)
     sq = torch.zeros(n_units, dtype=torch.float64)
-    # weights: exact (ghost or materialized) or sketched, per unit
+    # weights: exact (ghost or materialized) or sketched, batched over the units
+    padded = Padded.of(layout.spans, len(layout.positions), layout.positions.device)
     for name, uses in weights.items():
         shape = params[name].shape
         if probes is not None:
             probe = probes.draw(shape[0], params[name].device)
-            sq += torch.tensor(sketch_squared_norms(uses, probe, layout.spans), dtype=sq.dtype)
-            continue
-        for j, span in enumerate(layout.spans):
-            unit_uses = [(f.select(span), r[span]) for f, r in uses]
-            sq[j] += exact_squared_norm(unit_uses, shape)
+            sq += batched_sketch_squared_norms(uses, probe, padded).cpu()
+        else:
+            sq += batched_exact_squared_norms(uses, padded, shape).cpu()
     # biases, LayerNorm and generic parameters: materialized per-unit gradients [U, numel]
     small: dict[str, torch.Tensor] = {}
     for name, parts in token_rows.items():
-        rows = sum(part.to(torch.float32) for part in parts)
-        # segment sums over each unit's span (not a matmul with an assignment matrix: 0·NaN
-        # from a non-finite unit's rows would reach every other unit)
-        small[name] = torch.stack([rows[span].sum(0) for span in layout.spans])
+        rows = parts[0].to(torch.float32)
+        for part in parts[1:]:
+            rows = rows + part.to(torch.float32)
+        # per-unit sums over each unit's own slots (not a matmul with an assignment matrix:
+        # 0·NaN from a non-finite unit's rows would reach every other unit)
+        small[name] = padded.rows(rows).sum(1)
     for call, owned in generic:
         for name, per_unit in _generic_unit_grads(call, owned, layout, capture).items():
             small[name] = small[name] + per_unit if name in small else per_unit
@@ -352,9 +229,13 @@ def _micro_batch(
         norm = math.sqrt(float(sq[j])) if math.isfinite(float(sq[j])) else float("nan")
         loss_sum = float(unit_losses[span].sum())
         factors.append(acc.record(norm, loss_sum, span.stop - span.start))
+    verified = False
+    if direct is not None and all(f is not None for f in factors):
+        verify_attribution(params, direct, weights, small)
+        verified = True
     kept = [j for j, f in enumerate(factors) if f is not None]
     if not kept:
-        return
+        return verified
     device = layout.positions.device
     unit_factor = torch.tensor(
         [f if f is not None else 0.0 for f in factors], dtype=torch.float32, device=device
@@ -372,6 +253,36 @@ def _micro_batch(
     for name, per_unit in small.items():
         kept_rows = per_unit[kept_index] * unit_factor[kept_index][:, None]
         acc.add(name, kept_rows.sum(0).reshape(params[name].shape))
+    return verified
+
+
+def verify_attribution(
+    params: dict[str, torch.Tensor],
+    direct: Sequence[torch.Tensor | None],
+    weights: dict[str, list[tuple[Factor, torch.Tensor]]],
+    small: dict[str, torch.Tensor],
+) -> None:
+    """Σ_u (per-unit gradient as attributed by the hooks) must equal autograd's batch gradient
+    for every parameter; otherwise some use of a parameter escaped the hooks (e.g. a weight used
+    functionally outside its module) and per-unit norms would be wrong: refuse."""
+    bad = []
+    for (name, param), expected in zip(params.items(), direct, strict=True):
+        want = torch.zeros(param.shape) if expected is None else expected.float().cpu()
+        if name in weights:
+            got = materialize(weights[name], param.shape).cpu()
+        elif name in small:
+            got = small[name].sum(0).reshape(param.shape).cpu()
+        else:
+            got = torch.zeros(param.shape)
+        tol = 5e-2 if param.dtype in (torch.bfloat16, torch.float16) else 1e-3
+        if float((got - want).norm()) > tol * float(want.norm()) + 1e-6:
+            bad.append(name)
+    if bad:
+        raise EngineError(
+            f"the vectorized engines cannot attribute the gradients of {bad[:3]} per unit (a "
+            "parameter is used outside the module that owns it, or by an unsupported layer): "
+            "use strategy.engine = 'loop'"
+        )
 
 
 def vectorized_clipped_sum(
@@ -383,19 +294,27 @@ def vectorized_clipped_sum(
     token_budget: int,
     pad_id: int,
     probes: ProbeSource | None = None,
-) -> None:
+    verify: bool = False,
+) -> bool:
     """Add clip(g_u)·… of ``prepared[indices]`` to ``acc``: exact norms, or sketched norms when
     ``probes`` is given. Units over the token budget run through the loop path (chunked, exact
-    norm; for the randomized engine an exact norm means Z = 1, inside the accountant's law)."""
+    norm; for the randomized engine an exact norm means Z = 1, inside the accountant's law).
+
+    ``verify``: check the hooks' attribution against one plain batch gradient on the first
+    all-finite micro-batch (one extra backward); returns whether that check ran."""
     local = [prepared[i] for i in indices]
     batches, oversized = pack_units(local, token_budget)
+    verified = False
     device = next(iter(params.values())).device
     for unit in local:
         if not unit.examples:
             acc.record(0.0, 0.0, 0)
     for batch_units in batches:
         batch = make_batch(local, batch_units, device, pad_id)
-        _micro_batch(module, params, batch, acc, probes)
+        if _micro_batch(module, params, batch, acc, probes, verify):
+            verify = False
+            verified = True
     for j in oversized:
         grads, loss_sum, tokens = unit_gradient(module, params, local, j, token_budget, pad_id)
         add_clipped_unit(acc, grads, loss_sum, tokens)
+    return verified

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from userdp.clients import norms
 from userdp.clients.engine import ClippingEngine, EngineError, Unit
-from userdp.clients.norms import Factor, ghost_squared_norm, materialize
+from userdp.clients.norms import Factor, Padded, ghost_squared_norm, materialize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.clients.engine_fixtures import (  # noqa: E402
@@ -68,6 +69,29 @@ def test_ghost_identity_equals_materialized_norm_with_tied_uses():
     explicit.index_add_(0, onehot.index, uses[1][1])
     assert torch.allclose(full, explicit, rtol=1e-5, atol=1e-5)
     assert ghost_squared_norm(uses) == pytest.approx(float(explicit.pow(2).sum()), rel=1e-10)
+
+
+@pytest.mark.parametrize(("d0", "d1", "max_len"), [(40, 30, 8), (4, 3, 20)])  # ghost, dense
+@pytest.mark.parametrize("buffer", [norms.MAX_BUFFER_ELEMENTS, 50])  # one chunk, many chunks
+def test_batched_unit_norms_equal_per_unit_materialized_norms(monkeypatch, d0, d1, max_len, buffer):
+    monkeypatch.setattr(norms, "MAX_BUFFER_ELEMENTS", buffer)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [int(n) for n in torch.randint(1, max_len + 1, (7,), generator=gen)]
+    n = sum(lengths)
+    spans, start = [], 0
+    for length in lengths:
+        spans.append(slice(start, start + length))
+        start += length
+    uses = [
+        (Factor(torch.randn(n, d0, generator=gen), None, d0), torch.randn(n, d1, generator=gen)),
+        (Factor(None, torch.randint(0, d0, (n,), generator=gen), d0), torch.randn(n, d1)),
+    ]
+    shape = torch.Size([d0, d1])
+    got = norms.batched_exact_squared_norms(uses, Padded.of(spans, n, torch.device("cpu")), shape)
+    for j, span in enumerate(spans):
+        unit = [(f.select(span), r[span]) for f, r in uses]
+        want = float(materialize(unit, shape).double().pow(2).sum())
+        assert float(got[j]) == pytest.approx(want, rel=1e-4)
 
 
 @pytest.mark.parametrize("clip_norm", [3.5, 1e6])
@@ -141,7 +165,9 @@ class ScaleNorm(torch.nn.Module):
 
 
 class ToyLM(torch.nn.Module):
-    def __init__(self, vocab: int = 31, width: int = 8, transpose: bool = False) -> None:
+    def __init__(
+        self, vocab: int = 31, width: int = 8, transpose: bool = False, functional: bool = False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(vocab, width)
@@ -149,6 +175,7 @@ class ToyLM(torch.nn.Module):
         self.mix = torch.nn.Linear(width, width)
         self.head = torch.nn.Linear(width, vocab, bias=False)
         self.transpose = transpose
+        self.functional = functional
 
     def forward(self, input_ids, attention_mask=None, use_cache=False):
         h = self.embed(input_ids)
@@ -157,6 +184,8 @@ class ToyLM(torch.nn.Module):
             h = self.mix(h.transpose(0, 1)).transpose(0, 1)
         else:
             h = torch.tanh(self.mix(h))
+        if self.functional:  # mix.weight used again OUTSIDE its module: invisible to hooks
+            h = h + torch.nn.functional.linear(h, self.mix.weight)
         return SimpleNamespace(logits=self.head(h))
 
 
@@ -195,3 +224,15 @@ def test_bf16_model_vectorized_matches_loop_to_bf16_precision():
     assert all(t.dtype == torch.float32 for t in vec.sums.values())
     assert_sums_close(vec.sums, loop.sums, rtol=3e-2)
     assert vec.norm_sum == pytest.approx(loop.norm_sum, rel=3e-2)
+
+
+def test_a_parameter_used_outside_its_module_is_detected_not_mis_clipped():
+    """The first micro-batch checks Σ_u per-unit gradients against autograd's batch gradient."""
+    module = ToyLM(functional=True)
+    engine = ClippingEngine(module, engine="vectorized")
+    with pytest.raises(EngineError, match="mix.weight"):
+        engine.clipped_sum(toy_units(4), 1.0)
+    assert ClippingEngine(module, engine="loop").clipped_sum(toy_units(4), 1.0).count == 4
+    checked = ClippingEngine(ToyLM(), engine="vectorized")
+    checked.clipped_sum(toy_units(4), 1.0)
+    assert checked.attribution_verified

@@ -1,0 +1,159 @@
+"""Forward hooks that record, per micro-batch, every call of a module owning a trainable
+parameter (its input, and its output whose gradient is requested later), and the token layout
+that maps flat positions to units. Used by the vectorized engines (:mod:`userdp.clients.ghost`).
+
+Kinds: ``linear`` (nn.Linear, incl. peft LoRA factors), ``conv1d`` (transformers' GPT-2 Conv1D),
+``embedding``, ``ln`` (nn.LayerNorm) and ``generic`` (anything else, re-run per unit). A hooked
+call must take exactly one tensor argument laid out [rows, length, …] and return a tensor; a
+[1, length, …] call broadcast over rows (GPT-2's position embedding) is expanded in the hook so
+that every row gets its own output gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from userdp.clients.batching import EngineError, MicroBatch
+
+try:
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - transformers is a dependency of the worker
+    Conv1D = ()
+
+LINEAR, CONV1D, EMBEDDING, LAYERNORM, GENERIC = "linear", "conv1d", "embedding", "ln", "generic"
+
+
+def _kind(module: torch.nn.Module) -> str:
+    if isinstance(module, torch.nn.Linear):
+        return LINEAR
+    if Conv1D and isinstance(module, Conv1D):
+        return CONV1D
+    if isinstance(module, torch.nn.Embedding):
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise EngineError(
+                f"{type(module).__name__} with max_norm/scale_grad_by_freq/sparse is not "
+                "supported by the vectorized engines; use strategy.engine = 'loop'"
+            )
+        return EMBEDDING
+    if isinstance(module, torch.nn.LayerNorm):
+        return LAYERNORM
+    return GENERIC
+
+
+@dataclass
+class Call:
+    """One recorded call of a hooked module."""
+
+    module: torch.nn.Module
+    kind: str
+    inputs: torch.Tensor
+    output: torch.Tensor
+    grad: torch.Tensor | None = None
+
+
+@dataclass
+class Capture:
+    """Forward hooks on every module that directly owns a trainable parameter."""
+
+    params: dict[str, torch.Tensor]
+    rows: int
+    calls: list[Call] = field(default_factory=list)
+    enabled: bool = True
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = field(default_factory=dict)
+
+    def attach(self, root: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        names = {id(p): n for n, p in self.params.items()}
+        handles = []
+        for module in root.modules():
+            owned = [
+                (local, names[id(p)])
+                for local, p in module.named_parameters(recurse=False)
+                if id(p) in names
+            ]
+            if not owned:
+                continue
+            kind = _kind(module)
+            self.owners[id(module)] = owned
+            handles.append(module.register_forward_hook(self._hook(kind), with_kwargs=True))
+        covered = {name for owned in self.owners.values() for _, name in owned}
+        missing = sorted(set(self.params) - covered)
+        if missing:  # pragma: no cover - nn.Module parameters always have an owner
+            raise EngineError(f"trainable parameters without an owning module: {missing[:3]}")
+        return handles
+
+    def _hook(self, kind: str):
+        def hook(module, args, kwargs, output):
+            if not self.enabled:
+                return None
+            if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+                raise EngineError(
+                    f"{type(module).__name__} owns a trainable parameter but is not called with "
+                    "exactly one tensor argument; the vectorized engines cannot attribute its "
+                    "gradient per unit: use engine 'loop'"
+                )
+            if not isinstance(output, torch.Tensor):
+                raise EngineError(
+                    f"{type(module).__name__} returns {type(output).__name__}, not a tensor; "
+                    "the vectorized engines need tensor outputs: use engine 'loop'"
+                )
+            x = args[0]
+            if x.shape[:1] == (1,) and output.shape[:1] == (1,) and self.rows > 1:
+                # broadcast over rows (e.g. GPT-2's position embedding of [1, length] position
+                # ids): expand so that each row gets its own output gradient
+                x = x.expand(self.rows, *x.shape[1:])
+                output = output.expand(self.rows, *output.shape[1:])
+            self.calls.append(Call(module, kind, x.detach(), output))
+            return output
+
+        return hook
+
+
+@dataclass
+class Layout:
+    """Token bookkeeping of one micro-batch: flat position -> local unit, per-unit positions."""
+
+    rows: int
+    length: int
+    unit_positions: list[torch.Tensor]  # per local unit: flat indices of its real positions
+    unit_rows: list[torch.Tensor]  # per local unit: its row indices
+    positions: torch.Tensor  # all real positions, unit by unit
+    position_unit: torch.Tensor  # the local unit of each entry of ``positions``
+    spans: list[slice]  # per local unit: its entries in ``positions``
+    dense: bool = False  # no padding and units in row order: positions = all flat positions
+
+    @classmethod
+    def of(cls, batch: MicroBatch) -> Layout:
+        rows, length = batch.inputs.shape
+        flat_unit = batch.row_unit[:, None].expand(rows, length).reshape(-1)
+        flat_mask = batch.mask.reshape(-1)
+        positions, unit_rows = [], []
+        for unit in batch.units:
+            positions.append(torch.nonzero((flat_unit == unit) & flat_mask).squeeze(1))
+            unit_rows.append(torch.nonzero(batch.row_unit == unit).squeeze(1))
+        owner = torch.cat(
+            [torch.full((len(p),), j, device=p.device) for j, p in enumerate(positions)]
+        )
+        spans, start = [], 0
+        for p in positions:
+            spans.append(slice(start, start + len(p)))
+            start += len(p)
+        every = torch.cat(positions)
+        dense = len(every) == rows * length and torch.equal(
+            every, torch.arange(rows * length, device=every.device)
+        )
+        return cls(rows, length, positions, unit_rows, every, owner, spans, dense)
+
+    def real(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """[real positions (unit by unit), features] of a [rows, length, ...] tensor."""
+        flat = self.flat(tensor, what)
+        return flat if self.dense else flat[self.positions]
+
+    def flat(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        if tuple(tensor.shape[:2]) != (self.rows, self.length):
+            raise EngineError(
+                f"{what} has shape {tuple(tensor.shape)}, not [rows={self.rows}, "
+                f"length={self.length}, ...]; the vectorized engines need batch-first token "
+                "tensors at every layer that owns a trainable parameter: use engine 'loop'"
+            )
+        return tensor.reshape(self.rows * self.length, -1)
