@@ -55,6 +55,12 @@ def _missing_modules() -> list[str]:
     return sorted(missing)
 
 
+def _ledger_steps(ledger: Path) -> list[dict]:
+    """The ledger's step records (its first line is the header)."""
+    lines = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
+    return [r for r in lines if r.get("type") == "step"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -249,7 +255,7 @@ def test_the_rendered_pods_run_a_training_job_and_survive_a_coordinator_restart(
         assert _wait(coordinator, 60) == 0, coordinator.stdout.read()[-4000:]
         assert ready == set(health_ports), "a worker never became ready"
         ledger = Path(coordinator_pod.local(DEPLOY_PATHS["output_dir"])) / "ledger.jsonl"
-        entries = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
+        entries = _ledger_steps(ledger)
         assert len(entries) == 2
         checkpoints = ledger.parent / "checkpoints"
         assert any(checkpoints.iterdir())
@@ -259,7 +265,7 @@ def test_the_rendered_pods_run_a_training_job_and_survive_a_coordinator_restart(
         config_file.write_text(text.replace("steps = 2", "steps = 3"))
         coordinator = start_coordinator()
         assert _wait(coordinator, 600) == 0, coordinator.stdout.read()[-4000:]
-        entries = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
+        entries = _ledger_steps(ledger)
         assert len(entries) == 3, "a resumed run must add exactly the missing step"
     finally:
         for proc in (coordinator, *workers):
