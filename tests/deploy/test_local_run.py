@@ -1,6 +1,7 @@
 """The chart's pods, run as local processes with exactly the rendered command lines: the shard Job,
 the coordinator (with its exec startup probe) and two workers, over real mTLS on loopback. Then a
-coordinator restart: it resumes from its checkpoint and ledger and the running workers reconnect.
+coordinator restart: it resumes from its checkpoint and ledger, and the workers, restarted as the
+StatefulSet restarts them after the finished run drained them, are resynced.
 
 What differs from a cluster, and only that: each mount path is replaced by a temporary directory
 (the ConfigMap file, the Secret files as the pod would see them, the data and state volumes), the
@@ -225,24 +226,33 @@ def test_the_rendered_pods_run_a_training_job_and_survive_a_coordinator_restart(
 
     # 4. The workers' containers.
     worker_container = objects.container(sts, "worker")
-    workers = []
-    health_ports = []
-    for name in worker_names:
-        worker_pod = pod(name, name)
-        argv = _expand(worker_container["args"], {"POD_NAME": name})
-        argv = [worker_pod.local(a) for a in argv]
-        argv[argv.index("--coordinator") + 1] = f"127.0.0.1:{port}"
-        health_ports.append(_free_port())
-        argv[argv.index("--health-port") + 1] = str(health_ports[-1])
-        workers.append(
-            subprocess.Popen(
-                [_userdp(), *argv],
-                env=dict(env, POD_NAME=name),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+    health_ports = [_free_port() for _ in worker_names]
+
+    def start_workers() -> list[subprocess.Popen]:
+        procs = []
+        for name, health_port in zip(worker_names, health_ports, strict=True):
+            worker_pod = pod(name, name)
+            argv = _expand(worker_container["args"], {"POD_NAME": name})
+            argv = [worker_pod.local(a) for a in argv]
+            argv[argv.index("--coordinator") + 1] = f"127.0.0.1:{port}"
+            argv[argv.index("--health-port") + 1] = str(health_port)
+            procs.append(
+                subprocess.Popen(
+                    [_userdp(), *argv],
+                    env=dict(env, POD_NAME=name),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
             )
-        )
+        return procs
+
+    def drained(procs: list[subprocess.Popen]) -> None:
+        """A finished run drains its workers: they exit 0 (the StatefulSet restarts them)."""
+        for proc in procs:
+            assert _wait(proc, 120) == 0, proc.stdout.read()[-4000:]
+
+    workers = start_workers()
     try:
         # The readiness probe's service turns SERVING once a worker holds the coordinator's model.
         ready = set()
@@ -254,19 +264,21 @@ def test_the_rendered_pods_run_a_training_job_and_survive_a_coordinator_restart(
             time.sleep(0.5)
         assert _wait(coordinator, 60) == 0, coordinator.stdout.read()[-4000:]
         assert ready == set(health_ports), "a worker never became ready"
+        drained(workers)
         ledger = Path(coordinator_pod.local(DEPLOY_PATHS["output_dir"])) / "ledger.jsonl"
-        entries = _ledger_steps(ledger)
-        assert len(entries) == 2
+        assert len(_ledger_steps(ledger)) == 2
         checkpoints = ledger.parent / "checkpoints"
         assert any(checkpoints.iterdir())
 
-        # 5. Restart with one more step: resume from checkpoint + ledger; workers reconnect.
+        # 5. Restart with one more step: resume from checkpoint + ledger; restarted workers
+        # (as the StatefulSet restarts them) are resynced to the checkpointed model.
         assert "steps = 2" in text
         config_file.write_text(text.replace("steps = 2", "steps = 3"))
         coordinator = start_coordinator()
+        workers = start_workers()
         assert _wait(coordinator, 600) == 0, coordinator.stdout.read()[-4000:]
-        entries = _ledger_steps(ledger)
-        assert len(entries) == 3, "a resumed run must add exactly the missing step"
+        assert len(_ledger_steps(ledger)) == 3, "a resumed run must add exactly the missing step"
+        drained(workers)
     finally:
         for proc in (coordinator, *workers):
             if proc.poll() is None:
@@ -276,5 +288,3 @@ def test_the_rendered_pods_run_a_training_job_and_survive_a_coordinator_restart(
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    for proc in workers:
-        assert proc.returncode == 0, proc.stdout.read()[-4000:]
