@@ -15,8 +15,8 @@ cubic-Hermite interpolated from it and polished by one Newton step. The remainin
 dp_accounting's own code — ``MixtureGaussianPrivacyLoss`` (truncation tails, connect-dots
 bounds), ``create_pmf_pessimistic_connect_dots_fixed_gap``, ``PrivacyLossDistribution`` and
 ``get_epsilon_for_delta`` — except the CDFs (same formulas via scipy.special) and
-:func:`self_compose` (the library's FFT self-composition with the same truncation bounds and
-FFT length, using real FFTs). The result is a ``PrivacyLossDistribution`` that composes with
+:func:`userdp.accounting.pld_ops.self_compose` (the library's FFT self-composition with the same
+truncation bounds and FFT length, using real FFTs). The result is a ``PrivacyLossDistribution`` that composes with
 any other dp_accounting PLD.
 
 Why the result is still a valid (pessimistic) upper bound: for any threshold x, the set
@@ -34,12 +34,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from dp_accounting.pld import common, pld_pmf
+from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
-from scipy import fft, interpolate, special
+from scipy import interpolate, special
 
-__all__ = ["mixture_gaussian_deltas", "mixture_gaussian_pld", "self_compose"]
+__all__ = ["mixture_gaussian_deltas", "mixture_gaussian_pld"]
 
 _CHUNK_ELEMENTS = 1 << 24
 _ADD = plm.AdjacencyType.ADD
@@ -76,42 +76,6 @@ def mixture_gaussian_pld(
             )
         )
     return pld_lib.PrivacyLossDistribution(pmfs[0], pmfs[1])
-
-
-def self_compose(
-    pld: pld_lib.PrivacyLossDistribution, num_times: int, tail_mass_truncation: float = 1e-15
-) -> pld_lib.PrivacyLossDistribution:
-    """``pld.self_compose(num_times)`` with real FFTs (half the work of the library's complex
-    FFT); same truncation bounds (``common.compute_self_convolve_bounds``), same infinity mass,
-    same result up to float rounding. Falls back to the library for sparse PMFs."""
-    pmfs = []
-    for pmf in (pld._pmf_remove, pld._pmf_add):
-        if not isinstance(pmf, pld_pmf.DensePLDPmf):
-            return pld.self_compose(num_times, tail_mass_truncation)
-        pmfs.append(_self_compose_dense(pmf, num_times, tail_mass_truncation))
-    return pld_lib.PrivacyLossDistribution(pmfs[0], pmfs[1])
-
-
-def _self_compose_dense(
-    pmf: pld_pmf.DensePLDPmf, num_times: int, tail_mass_truncation: float
-) -> pld_pmf.DensePLDPmf:
-    if num_times <= 0:
-        raise ValueError(f"num_times should be >= 1, num_times={num_times}")
-    probs = pmf._probs
-    lower, upper = common.compute_self_convolve_bounds(probs, num_times, tail_mass_truncation)
-    output_len = upper - lower + 1
-    # The library's length (complex next_fast_len), so the circular wrap-around is identical.
-    fast_len = fft.next_fast_len(max(output_len, len(probs)))
-    circular = fft.irfft(fft.rfft(probs, fast_len) ** num_times, fast_len)
-    out = np.roll(circular, -lower)[:output_len]
-    infinity_mass = tail_mass_truncation - math.expm1(num_times * math.log1p(-pmf._infinity_mass))
-    return pld_pmf.DensePLDPmf(
-        pmf._discretization,
-        pmf._lower_loss * num_times + lower,
-        out,
-        infinity_mass,
-        pmf._pessimistic_estimate,
-    )
 
 
 def mixture_gaussian_deltas(
@@ -163,11 +127,19 @@ def _cdfs(loss: plm.MixtureGaussianPrivacyLoss, x: np.ndarray) -> tuple[np.ndarr
         lower_log = special.log_ndtr(x / sigma)
     else:
         upper = special.ndtr(x / sigma)
-        with np.errstate(divide="ignore"):
-            lower_log = special.logsumexp(
-                special.log_ndtr((x[:, None] - sens[None, :]) / sigma), axis=1, b=probs
-            )
+        lower_log = _logsumexp_rows(special.log_ndtr((x[:, None] - sens[None, :]) / sigma), probs)
     return upper, lower_log
+
+
+def _logsumexp_rows(z: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """log Σ_k w_k e^{z_ik} per row (w ≥ 0), overwriting ``z``: scipy's ``logsumexp(z, axis=1,
+    b=w)`` without its per-call array-API overhead. Rows that are all −∞ give −∞."""
+    peak = z.max(axis=1)
+    shift = np.where(np.isfinite(peak), peak, 0.0)
+    z -= shift[:, None]
+    np.exp(z, out=z)
+    with np.errstate(divide="ignore"):
+        return np.log(z @ weights) + shift
 
 
 def _inverse_losses(

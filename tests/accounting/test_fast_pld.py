@@ -137,7 +137,7 @@ def test_chunked_evaluation_gives_the_same_curve(monkeypatch) -> None:
 
 @pytest.mark.parametrize(("group", "steps"), [(1, 1), (3, 7), (4, 300)])
 def test_real_fft_self_composition_equals_the_library(group, steps) -> None:
-    from userdp.accounting.fast_pld import self_compose
+    from userdp.accounting.pld_ops import self_compose
 
     sens, probs = _binomial(group, 0.05)
     pld = mixture_gaussian_pld(1.0, sens, probs, value_discretization_interval=1e-3)
@@ -147,3 +147,64 @@ def test_real_fft_self_composition_equals_the_library(group, steps) -> None:
         assert a._infinity_mass == b._infinity_mass
         np.testing.assert_allclose(b._probs, a._probs, rtol=0, atol=1e-15)
     assert mine.get_epsilon_for_delta(1e-6) == pytest.approx(ref.get_epsilon_for_delta(1e-6))
+
+
+@pytest.mark.parametrize(("group", "sigma", "p"), [(1, 1.0, 0.01), (4, 0.7, 0.2), (16, 2.0, 0.5)])
+@pytest.mark.parametrize("steps", [1, 10, 2000])
+def test_self_convolve_bounds_equal_the_library(group, sigma, p, steps) -> None:
+    from dp_accounting.pld import common
+    from userdp.accounting.pld_ops import _self_convolve_bounds
+
+    sens, probs = _binomial(group, p)
+    pld = mixture_gaussian_pld(sigma, sens, probs, value_discretization_interval=1e-3)
+    for pmf in (pld._pmf_remove, pld._pmf_add):
+        for tail in (0.0, 1e-15, 1e-6):
+            expected = common.compute_self_convolve_bounds(pmf._probs, steps, tail)
+            assert _self_convolve_bounds(pmf._probs, steps, tail) == expected
+
+
+def test_row_logsumexp_equals_scipy_including_empty_rows() -> None:
+    from scipy import special
+    from userdp.accounting.fast_pld import _logsumexp_rows
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(scale=30.0, size=(50, 17))
+    z[3] = -np.inf
+    z[7, :5] = -np.inf
+    weights = rng.random(17)
+    weights[2] = 0.0
+    with np.errstate(divide="ignore"):
+        expected = special.logsumexp(z, axis=1, b=weights)
+    np.testing.assert_allclose(_logsumexp_rows(z.copy(), weights), expected, rtol=1e-13)
+    assert _logsumexp_rows(z.copy(), weights)[3] == -np.inf
+
+
+@pytest.mark.parametrize("delta", [1e-12, 1e-6, 1e-2, 0.5, 0.999])
+@pytest.mark.parametrize(("group", "sigma", "p", "steps"), [(1, 1.0, 0.01, 100), (4, 0.6, 0.2, 30)])
+def test_vectorized_epsilon_for_delta_equals_the_library(group, sigma, p, steps, delta) -> None:
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from userdp.accounting.pld_ops import epsilon_for_delta, self_compose
+
+    sens, probs = _binomial(group, p)
+    pld = self_compose(mixture_gaussian_pld(sigma, sens, probs, 1e-3), steps)
+    gaussian = pld_lib.from_gaussian_mechanism(sigma, value_discretization_interval=1e-3)
+    for dist in (pld, pld.compose(gaussian), gaussian, pld_lib.identity(1e-3)):
+        expected = dist.get_epsilon_for_delta(delta)
+        assert epsilon_for_delta(dist, delta) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "steps"), [(1.0, 0.01, 1), (1.0, 0.01, 100), (0.7, 0.2, 37)]
+)
+def test_library_self_compose_is_bit_identical(sigma, q, steps) -> None:
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from userdp.accounting.pld_ops import library_self_compose
+
+    pld = pld_lib.from_gaussian_mechanism(
+        sigma, value_discretization_interval=1e-4, sampling_prob=q
+    )
+    ref, mine = pld.self_compose(steps), library_self_compose(pld, steps)
+    for a, b in ((ref._pmf_remove, mine._pmf_remove), (ref._pmf_add, mine._pmf_add)):
+        assert a._lower_loss == b._lower_loss
+        assert a._infinity_mass == b._infinity_mass
+        np.testing.assert_array_equal(b._probs, a._probs)
