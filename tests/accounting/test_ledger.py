@@ -175,3 +175,44 @@ def test_create_refuses_existing(tmp_path):
     Ledger.create(path).close()
     with pytest.raises(FileExistsError):
         Ledger.create(path)
+
+
+def test_budget_certificates_make_the_check_logarithmic_and_refuse_at_the_same_step(
+    tmp_path, monkeypatch
+):
+    from userdp.accounting import max_steps
+
+    mech = UlsMechanism(noise_multiplier=1.5, sampling_prob=0.02)
+    budget, delta = 1.0, 1e-5
+    last_ok = max_steps(mech, budget, delta, use_cache=False)
+    assert 100 < last_ok < 500  # 268
+    calls = []
+    real = ledger_module.compose_epsilon
+    monkeypatch.setattr(
+        ledger_module, "compose_epsilon", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
+    with Ledger.create(tmp_path / "ledger.jsonl", budget_epsilon=budget, delta=delta) as led:
+        for step in range(1, last_ok + 1):
+            bound = led.check_budget(mech)
+            assert bound <= budget
+            if step % 37 == 1:  # the certified bound is an upper bound on the exact ε
+                assert real([(mech, step)], delta) <= bound
+            led.append(step, mech)
+        assert len(calls) < 4 * last_ok.bit_length() + 4  # O(log T) accountant calls, not T
+        with pytest.raises(BudgetExceededError, match="over the budget"):
+            led.append(last_ok + 1, mech)  # the exact check still refuses the first bad step
+        assert led.last_step == last_ok
+
+
+def test_budget_certificate_is_per_phase(tmp_path):
+    loud, quiet = UlsMechanism(1.0, 0.05), UlsMechanism(0.6, 0.05)
+    delta = 1e-5
+    budget = compose_epsilon([(loud, 30), (quiet, 3)], delta) * 1.001
+    with Ledger.create(tmp_path / "ledger.jsonl", budget_epsilon=budget, delta=delta) as led:
+        for step in range(1, 31):
+            led.append(step, loud)  # certifies counts of `loud` far beyond 30
+        for step in range(31, 34):
+            led.append(step, quiet)  # a new phase: its own (exact-then-certified) checks
+        with pytest.raises(BudgetExceededError):
+            led.append(34, quiet)
+        assert led.spent(delta) <= budget
