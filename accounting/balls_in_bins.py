@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ __all__ = [
 BIN_SEMANTICS = ("fixed", "per-epoch")
 DEFAULT_NUM_SAMPLES = 2**20
 _CHUNK_ELEMENTS = 2**23  # float32 entries per chunk of W (32 MiB)
+_THREADS = max(1, min(4, os.cpu_count() or 1))  # chunks computed in parallel (GIL released)
 _ESTIMATE, _VERIFY = 0, 1
 
 
@@ -229,55 +231,75 @@ class _Sampler:
         width = self.bins * pair.compositions
         self.chunk = max(1, min(num_samples, _CHUNK_ELEMENTS // width))
 
-    def _chunks(self, seed: np.random.SeedSequence) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _normals(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk ``index`` of the fixed draws: mode indices k and standard normals g."""
         n_chunks = math.ceil(self.num_samples / self.chunk)
-        for i in range(n_chunks):
-            child = _child(seed, i)
-            size = min(self.chunk, self.num_samples - i * self.chunk)
-            rng = np.random.default_rng(child)
-            k = rng.integers(0, self.bins, size=(self.pair.compositions, size))
-            g = rng.standard_normal((self.pair.compositions, size, self.bins), dtype=np.float32)
-            if self.factor is None:
-                g *= self.scale
-            else:
-                g = g @ self.factor
-            yield k, g
+        if not 0 <= index < n_chunks:
+            raise IndexError(index)
+        size = min(self.chunk, self.num_samples - index * self.chunk)
+        rng = np.random.default_rng(_child(self.seed, index))
+        k = rng.integers(0, self.bins, size=(self.pair.compositions, size))
+        g = rng.standard_normal((self.pair.compositions, size, self.bins), dtype=np.float32)
+        return k, g
+
+    def _chunk_losses(self, index: int, sigma: float) -> tuple[np.ndarray, np.ndarray]:
+        """The positive losses of both directions for chunk ``index`` at σ."""
+        k, g = self._normals(index)
+        log_b = math.log(self.bins)
+        if self.factor is None:
+            # W = √diag · g, so W/σ − diag/(2σ²) in one scaling pass and one shift pass.
+            base = g
+            base *= (self.scale / np.float32(sigma)).astype(np.float32)
+            base -= (0.5 * self.diag / sigma**2).astype(np.float32)
+            # Diagonal G: X ~ P differs from the Q-row only at coordinate k, by G[k, k]/σ², so
+            # its log-sum-exp follows from the Q-row's without a second pass over the b modes:
+            #   lse(pos) = logaddexp(log Σ_{i≠k} e^{base_i}, base_k + G[k, k]/σ²),
+            #   log Σ_{i≠k} e^{base_i} = lse(base) + log1p(−e^{base_k − lse(base)}).
+            base_k = np.take_along_axis(base, k[..., None], -1)[..., 0].astype(np.float64)
+            lse_base = _logsumexp_last(base)
+            with np.errstate(divide="ignore"):
+                rest = lse_base + np.log1p(-np.exp(np.minimum(base_k - lse_base, 0.0)))
+            lse_pos = np.logaddexp(rest, base_k + self.diag[k] / sigma**2)
+            y_qp = -(lse_base - log_b).sum(axis=0)
+            y_pq = (lse_pos - log_b).sum(axis=0)
+        else:
+            base = g @ self.factor
+            base *= np.float32(1.0 / sigma)
+            base -= (0.5 * self.diag / sigma**2).astype(np.float32)
+            pos = base + (self.pair.gram / sigma**2).astype(np.float32)[k]
+            y_qp = -_logsumexp_rows(base, log_b)
+            y_pq = _logsumexp_rows(pos, log_b)
+        return y_pq[y_pq > 0.0], y_qp[y_qp > 0.0]
 
     def losses(self, sigma: float) -> tuple[np.ndarray, np.ndarray]:
         """The positive privacy-loss samples (Y > 0) of both directions at σ: (H(P,Q) losses
         log P/Q under P, H(Q,P) losses log Q/P under Q). The two directions share W (each
-        estimate is unbiased on its own; EVR tests each direction separately)."""
-        out_pq, out_qp = [], []
-        half = (0.5 * self.diag / sigma**2).astype(np.float32)
-        shift = (self.pair.gram / sigma**2).astype(np.float32)
-        log_b = math.log(self.bins)
-        for k, w in self._chunks(self.seed):
-            base = w * np.float32(1.0 / sigma)
-            base -= half
-            if self.factor is None:  # diagonal G: the mode adds G[k, k]/σ² at coordinate k
-                pos = base.copy()
-                np.put_along_axis(
-                    pos,
-                    k[..., None],
-                    np.take_along_axis(pos, k[..., None], -1) + shift.diagonal()[k][..., None],
-                    -1,
-                )
-            else:
-                pos = base + shift[k]
-            y_qp = -_logsumexp_rows(base, log_b)
-            y_pq = _logsumexp_rows(pos, log_b)
-            out_pq.append(y_pq[y_pq > 0.0])
-            out_qp.append(y_qp[y_qp > 0.0])
-        return np.concatenate(out_pq), np.concatenate(out_qp)
+        estimate is unbiased on its own; EVR tests each direction separately).
+
+        Chunks run on up to ``_THREADS`` threads (numpy's generators and ufuncs release the
+        GIL); each chunk has its own seed and results are joined in chunk order, so the output
+        does not depend on the thread count."""
+        n_chunks = math.ceil(self.num_samples / self.chunk)
+        threads = max(1, min(_THREADS, n_chunks))
+        if threads == 1:
+            parts = [self._chunk_losses(i, sigma) for i in range(n_chunks)]
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="userdp-bib") as pool:
+                parts = list(pool.map(lambda i: self._chunk_losses(i, sigma), range(n_chunks)))
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _logsumexp_last(logits: np.ndarray) -> np.ndarray:
+    """logsumexp over the last axis, in float64 (exp in float32); overwrites ``logits``."""
+    peak = logits.max(axis=-1, keepdims=True)
+    logits -= peak
+    np.exp(logits, out=logits)
+    return np.log(logits.sum(axis=-1, dtype=np.float64)) + peak[..., 0]
 
 
 def _logsumexp_rows(logits: np.ndarray, log_b: float) -> np.ndarray:
     """Σ over compositions of (logsumexp over the last axis − log b); overwrites ``logits``."""
-    peak = logits.max(axis=-1, keepdims=True)
-    logits -= peak
-    np.exp(logits, out=logits)
-    per = np.log(logits.sum(axis=-1, dtype=np.float64)) + peak[..., 0] - log_b
-    return per.sum(axis=0)
+    return (_logsumexp_last(logits) - log_b).sum(axis=0)
 
 
 def _root_seed(seed: Any) -> np.random.SeedSequence:
