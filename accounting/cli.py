@@ -82,11 +82,26 @@ def build_mechanism(args: argparse.Namespace, noise_multiplier: float) -> Mechan
         if kind == "group-privacy":
             return GroupPrivacyMechanism(noise_multiplier, args.sampling_prob, args.group_size)
         if kind == "balls-in-bins":
+            _check_balls_in_bins_rate(args)
             return BallsInBinsMechanism(
                 noise_multiplier, args.bins, args.epochs, bin_semantics=args.bin_semantics
             )
         return RandomizedClippingMechanism(
             noise_multiplier, args.sampling_prob, args.probes, estimator=args.estimator
+        )
+
+
+def _check_balls_in_bins_rate(args: argparse.Namespace) -> None:
+    """Balls-in-bins has no free sampling rate: each user is in one of ``--bins`` steps per epoch.
+    A ``--sampling-prob`` other than 1/bins would be silently ignored, so it is refused."""
+    q = args.sampling_prob
+    if q is None or args.bins is None or args.bins < 1:
+        return
+    if not math.isclose(q, 1.0 / args.bins, rel_tol=1e-6):
+        raise AccountCliError(
+            f"--sampling-prob={q!r} does not match --mechanism balls-in-bins with --bins "
+            f"{args.bins} (each user is in exactly one of {args.bins} steps per epoch, rate "
+            f"1/bins = {1.0 / args.bins:.6g}); drop --sampling-prob or set it to 1/bins"
         )
 
 
@@ -121,12 +136,26 @@ COMPARISON_ONLY = (
     "group-privacy is a black-box conversion kept for comparison only; "
     "report the els accountant for DP-SGD-ELS runs"
 )
+MONTE_CARLO_ESTIMATE = (
+    "balls-in-bins epsilon (and max-steps, which uses it) is a Monte Carlo point estimate, "
+    "not a certified bound; "
+    "`userdp account calibrate` returns a noise multiplier verified on fresh samples (EVR)"
+)
+MONTE_CARLO_VERIFIED = (
+    "balls-in-bins noise multiplier: Monte Carlo bisection with common random numbers, then "
+    "verified by Estimate-Verify-Release on fresh samples (seed 004, Thm 2.1)"
+)
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> int:
+    note = None
     if args.mechanism == "group-privacy":
-        result = {**result, "note": COMPARISON_ONLY}
-        text = f"{text}\nnote: {COMPARISON_ONLY}"
+        note = COMPARISON_ONLY
+    elif args.mechanism == "balls-in-bins":
+        note = MONTE_CARLO_VERIFIED if "noise_multiplier" in result else MONTE_CARLO_ESTIMATE
+    if note is not None:
+        result = {**result, "note": note}
+        text = f"{text}\nnote: {note}"
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:

@@ -139,3 +139,26 @@ def test_group_privacy_is_available_for_comparison(capsys) -> None:
     assert black_box["mechanism"]["kind"] == "group-privacy"
     assert "comparison only" in black_box["note"]
     assert black_box["epsilon"] > tight["epsilon"]
+
+
+BIB = ["--mechanism", "balls-in-bins", "--noise-multiplier", "3", "--steps", "64",
+       "--bins", "32", "--epochs", "2", "--samples", "4096", "--seed", "0"]  # fmt: skip
+
+
+def test_balls_in_bins_epsilon_json_is_labelled_an_estimate(capsys) -> None:
+    from userdp.accounting import BallsInBinsMechanism
+
+    result = _run_json(capsys, "epsilon", *BIB)
+    mechanism = BallsInBinsMechanism(3.0, 32, 2, bin_semantics="per-epoch")
+    assert result["epsilon"] == epsilon(mechanism, 64, 1e-6, num_samples=4096, seed=0)
+    assert result["mechanism"]["kind"] == "balls-in-bins"
+    assert "Monte Carlo point estimate" in result["note"]
+    # --sampling-prob equal to 1/bins is accepted (the flag set), and changes nothing
+    again = _run_json(capsys, "epsilon", *BIB, "--sampling-prob", "0.03125")
+    assert again["epsilon"] == result["epsilon"]
+
+
+def test_balls_in_bins_sampling_prob_other_than_one_over_bins_is_refused(capsys) -> None:
+    assert main(["account", "epsilon", *BIB, "--sampling-prob", "0.01"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sampling-prob=0.01" in err[0] and "1/bins" in err[0]
