@@ -227,11 +227,13 @@ def test_the_rendered_pods_run_a_training_job_and_survive_a_coordinator_restart(
     # 4. The workers' containers.
     worker_container = objects.container(sts, "worker")
     health_ports = [_free_port() for _ in worker_names]
+    worker_pods = [pod(name, name) for name in worker_names]
 
     def start_workers() -> list[subprocess.Popen]:
         procs = []
-        for name, health_port in zip(worker_names, health_ports, strict=True):
-            worker_pod = pod(name, name)
+        for name, worker_pod, health_port in zip(
+            worker_names, worker_pods, health_ports, strict=True
+        ):
             argv = _expand(worker_container["args"], {"POD_NAME": name})
             argv = [worker_pod.local(a) for a in argv]
             argv[argv.index("--coordinator") + 1] = f"127.0.0.1:{port}"
