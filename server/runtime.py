@@ -66,7 +66,8 @@ def start_coordinator(
 ) -> RunningCoordinator:
     """Serve ``config.coordinator`` and return the resumed coordinator (see the module docstring).
 
-    ``test_only_disable_noise``: see :class:`~userdp.server.coordinator.Coordinator`."""
+    ``test_only_disable_noise`` (test-only, NOT PRIVATE): see
+    :class:`~userdp.server.coordinator.Coordinator`; no config key or CLI flag reaches it."""
     authorizer, tls = authorizer_from_config(config.coordinator, allowed_workers)
     registry, publisher = WorkerRegistry(), ModelPublisher()
     partial_bytes = sum(t.numel() * t.element_size() for t in params.values())

@@ -24,7 +24,7 @@ says nothing about a claimed ε far above that ceiling. δ is treated as 0 (the 
 theorem adds a δ term we do not subtract), which can only make the lower bound LARGER: a false
 alarm, never a false assurance; keep δ small (≤ 1e-6) for audits.
 
-``test_only_disable_clipping`` makes every clip factor 1 (engine and canaries alike) so the test
+``test_only_disable_clipping`` (test-only, NOT PRIVATE) makes every clip factor 1 (engine and canaries alike) so the test
 suite can show the audit flags a broken run; no config key or CLI flag reaches it.
 """
 

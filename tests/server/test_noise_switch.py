@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
-from userdp.server import runtime
 
 from userdp.cli import build_parser
 from userdp.config import Config, ConfigError, parse_config
@@ -39,12 +37,35 @@ def test_no_config_key_or_cli_flag_disables_noise():
     assert not [f for f in flags if "noise" in f and ("no" in f or "disable" in f)]
 
 
-def test_only_the_coordinator_constructor_knows_the_switch():
-    assert "test_only_disable_noise" not in inspect.signature(runtime.start_coordinator).parameters
-    users = [
-        p.relative_to(REPO)
-        for folder in ("server", "userdp", "clients", "strategies", "accounting")
-        for p in (REPO / folder).glob("*.py")
-        if "test_only_disable_noise" in p.read_text()
-    ]
-    assert users == [Path("server/coordinator.py")]
+# Python-API entry points that pass the test-only switches down to the coordinator / step loop;
+# each documents the switch as test-only. Any other module mentioning one is a new path to it.
+ALLOWED = {
+    "test_only_disable_noise": {
+        Path("server/coordinator.py"),
+        Path("server/runtime.py"),
+        Path("strategies/inprocess.py"),
+        Path("userdp/simulation.py"),
+    },
+    "test_only_disable_clipping": {Path("userdp/audit.py")},
+}
+
+
+def _modules():
+    for folder in ("server", "userdp", "clients", "strategies", "accounting", "proto"):
+        yield from sorted((REPO / folder).glob("*.py"))
+
+
+@pytest.mark.parametrize("switch", sorted(ALLOWED))
+def test_only_the_python_api_knows_the_switch(switch):
+    users = {p.relative_to(REPO) for p in _modules() if switch in p.read_text()}
+    assert users == ALLOWED[switch]
+    for path in users:
+        assert (
+            "NOT PRIVATE" in (REPO / path).read_text() or "test-only" in (REPO / path).read_text()
+        )
+
+
+def test_no_command_line_module_mentions_a_test_only_switch():
+    cli_modules = [p for p in _modules() if p.name.startswith("cli")]
+    assert len(cli_modules) >= 8
+    assert not [p.name for p in cli_modules if "test_only" in p.read_text()]
