@@ -23,7 +23,9 @@ With ``local_steps ≥ 1`` (DP-FedAvg) the clipped quantity is each unit's local
 :func:`build_engine` builds the model of the config (:func:`userdp.clients.model.build_model`)
 and wraps it with DeepSpeed (:mod:`userdp.clients.distributed`). Inside one worker with
 torch.distributed initialized (world size > 1), ``clipped_sum`` is a collective: every rank must
-call it with the same units; ranks split the units and all-reduce the clipped sums.
+call it with the same units; ranks split the units and all-reduce the clipped sums. (If one rank
+raises, the others block in the all-reduce: the worker process must treat that as fatal.)
+An engine is not thread-safe: the vectorized engines attach hooks to the shared module per call.
 """
 
 from __future__ import annotations
