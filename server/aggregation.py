@@ -8,7 +8,8 @@ TaskFailed, bad partial) is closed for good and its groups return to the pending
 re-batched under a new task id with a higher attempt number, never to the worker that failed them.
 Results of closed tasks (late duplicates), of other steps or attempts are discarded; a bad partial
 (wrong units, counts, tensor names, shapes, dtypes, non-finite values, or a norm above
-``count · clip_norm`` — a worker that did not clip) is rejected and its groups re-issued. Each
+``count · clip_norm`` — a worker that did not clip; not checked under randomized clipping, where
+estimated norms let a unit exceed C by design) is rejected and its groups re-issued. Each
 unit belongs to exactly one group and a group is marked done exactly once, so every unit
 contributes exactly once; :meth:`StepGather.result` re-checks that before anything is released.
 
@@ -127,10 +128,16 @@ class StepGather:
         groups: Sequence[ShardGroup],
         template: Mapping[str, TensorSpec],
         clip_norm: float,
+        *,
+        norms_estimated: bool = False,
     ) -> None:
+        """``norms_estimated``: units were clipped by ESTIMATED norms (randomized clipping), so a
+        unit may legitimately contribute C·Z with Z > 1 (covered by its accountant) and the
+        count·C bound is not checked; everything else is."""
         self.step = step
         self.model_version = model_version
         self.clip_norm = float(clip_norm)
+        self.norms_estimated = bool(norms_estimated)
         self.template = dict(template)
         self._groups = {g.group_id: _GroupState(g) for g in groups}
         self._tasks: dict[str, _TaskState] = {}
@@ -287,7 +294,7 @@ class StepGather:
                 return f"tensor {name!r} has non-finite values"
             squared += float(torch.sum(t.to(torch.float64) ** 2))
         bound = partial.count * self.clip_norm * (1 + NORM_TOLERANCE) + 1e-6
-        if math.sqrt(squared) > bound:
+        if not self.norms_estimated and math.sqrt(squared) > bound:
             return (
                 f"partial sum norm {math.sqrt(squared):.6g} exceeds count*clip_norm = "
                 f"{partial.count * self.clip_norm:.6g} (units not clipped)"

@@ -111,6 +111,8 @@ class CoordinatorSettings:
     wait_for_workers_s: float = 120.0
     ack_wait_s: float = 5.0
     """At a step's start, how long to wait for workers to acknowledge the current model."""
+    heartbeat_timeout_s: float = 30.0
+    """A worker silent this long (workers heartbeat every 5 s) is treated as lost."""
 
 
 @dataclass
@@ -275,7 +277,14 @@ class Coordinator:
 
         self._phase("plan", step, times, started)
         groups = plan_groups(step, list(cohort.unit_ids), self.population.shard_of_unit)
-        gather = StepGather(step, self.model_version, groups, self.template, spec.clip_norm)
+        gather = StepGather(
+            step,
+            self.model_version,
+            groups,
+            self.template,
+            spec.clip_norm,
+            norms_estimated=spec.engine == "randomized" and spec.probes > 0,
+        )
 
         self._phase("gather", step, times, started)
         self._gather(gather, spec)
@@ -353,6 +362,7 @@ class Coordinator:
                     f"step {gather.step}: {len(gather.pending()) + len(gather.outstanding())} "
                     f"task(s) not done after {self.settings.step_deadline_s:.0f}s"
                 )
+            self.registry.reap_silent(self.settings.heartbeat_timeout_s, now)
             for task_id, attempt, worker, issued_at in gather.outstanding():
                 if now - issued_at > self.settings.task_deadline_s:
                     log.warning("task %s attempt %d on %s timed out", task_id, attempt, worker)
@@ -416,6 +426,7 @@ class Coordinator:
 
     def pump_events(self, timeout: float = 0.0) -> None:
         """Handle queued events outside a step (joins, acks, resyncs)."""
+        self.registry.reap_silent(self.settings.heartbeat_timeout_s)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()

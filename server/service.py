@@ -236,6 +236,15 @@ class WorkerRegistry:
         with self._lock:
             return [s for s in self._sessions.values() if s.alive]
 
+    def reap_silent(self, max_silence_s: float, now: float | None = None) -> list[str]:
+        """Close every session that sent nothing (not even a heartbeat) for ``max_silence_s``:
+        a hung worker becomes a lost one, whose tasks the step loop re-issues. Returns their ids."""
+        now = time.monotonic() if now is None else now
+        silent = [s for s in self.sessions() if now - s.last_seen > max_silence_s]
+        for session in silent:
+            self.lost(session, f"silent for {now - session.last_seen:.0f}s (no heartbeat)")
+        return [s.worker_id for s in silent]
+
     def get(self, worker_id: str) -> WorkerSession | None:
         with self._lock:
             return self._sessions.get(worker_id)

@@ -120,3 +120,22 @@ def test_planning_groups_by_shard_and_balances_replicas():
     assert [g.group_id for g in orphans] == ["3/c"]
     assert choose_worker("b", {"w1": {"b"}, "w2": {"b"}}, {"w1": 5}, exclude=()) == "w2"
     assert choose_worker("b", {"w1": {"b"}}, {}, exclude={"w1"}) is None
+
+
+@pytest.mark.parametrize("estimated", [False, True])
+def test_count_times_c_bound_is_checked_unless_norms_are_estimated(estimated):
+    groups = [ShardGroup("7/a", 7, "a", ("u1",))]
+    g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, norms_estimated=estimated)
+    task, _ = g.issue("w1", ["7/a"], 0.0)
+    over = g.offer(_partial(task, 0, "w1", ("u1",), value=1.5))  # norm 2.6 > 1·C
+    assert over.accepted == estimated
+    if not estimated:
+        assert "exceeds count*clip_norm" in over.reason
+
+
+def test_estimated_norms_still_reject_non_finite_partials():
+    groups = [ShardGroup("7/a", 7, "a", ("u1",))]
+    g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, norms_estimated=True)
+    task, _ = g.issue("w1", ["7/a"], 0.0)
+    bad = g.offer(_partial(task, 0, "w1", ("u1",), value=float("nan")))
+    assert not bad.accepted and "non-finite" in bad.reason
