@@ -28,9 +28,13 @@ def free_port() -> int:
 
 
 def _default_env() -> None:
-    """Single-process defaults for torch.distributed's env:// rendezvous (never overrides)."""
+    """Single-process defaults for torch.distributed's env:// rendezvous.
+
+    A multi-rank launch (WORLD_SIZE > 1) keeps the launcher's MASTER_ADDR/PORT. A single rank
+    always takes a fresh free port: a MASTER_PORT inherited from a parent that initialized its
+    own process group is still held by that parent (two workers would collide on it)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
+    if os.environ.get("WORLD_SIZE", "1") == "1" or "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")

@@ -39,6 +39,7 @@ import torch
 log = logging.getLogger(__name__)
 
 MODES = ("grpc", "in-process", "external")
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
 @dataclass
@@ -241,7 +242,8 @@ def _spawn_workers(loop: RunLoop, address: str) -> list[subprocess.Popen]:
     held = _worker_assignments(shards, config.workers.count, config.workers.replicas)
     logs = loop.out / "logs"
     logs.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
+    env["PYTHONUNBUFFERED"] = "1"  # each worker is its own single-rank process group
     threads = max(1, (os.cpu_count() or 1) // len(held))
     env.setdefault("OMP_NUM_THREADS", str(threads))
     procs = []
