@@ -124,12 +124,9 @@ def run_audit(
 ) -> AuditResult:
     """Train ``config`` once in the in-process simulator with canaries (module docstring)."""
     from userdp.clients.clipping import Accumulator, add_clipped_unit
-    from userdp.clients.shard_store import ShardStore
-    from userdp.clients.worker_service import build_compute
     from userdp.run_components import prepare_run
-    from userdp.server.coordinator import task_proto
     from userdp.server.population import Population
-    from userdp.simulation import LocalTensor
+    from userdp.simulation import InProcessWorker
     from userdp.strategies.base import ClipStatistics
     from userdp.strategies.inprocess import run_step
 
@@ -156,12 +153,8 @@ def run_audit(
         },
         shard_sha256=setup.population.shard_sha256,
     )
-    store = ShardStore(setup.shard_dir)
-    run_config = config.model_copy(
-        update={"data": config.data.model_copy(update={"shards": str(setup.shard_dir)})}
-    )
-    compute = build_compute(run_config, store)
-    compute.apply_model({k: LocalTensor(v) for k, v in setup.frozen.items()}, full=True)
+    compute = InProcessWorker(config, setup)
+    current_step = [0]
 
     def worker(spec: Any, unit_ids: Any, current: dict[str, torch.Tensor]) -> tuple[dict, Any]:
         real = [u for u in unit_ids if u not in coordinate]
@@ -171,8 +164,7 @@ def run_audit(
         }
         count = clipped = 0
         if real:
-            compute.apply_model({k: LocalTensor(v) for k, v in current.items()}, full=False)
-            result = compute.compute(task_proto(spec, 0, "audit", 0, 0, real, 0.0))
+            result = compute(spec, current_step[0], real, current)
             sums = {k: v.clone() for k, v in result.sums.items()}
             count, clipped = result.count, result.clipped
         if fake:
@@ -198,10 +190,11 @@ def run_audit(
     try:
         with _clipping_disabled(test_only_disable_clipping):
             for step in range(config.strategy.steps):
+                current_step[0] = step
                 run_step(strategy, step, params, population, worker, workers=config.workers.count)
     finally:
         strategy.add_noise = add_noise
-        store.close()
+        compute.close()
 
     beta = 1.0 - confidence
     counts = [k for k in GUESS_COUNTS if 2 * k <= canaries]

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -332,25 +332,44 @@ def _run_coordinator(loop: RunLoop, spawn: bool) -> tuple[dict[str, torch.Tensor
     return setup.trainable, stopped
 
 
+class InProcessWorker:
+    """The worker compute (:class:`~userdp.clients.worker_service.EngineCompute` over the run's
+    shards) called in this process with the wire ``Task`` the coordinator would send for the
+    same step and units. Used by ``simulate --in-process`` and by ``userdp audit``."""
+
+    def __init__(self, config: Any, setup: Any) -> None:
+        from userdp.clients.shard_store import ShardStore
+        from userdp.clients.worker_service import build_compute
+
+        self.store = ShardStore(setup.shard_dir)
+        self.compute = build_compute(config, self.store)
+        self.compute.apply_model({k: LocalTensor(v) for k, v in setup.frozen.items()}, full=True)
+
+    def __call__(
+        self, spec: Any, step: int, unit_ids: Sequence[str], params: dict[str, torch.Tensor]
+    ) -> Any:
+        """The clipped sum of ``unit_ids`` at ``params`` (a :class:`ClippedSum`)."""
+        from userdp.server.coordinator import task_proto
+
+        self.compute.apply_model({k: LocalTensor(v) for k, v in params.items()}, full=False)
+        return self.compute.compute(task_proto(spec, step, "in-process", 0, 0, unit_ids, 0.0))
+
+    def close(self) -> None:
+        self.store.close()
+
+
 def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
     from userdp.accounting.ledger import BudgetExceededError
-    from userdp.clients.shard_store import ShardStore
-    from userdp.clients.worker_service import build_compute
-    from userdp.server.coordinator import task_proto
     from userdp.strategies.base import ClipStatistics
     from userdp.strategies.inprocess import run_step
 
     setup, config = loop.setup, loop.run_config
     params = setup.trainable
-    store = ShardStore(setup.shard_dir)
-    compute = build_compute(config, store)
-    compute.apply_model({k: LocalTensor(v) for k, v in setup.frozen.items()}, full=True)
+    compute = InProcessWorker(config, setup)
     step_stats: dict[str, float] = {}
 
     def worker(spec: Any, unit_ids: Any, current: dict[str, torch.Tensor]) -> tuple[dict, Any]:
-        compute.apply_model({k: LocalTensor(v) for k, v in current.items()}, full=False)
-        task = task_proto(spec, step_stats["step"], "in-process", 0, 0, list(unit_ids), 0.0)
-        result = compute.compute(task)
+        result = compute(spec, int(step_stats["step"]), list(unit_ids), current)
         for key in ("loss_sum", "tokens", "nonfinite"):
             step_stats[key] += getattr(result, key)
         return dict(result.sums), ClipStatistics(result.count, result.clipped)
@@ -390,7 +409,7 @@ def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
     except KeyboardInterrupt:
         stopped = "interrupted"
     finally:
-        store.close()
+        compute.close()
     return params, stopped
 
 
