@@ -10,6 +10,7 @@ replaced by that broadcast, so the init seed only matters for reproducible resea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,18 @@ def _with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
         r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=True
     )
     return peft.get_peft_model(model, lora)
+
+
+def load_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` into ``model``'s parameters of the same names (dtype and device of the
+    parameter). A name the model does not have is an error, never silently skipped."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise KeyError(f"the model has no parameters named {unknown[:3]}")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value.to(dtype=params[name].dtype, device=params[name].device))
 
 
 def split_parameters(

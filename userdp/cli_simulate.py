@@ -61,25 +61,18 @@ def _logging(quiet: bool) -> None:
     )
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
+    """``simulate`` (grpc, or in-process) and ``train`` (external workers)."""
     from userdp.simulation import run
 
     config = _load(args)
     _logging(args.quiet)
     signal.signal(signal.SIGTERM, _interrupt)
-    mode = "in-process" if args.in_process else "grpc"
+    if args.command == "train":
+        mode = "external"
+    else:
+        mode = "in-process" if args.in_process else "grpc"
     result = run(config, args.output, mode=mode, quiet=args.quiet)
-    _summary(result, args.quiet)
-    return 130 if result.stopped == "interrupted" else 0
-
-
-def _train(args: argparse.Namespace) -> int:
-    from userdp.simulation import run
-
-    config = _load(args)
-    _logging(args.quiet)
-    signal.signal(signal.SIGTERM, _interrupt)
-    result = run(config, args.output, mode="external", quiet=args.quiet)
     _summary(result, args.quiet)
     return 130 if result.stopped == "interrupted" else 0
 
@@ -132,7 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="same strategy and worker compute in one process, without gRPC (no checkpoints)",
     )
     sim.add_argument("--quiet", action="store_true", help="log lines instead of a progress bar")
-    sim.set_defaults(handler=_simulate)
+    sim.set_defaults(handler=_run)
 
     train = subparsers.add_parser(
         "train",
@@ -147,7 +140,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--config", required=True, help="the run's TOML config")
     train.add_argument("--output", help="run folder (default: output.dir of the config)")
     train.add_argument("--quiet", action="store_true", help="log lines instead of a progress bar")
-    train.set_defaults(handler=_train, demo=False)
+    train.set_defaults(handler=_run, demo=False)
 
     report = subparsers.add_parser(
         "report",

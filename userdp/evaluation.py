@@ -8,8 +8,6 @@ covered by the run's DP guarantee (the report says so), which protects the TRAIN
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 import torch
 
@@ -33,7 +31,11 @@ def eval_examples(
 
 
 class Evaluator:
-    """Mean token loss of a causal LM on a fixed list of examples, in padded batches."""
+    """Mean token loss of a causal LM on a fixed list of examples.
+
+    Batching, padding and the per-token cross-entropy are the worker engine's
+    (:mod:`userdp.clients.batching`), so the held-out loss and the training loss the workers
+    report (their loss sum over their token count) are the same quantity."""
 
     def __init__(
         self,
@@ -42,44 +44,24 @@ class Evaluator:
         pad_id: int = 0,
         batch_tokens: int = 8192,
     ) -> None:
-        self.model = model
-        self.params = dict(model.named_parameters())
-        self.examples = sorted(examples, key=len)
-        self.pad_id = pad_id
-        self.batch_tokens = batch_tokens
+        from userdp.clients.batching import Unit, pack_units, prepare_units
 
-    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, value in tensors.items():
-                target = self.params[name]
-                target.copy_(value.to(dtype=target.dtype, device=target.device))
+        self.model = model
+        self.pad_id = pad_id
+        ordered = sorted(examples, key=len)  # similar lengths share a batch: less padding
+        self.prepared = prepare_units([Unit(str(i), [e]) for i, e in enumerate(ordered)], None)
+        batches, oversized = pack_units(self.prepared, batch_tokens)
+        self.batches = batches + [[i] for i in oversized]
 
     @torch.no_grad()
     def loss(self) -> float:
         """Mean cross-entropy per predicted token (nan without examples)."""
-        total, tokens = 0.0, 0
-        batch: list[np.ndarray] = []
-        for example in self.examples + [None]:  # type: ignore[list-item]
-            if example is not None and (len(batch) + 1) * len(example) <= self.batch_tokens:
-                batch.append(example)
-                continue
-            if batch:
-                batch_total, batch_tokens = self._batch_loss(batch)
-                total, tokens = total + batch_total, tokens + batch_tokens
-            batch = [example] if example is not None else []
-        return total / tokens if tokens else float("nan")
+        from userdp.clients.batching import make_batch, token_losses
 
-    def _batch_loss(self, batch: list[np.ndarray]) -> tuple[float, int]:
-        length = max(len(e) for e in batch)
-        ids = torch.full((len(batch), length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), length), dtype=torch.long)
-        for row, example in enumerate(batch):
-            ids[row, : len(example)] = torch.as_tensor(example)
-            mask[row, : len(example)] = 1
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-        targets = ids[:, 1:].clone()
-        targets[mask[:, 1:] == 0] = -100
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-        )
-        return float(loss), int((targets != -100).sum())
+        device = next(self.model.parameters()).device
+        total, tokens = 0.0, 0
+        for units in self.batches:
+            batch = make_batch(self.prepared, units, device, self.pad_id)
+            total += float(token_losses(self.model, batch).double().sum())
+            tokens += int(batch.mask.sum())
+        return total / tokens if tokens else float("nan")

@@ -213,9 +213,7 @@ def resolve_noise_multiplier(config: Any, num_users: int, delta: float) -> float
         return float(config.privacy.noise_multiplier)
     from userdp.accounting.calibration import calibrate_noise_multiplier
 
-    probe = make_strategy(config, num_users, 1.0)
-    probe_population(probe, num_users)
-    template = probe.mechanism()
+    template = make_strategy(config, num_users, 1.0).mechanism()  # σ is the only free field
     log.info(
         "calibrating sigma for epsilon=%g, delta=%.3g, %d steps (%s)",
         config.privacy.epsilon,
@@ -226,15 +224,6 @@ def resolve_noise_multiplier(config: Any, num_users: int, delta: float) -> float
     return calibrate_noise_multiplier(
         template, config.privacy.epsilon, delta, config.strategy.steps
     )
-
-
-def probe_population(strategy: Any, num_users: int) -> None:
-    """Some strategies learn N (for balls-in-bins bins or BLT) at their first cohort; tell them
-    N before calibration by sampling step 0 of a synthetic population of that size. The sampler
-    state this advances is discarded with the probe strategy."""
-    needs = getattr(strategy, "sampling", None) == "balls-in-bins" or hasattr(strategy, "blt")
-    if needs:
-        strategy.sample_cohort(0, [f"u{i}" for i in range(num_users)])
 
 
 # ---- setup -------------------------------------------------------------------------------------

@@ -237,14 +237,8 @@ def render_plots(run_dir: Path) -> list[Path]:
 # ---- model -------------------------------------------------------------------------------------
 
 
-def save_model(model: Any, tensors: Mapping[str, Any], run_dir: Path) -> Path:
-    """Load ``tensors`` into ``model`` and save it (safetensors + config.json) in ``model/``."""
-    import torch
-
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in tensors.items():
-            params[name].copy_(value.to(params[name].dtype))
+def save_model(model: Any, run_dir: Path) -> Path:
+    """Save ``model`` (safetensors + config.json) in ``model/``."""
     target = run_dir / "model"
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,7 +89,6 @@ class RunLoop:
         self.eval_every = max(1, self.steps // 10)
         self.epsilon_every = max(1, self.steps // 50)
         self.epsilon: float | None = None
-        self.last_loss: float | None = None
         self.eval_losses: dict[int, float] = {}
         self._bar: Any = None
         self._last_time = time.perf_counter()
@@ -104,7 +103,7 @@ class RunLoop:
         self.config_path = write_config(self.run_config, self.out)
         self.ledger = open_ledger(self.setup, self.out)
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
-        self.evaluator = self._evaluator()
+        self.model, self.evaluator = self._model_and_evaluator()
         done = {r["step"] for r in read_metrics(self.metrics.path) if r.get("kind") == "eval"}
         if 0 not in done and not self.ledger.records:
             self.evaluate(0)  # the no-fine-tuning baseline, before any privacy is spent
@@ -114,26 +113,29 @@ class RunLoop:
 
             self._bar = tqdm(total=self.steps, initial=len(self.ledger.records), unit="step")
 
-    def _evaluator(self) -> Any:
-        from userdp.clients.model import build_model, model_shape
+    def _model_and_evaluator(self) -> tuple[Any, Any]:
+        """The launcher's copy of the model (evaluation and the saved model) holding the run's
+        frozen tensors, and the held-out evaluator on it (None without held-out users)."""
+        from userdp.clients.model import build_model, load_parameters, model_shape
         from userdp.clients.shard_store import ShardStore
         from userdp.evaluation import Evaluator, eval_examples
 
         setup = self.setup
-        if not setup.eval_users:
-            return None
-        with ShardStore(setup.shard_dir) as store:
-            examples = eval_examples(store, setup.eval_users, self.config.data.seq_len)
         shape = model_shape(setup.manifest, self.config.data.seq_len)
         model = build_model(self.config.model, shape, seed=0)
-        evaluator = Evaluator(model, examples, pad_id=shape.pad_id or 0)
-        evaluator.load(setup.frozen)
-        return evaluator
+        load_parameters(model, setup.frozen)
+        if not setup.eval_users:
+            return model, None
+        with ShardStore(setup.shard_dir) as store:
+            examples = eval_examples(store, setup.eval_users, self.config.data.seq_len)
+        return model, Evaluator(model, examples, pad_id=shape.pad_id or 0)
 
     def evaluate(self, step: int, params: dict[str, torch.Tensor] | None = None) -> None:
+        from userdp.clients.model import load_parameters
+
         if self.evaluator is None:
             return
-        self.evaluator.load(params if params is not None else self.setup.trainable)
+        load_parameters(self.model, params if params is not None else self.setup.trainable)
         loss = self.evaluator.loss()
         self.eval_losses[step] = loss
         self.metrics.write(
@@ -161,7 +163,6 @@ class RunLoop:
         done = step + 1
         if done % self.epsilon_every == 0 or done == self.steps:
             self.epsilon = self._spent()
-        self.last_loss = loss if math.isfinite(loss) else self.last_loss
         self.metrics.write(
             {
                 "kind": "step",
@@ -186,6 +187,7 @@ class RunLoop:
             log.info("step %d: loss %.4f, eps %s, %d units", step, loss, self.epsilon, units)
 
     def finish(self, params: dict[str, torch.Tensor], stopped: str) -> RunResult:
+        from userdp.clients.model import load_parameters
         from userdp.run_outputs import render_plots, render_report, save_model, write_facts
 
         if self._bar is not None:
@@ -200,8 +202,8 @@ class RunLoop:
             render_report(self.out, self.run_config, self.setup.delta)
         if self.run_config.output.plots:
             render_plots(self.out)
-        if self.evaluator is not None:
-            save_model(self.evaluator.model, {**self.setup.frozen, **params}, self.out)
+        load_parameters(self.model, params)
+        save_model(self.model, self.out)
         losses = sorted(self.eval_losses.items())
         return RunResult(
             run_dir=self.out,
@@ -304,7 +306,7 @@ def _run_coordinator(loop: RunLoop, spawn: bool) -> tuple[dict[str, torch.Tensor
     finished, stopped = False, "interrupted"
     try:
         if not coordinator.wait_for_workers():
-            dead = [p.args[-5] for p in procs if p.poll() is not None]
+            dead = [p.args[p.args.index("--worker-id") + 1] for p in procs if p.poll() is not None]
             raise RuntimeError(
                 "workers did not connect in time"
                 + (f"; exited: {dead} (see {loop.out / 'logs'})" if dead else "")
@@ -430,7 +432,6 @@ def run(
     mode: str = "grpc",
     quiet: bool = False,
     test_only_disable_noise: bool = False,
-    on_ready: Callable[[RunLoop], None] | None = None,
 ) -> RunResult:
     """Run ``config`` (see the module docstring); ``output`` overrides ``output.dir``.
 
@@ -441,8 +442,6 @@ def run(
     out = Path(output or config.output.dir)
     loop = RunLoop(config, out, quiet=quiet, test_only_disable_noise=test_only_disable_noise)
     loop.start(mode)
-    if on_ready is not None:
-        on_ready(loop)
     stopped = "interrupted"
     params = loop.setup.trainable
     try:

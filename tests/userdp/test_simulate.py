@@ -204,3 +204,15 @@ def test_report_says_what_epsilon_does_not_cover(grpc_run) -> None:
     report = json.loads((result.run_dir / "privacy_report.json").read_text())
     assert METRICS_CAVEAT in report["caveats"] and EVAL_CAVEAT in report["caveats"]
     assert "NOT covered" in (result.run_dir / "privacy_report.md").read_text()
+
+
+def test_model_is_saved_without_held_out_users(tmp_path) -> None:
+    config = small_config(tmp_path, steps=1)
+    config = config.model_copy(
+        update={"data": config.data.model_copy(update={"eval_fraction": 0.0})}
+    )
+    result = run(config, mode="in-process", quiet=True)
+    assert result.baseline_eval_loss is None and result.steps_done == 1
+    weights = load_file(result.run_dir / "model" / "model.safetensors")
+    name = "transformer.h.0.attn.c_attn.weight"
+    assert torch.equal(weights[name], result.params[name])
