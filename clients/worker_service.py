@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 from userdp.clients.grpc_client import ComputedPartial
+from userdp.clients.model import load_parameters
 from userdp.clients.selection import select_examples
 from userdp.clients.shard_store import ShardStore
 from userdp.proto import userdp_v1_pb2 as pb
@@ -43,16 +43,11 @@ class EngineCompute:
         self.store = store
         self.engine = engine
         self.unit_type = unit_type
-        self._params = dict(engine.module.named_parameters())
 
     def apply_model(self, tensors: Mapping[str, WireTensor], full: bool) -> None:
-        unknown = sorted(set(tensors) - set(self._params))
-        if unknown:
-            raise KeyError(f"model update names unknown parameters {unknown[:3]}")
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                target = self._params[name]
-                target.copy_(tensor.torch().to(device=target.device, dtype=target.dtype))
+        """Copy received tensors into the model by name; an unknown name is a KeyError and
+        nothing is copied."""
+        load_parameters(self.engine.module, {name: t.torch() for name, t in tensors.items()})
 
     def _units(self, task: pb.Task) -> list[Any]:
         units = []
