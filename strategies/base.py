@@ -303,6 +303,7 @@ class Strategy(ABC):
         self.noise_multiplier = float(noise_multiplier)
         self.noise = noise if noise is not None else GaussianNoise()
         self.optimizer = optimizer if optimizer is not None else Sgd(learning_rate=1.0)
+        self._execution_options: dict[str, Any] = {}
 
     # ---- sampling ------------------------------------------------------------------------------
 
@@ -352,7 +353,7 @@ class Strategy(ABC):
         The engine option replaces only an exact engine; a strategy that chose a randomized
         engine keeps it, since its accountant depends on it."""
         spec = self.configure_task(step, cohort)
-        options = dict(getattr(self, "_execution_options", {}))
+        options = dict(self._execution_options)
         if spec.engine not in EXACT_ENGINES:
             options.pop("engine", None)
         return replace(spec, **options) if options else spec
