@@ -55,12 +55,15 @@ seed = 0
     workers = [
         subprocess.Popen(
             [*cli, "worker", "--coordinator", f"127.0.0.1:{port}", "--shards", str(shards)]
-            + ["--config", str(config), "--worker-id", f"w{i}"],
+            + ["--shard-names", names, "--config", str(config), "--worker-id", f"w{i}"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=env,
         )
-        for i in range(2)
+        # Disjoint shards: the coordinator starts only when both workers hold theirs, so both
+        # are connected when the finished run drains them (a worker that came up after the run
+        # would wait for a coordinator with backoff, as designed).
+        for i, names in enumerate(("shard-00000,shard-00002", "shard-00001,shard-00003"))
     ]
     try:
         out, err = train.communicate(timeout=300)
