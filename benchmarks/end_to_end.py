@@ -85,7 +85,11 @@ def _config(model: str, seq_len: int, device: str, engine: str, args: argparse.N
         data=DataConfig(seq_len=seq_len),
         model=ModelConfig(preset=model, dtype=args.dtype, zero_stage=args.zero_stage),
         strategy=StrategyConfig(engine=engine, probes=args.probes),
-        workers=WorkersConfig(device=device, token_budget=args.token_budget),
+        workers=WorkersConfig(
+            device=device,
+            token_budget=args.token_budget,
+            tensor_core_matmul=args.tensor_core_matmul,
+        ),
     )
 
 
@@ -148,6 +152,25 @@ def _measure_or_oom(
     return seconds, peak, None
 
 
+def profile(fn: Callable[[], Any], device: torch.device, title: str, rows: int = 30) -> None:
+    """One call of ``fn`` (after a warm-up) under torch.profiler: the top ops by device time
+    and by host time, to stderr (``--profile``)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    table = prof.key_averages()
+    device_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n## profile: {title}", file=sys.stderr)
+    for key in (device_key, "cpu_time_total"):
+        print(table.table(sort_by=key, row_limit=rows, max_name_column_width=90), file=sys.stderr)
+
+
 def _non_private(api, engine, units: list) -> Callable[[], None]:
     """The same tokens' plain gradient through the same module/DeepSpeed engine."""
     module = engine.module
@@ -181,6 +204,8 @@ def run_shape(api, model: str, seq_len: int, args: argparse.Namespace) -> list[d
     rows: list[dict[str, Any]] = []
 
     def row(label: str, units: list, fn: Callable[[], Any], baseline: float | None) -> float | None:
+        if args.profile and label.startswith(tuple(args.profile)):
+            profile(fn, device, f"{model} seq {seq_len} {label}")
         seconds, peak, error = _measure_or_oom(fn, device, args.repeats)
         tokens = _tokens(units)
         rate = None if seconds is None else tokens / seconds
@@ -282,6 +307,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rc-seq-len", type=int, default=4096, help="0 = skip the RC row")
     parser.add_argument("--rc-model", default="gpt2-small")
     parser.add_argument("--rc-units", type=int, default=4)
+    parser.add_argument(
+        "--tensor-core-matmul",
+        action="store_true",
+        help="workers.tensor_core_matmul: bf16 tensor-core GEMMs for norms and book-keeping",
+    )
+    parser.add_argument(
+        "--profile",
+        nargs="+",
+        default=None,
+        metavar="RUN",
+        help="profile one call of the runs whose label starts with RUN (e.g. 'uls G=8' els "
+        "non-private): top ops by device and host time, to stderr",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.seq_lens, args.rc_seq_len = ["gpt2-small"], [128], 0
@@ -318,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "zero_stage": args.zero_stage,
         "token_budget": args.token_budget,
+        "tensor_core_matmul": args.tensor_core_matmul,
         "rows": rows,
         "randomized_clipping": rc_rows,
     }

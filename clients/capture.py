@@ -115,8 +115,8 @@ class Layout:
 
     rows: int
     length: int
-    unit_positions: list[torch.Tensor]  # per local unit: flat indices of its real positions
-    unit_rows: list[torch.Tensor]  # per local unit: its row indices
+    unit_positions: list[torch.Tensor]  # per local unit: flat indices of its real positions (host)
+    unit_rows: list[torch.Tensor]  # per local unit: its row indices (host)
     positions: torch.Tensor  # all real positions, unit by unit
     position_unit: torch.Tensor  # the local unit of each entry of ``positions``
     spans: list[slice]  # per local unit: its entries in ``positions``
@@ -124,25 +124,34 @@ class Layout:
 
     @classmethod
     def of(cls, batch: MicroBatch) -> Layout:
+        """Built on the host from one copy of the batch's row map and mask (no per-unit device
+        round trips); the index tensors used on the device are copied there once."""
         rows, length = batch.inputs.shape
-        flat_unit = batch.row_unit[:, None].expand(rows, length).reshape(-1)
-        flat_mask = batch.mask.reshape(-1)
+        device = batch.inputs.device
+        row_unit = batch.row_unit.cpu()
+        mask = batch.mask.cpu().reshape(-1)
+        flat_unit = row_unit[:, None].expand(rows, length).reshape(-1)
         positions, unit_rows = [], []
         for unit in batch.units:
-            positions.append(torch.nonzero((flat_unit == unit) & flat_mask).squeeze(1))
-            unit_rows.append(torch.nonzero(batch.row_unit == unit).squeeze(1))
-        owner = torch.cat(
-            [torch.full((len(p),), j, device=p.device) for j, p in enumerate(positions)]
-        )
+            positions.append(torch.nonzero((flat_unit == unit) & mask).squeeze(1))
+            unit_rows.append(torch.nonzero(row_unit == unit).squeeze(1))
+        owner = torch.cat([torch.full((len(p),), j) for j, p in enumerate(positions)])
         spans, start = [], 0
         for p in positions:
             spans.append(slice(start, start + len(p)))
             start += len(p)
         every = torch.cat(positions)
-        dense = len(every) == rows * length and torch.equal(
-            every, torch.arange(rows * length, device=every.device)
+        dense = len(every) == rows * length and torch.equal(every, torch.arange(rows * length))
+        return cls(
+            rows,
+            length,
+            positions,
+            unit_rows,
+            every.to(device),
+            owner.to(device),
+            spans,
+            dense,
         )
-        return cls(rows, length, positions, unit_rows, every, owner, spans, dense)
 
     def real(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """[real positions (unit by unit), features] of a [rows, length, ...] tensor."""

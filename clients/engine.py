@@ -63,6 +63,9 @@ class ClippingEngine:
     probes: default Hutchinson probes k for ``randomized``.
     token_budget: default padded tokens per micro-batch.
     pad_id: token id written into padded positions (never a target).
+    tensor_core_matmul: vectorized engines on a bf16 CUDA model: bf16 tensor-core GEMMs for the
+        norms and book-keeping, norms inflated by 0.1% (``workers.tensor_core_matmul``;
+        :mod:`userdp.clients.norms`); default IEEE float32 GEMMs.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class ClippingEngine:
         token_budget: int = 8192,
         pad_id: int = 0,
         deepspeed_engine: Any = None,
+        tensor_core_matmul: bool = False,
     ) -> None:
         self.module = module
         self.engine = self._engine_name(engine)
@@ -81,6 +85,7 @@ class ClippingEngine:
         self.token_budget = int(token_budget)
         self.pad_id = int(pad_id)
         self.deepspeed_engine = deepspeed_engine
+        self.tensor_core_matmul = bool(tensor_core_matmul)
         # the vectorized engines check their per-unit attribution against one plain batch
         # gradient on their first all-finite micro-batch (clients/ghost.py verify_attribution)
         self.attribution_verified = False
@@ -167,6 +172,7 @@ class ClippingEngine:
                 self.pad_id,
                 probes=probe_source,
                 verify=not self.attribution_verified,
+                tensor_cores=self.tensor_core_matmul,
             )
             self.attribution_verified = self.attribution_verified or verified
         result = acc.result()
@@ -216,5 +222,6 @@ def build_engine(
         probes=config.strategy.probes,
         token_budget=config.workers.token_budget,
         pad_id=pad_id,
+        tensor_core_matmul=config.workers.tensor_core_matmul,
         deepspeed_engine=ds_engine,
     )

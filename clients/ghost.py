@@ -60,6 +60,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.profiler import record_function
 from userdp.clients.batching import (
     EngineError,
     MicroBatch,
@@ -79,11 +80,14 @@ from userdp.clients.capture import (
 )
 from userdp.clients.clipping import Accumulator, add_clipped_unit, unit_gradient
 from userdp.clients.norms import (
+    TENSOR_CORE_NORM_MARGIN,
     Factor,
     Padded,
     batched_exact_squared_norms,
     batched_sketch_squared_norms,
+    exact_matmul,
     materialize,
+    tensor_cores_active,
 )
 from userdp.clients.sketch import ProbeSource
 
@@ -172,17 +176,23 @@ def _micro_batch(
     acc: Accumulator,
     probes: ProbeSource | None,
     verify: bool = False,
+    tensor_cores: bool = False,
 ) -> bool:
     """Process one micro-batch into ``acc``; with ``verify``, first check the attribution (see
-    :func:`verify_attribution`). Returns whether a verification ran and passed."""
+    :func:`verify_attribution`). Returns whether a verification ran and passed.
+    ``tensor_cores``: bf16 GEMMs for the norms and book-keeping (:mod:`userdp.clients.norms`),
+    every norm inflated by ``TENSOR_CORE_NORM_MARGIN``."""
+    # the token layout first: its host work and index copies then wait for nothing on the device
+    layout = Layout.of(batch)
+    padded = Padded.of(layout.spans, len(layout.positions), layout.positions.device)
     capture = Capture(params, int(batch.inputs.shape[0]))
     handles = capture.attach(module)
     try:
-        losses = token_losses(module, batch)
+        with record_function("userdp.forward"):
+            losses = token_losses(module, batch)
     finally:
         for handle in handles:
             handle.remove()
-    layout = Layout.of(batch)
     weighted = (losses * batch.weights).sum()
     outputs = [call.output for call in capture.calls]
     direct = None
@@ -190,45 +200,83 @@ def _micro_batch(
         direct = torch.autograd.grad(
             weighted, list(params.values()), retain_graph=True, allow_unused=True
         )
-    grads = torch.autograd.grad(weighted, outputs, allow_unused=True)
+    with record_function("userdp.output_backward"):
+        grads = torch.autograd.grad(weighted, outputs, allow_unused=True)
     for call, grad in zip(capture.calls, grads, strict=True):
         call.grad = grad
         call.output = call.output.detach()
     weights, token_rows, generic = _uses(capture.calls, layout, params)
+    with exact_matmul(tensor_cores):
+        return _clip_and_add(
+            params,
+            weights,
+            token_rows,
+            generic,
+            layout,
+            padded,
+            capture,
+            losses,
+            acc,
+            probes,
+            direct,
+        )
 
-    n_units = len(batch.units)
-    sq = torch.zeros(n_units, dtype=torch.float64)
+
+def _clip_and_add(
+    params: dict[str, torch.Tensor],
+    weights: dict[str, list[tuple[Factor, torch.Tensor]]],
+    token_rows: dict[str, list[torch.Tensor]],
+    generic: list,
+    layout: Layout,
+    padded: Padded,
+    capture: Capture,
+    losses: torch.Tensor,
+    acc: Accumulator,
+    probes: ProbeSource | None,
+    direct: Sequence[torch.Tensor | None] | None,
+) -> bool:
+    """Steps 3-5 of the module docstring for one micro-batch. Per-unit quantities stay on the
+    device until one copy to the host (norms and losses), so the GPU is not stalled per weight
+    or per unit."""
+    n_units = len(layout.spans)
+    device = layout.positions.device
+    sq = torch.zeros(n_units, dtype=torch.float64, device=device)
     # weights: exact (ghost or materialized) or sketched, batched over the units
-    padded = Padded.of(layout.spans, len(layout.positions), layout.positions.device)
-    for name, uses in weights.items():
-        shape = params[name].shape
-        if probes is not None:
-            probe = probes.draw(shape[0], params[name].device)
-            sq += batched_sketch_squared_norms(uses, probe, padded).cpu()
-        else:
-            sq += batched_exact_squared_norms(uses, padded, shape).cpu()
-    # biases, LayerNorm and generic parameters: materialized per-unit gradients [U, numel]
-    small: dict[str, torch.Tensor] = {}
-    for name, parts in token_rows.items():
-        rows = parts[0].to(torch.float32)
-        for part in parts[1:]:
-            rows = rows + part.to(torch.float32)
-        # per-unit sums over each unit's own slots (not a matmul with an assignment matrix:
-        # 0·NaN from a non-finite unit's rows would reach every other unit)
-        small[name] = padded.rows(rows).sum(1)
-    for call, owned in generic:
-        for name, per_unit in _generic_unit_grads(call, owned, layout, capture).items():
-            small[name] = small[name] + per_unit if name in small else per_unit
-    for per_unit in small.values():
-        sq += per_unit.double().pow(2).sum(1).cpu()
+    with record_function("userdp.norms"):
+        for name, uses in weights.items():
+            shape = params[name].shape
+            if probes is not None:
+                probe = probes.draw(shape[0], params[name].device)
+                sq += batched_sketch_squared_norms(uses, probe, padded).to(device)
+            else:
+                sq += batched_exact_squared_norms(uses, padded, shape).to(device)
+        # biases, LayerNorm and generic parameters: materialized per-unit gradients [U, numel]
+        small: dict[str, torch.Tensor] = {}
+        for name, parts in token_rows.items():
+            rows = parts[0].to(torch.float32)
+            for part in parts[1:]:
+                rows = rows + part.to(torch.float32)
+            # per-unit sums over each unit's own slots (not a matmul with an assignment matrix:
+            # 0·NaN from a non-finite unit's rows would reach every other unit)
+            small[name] = padded.rows(rows).sum(1)
+        for call, owned in generic:
+            for name, per_unit in _generic_unit_grads(call, owned, layout, capture).items():
+                small[name] = small[name] + per_unit if name in small else per_unit
+        for per_unit in small.values():
+            sq += per_unit.double().pow(2).sum(1)
 
-    # clip factors, statistics
-    unit_losses = losses.detach().reshape(-1)[layout.positions].double()
+    if tensor_cores_active(device):  # covers the tensor cores' accumulation error (norms.py)
+        sq *= (1 + TENSOR_CORE_NORM_MARGIN) ** 2
+    # clip factors, statistics: one device-to-host copy of the per-unit norms and losses
+    token_loss = losses.detach().reshape(-1)[layout.positions].double()
+    unit_loss = torch.zeros(n_units, dtype=torch.float64, device=device)
+    unit_loss.index_add_(0, layout.position_unit, token_loss)
+    host = torch.stack([sq, unit_loss]).cpu()
     factors: list[float | None] = []
     for j, span in enumerate(layout.spans):
-        norm = math.sqrt(float(sq[j])) if math.isfinite(float(sq[j])) else float("nan")
-        loss_sum = float(unit_losses[span].sum())
-        factors.append(acc.record(norm, loss_sum, span.stop - span.start))
+        squared = float(host[0, j])
+        norm = math.sqrt(squared) if math.isfinite(squared) else float("nan")
+        factors.append(acc.record(norm, float(host[1, j]), span.stop - span.start))
     verified = False
     if direct is not None and all(f is not None for f in factors):
         verify_attribution(params, direct, weights, small)
@@ -236,7 +284,6 @@ def _micro_batch(
     kept = [j for j, f in enumerate(factors) if f is not None]
     if not kept:
         return verified
-    device = layout.positions.device
     unit_factor = torch.tensor(
         [f if f is not None else 0.0 for f in factors], dtype=torch.float32, device=device
     )
@@ -246,13 +293,14 @@ def _micro_batch(
         keep = keep.to(device)
     token_factor = unit_factor[layout.position_unit][keep][:, None]
     # book-keeping: Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the kept tokens
-    for name, uses in weights.items():
-        scaled = [(f.select(keep), r[keep].to(torch.float32) * token_factor) for f, r in uses]
-        acc.add(name, materialize(scaled, params[name].shape))
-    kept_index = torch.tensor(kept, device=device)
-    for name, per_unit in small.items():
-        kept_rows = per_unit[kept_index] * unit_factor[kept_index][:, None]
-        acc.add(name, kept_rows.sum(0).reshape(params[name].shape))
+    with record_function("userdp.bookkeeping"):
+        for name, uses in weights.items():
+            scaled = [(f.select(keep), r[keep] * token_factor) for f, r in uses]  # float32
+            acc.add(name, materialize(scaled, params[name].shape))
+        kept_index = torch.tensor(kept, device=device)
+        for name, per_unit in small.items():
+            kept_rows = per_unit[kept_index] * unit_factor[kept_index][:, None]
+            acc.add(name, kept_rows.sum(0).reshape(params[name].shape))
     return verified
 
 
@@ -295,6 +343,7 @@ def vectorized_clipped_sum(
     pad_id: int,
     probes: ProbeSource | None = None,
     verify: bool = False,
+    tensor_cores: bool = False,
 ) -> bool:
     """Add clip(g_u)·… of ``prepared[indices]`` to ``acc``: exact norms, or sketched norms when
     ``probes`` is given. Units over the token budget run through the loop path (chunked, exact
@@ -311,7 +360,7 @@ def vectorized_clipped_sum(
             acc.record(0.0, 0.0, 0)
     for batch_units in batches:
         batch = make_batch(local, batch_units, device, pad_id)
-        if _micro_batch(module, params, batch, acc, probes, verify):
+        if _micro_batch(module, params, batch, acc, probes, verify, tensor_cores):
             verify = False
             verified = True
     for j in oversized:

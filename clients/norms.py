@@ -13,10 +13,131 @@ weight (two for a tied embedding / LM head). L is dense [n, d0] or onehot (token
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+# ---- matrix products as exact as float32 ---------------------------------------------------------
+#
+# Clip factors are computed from these norms and the clipped sum is built from these products, so
+# their precision is part of the sensitivity argument.
+# - Default: IEEE float32 GEMMs (CUDA cores; TF32 and reduced-precision reductions switched off for
+#   the duration by :func:`exact_matmul`, whatever the caller's global settings say), so norms
+#   and sums carry float32 rounding only.
+# - ``tensor_cores=True`` (``workers.tensor_core_matmul``; bf16 operands on CUDA): bf16 GEMMs with
+#   float32 output. Each product of two 8-bit significands is exact in float32, and a float32
+#   operand that multiplies bf16 data (the book-keeping's c_t·R_t) is split into three bf16 parts
+#   hi + mid + lo within 2^-24 relative (:func:`split_bf16`). The tensor cores' float32
+#   ACCUMULATION is not IEEE, though: on an H100 it under-estimated a 50257-term sum of squares
+#   by 2.3e-4 relative (tests/clients/test_engine_gpu.py), so the engine inflates every norm by
+#   TENSOR_CORE_NORM_MARGIN in that mode. The margin is measured, not proven.
+
+TENSOR_CORE_NORM_MARGIN = 1e-3
+_TENSOR_CORES: contextvars.ContextVar[bool] = contextvars.ContextVar("tensor_cores", default=False)
+
+
+@contextlib.contextmanager
+def exact_matmul(tensor_cores: bool = False) -> Iterator[None]:
+    """CUDA float32 GEMMs in full float32 (no TF32) and bf16 GEMMs without reduced-precision
+    split-K reductions, restored on exit; ``tensor_cores`` lets bf16 operands use bf16 GEMMs
+    (see the section comment)."""
+    token = _TENSOR_CORES.set(tensor_cores)
+    matmul = torch.backends.cuda.matmul
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy allow_tf32 flag warns in newer torch
+        saved = (matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction)
+        matmul.allow_tf32 = False
+        matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction = saved
+        _TENSOR_CORES.reset(token)
+
+
+def tensor_cores_active(device: torch.device) -> bool:
+    """Tensor-core mode is on (:func:`exact_matmul`) and ``device`` is a GPU."""
+    return _TENSOR_CORES.get() and device.type == "cuda"
+
+
+def bf16_exact(*tensors: torch.Tensor) -> bool:
+    """Tensor-core mode is on and all operands are bf16 on CUDA: products run as bf16 GEMMs with
+    float32 output."""
+    return _TENSOR_CORES.get() and all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors)
+
+
+def _pad(x: torch.Tensor, dim: int, multiple: int = 8) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to a multiple of ``multiple``."""
+    extra = -x.shape[dim] % multiple
+    if not extra:
+        return x
+    widths = [0, 0] * (x.dim() - dim % x.dim() - 1) + [0, extra]
+    return torch.nn.functional.pad(x, widths)
+
+
+def _align(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its memory-contiguous (stride-1) matrix dimension zero-padded to a multiple of
+    8, keeping the orientation: a leading dimension that is not a multiple of 8 (GPT-2's
+    vocabulary, 50257) sends cuBLAS to kernels several times slower."""
+    if x.stride(-1) == 1:
+        return _pad(x, -1)
+    if x.stride(-2) == 1:
+        return _pad(x.transpose(-1, -2), -1).transpose(-1, -2)
+    return _pad(x.contiguous(), -1)
+
+
+def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (2-D or batched 3-D) in float32 (see the section comment).
+
+    bf16 operands are first aligned (:func:`_align`); zeros add nothing to the sums and the
+    padded rows/columns of the product are cut off."""
+    if bf16_exact(a, b):
+        m, n = a.shape[-2], b.shape[-1]
+        a, b = _align(a), _align(b)
+        if a.shape[-1] != b.shape[-2]:  # the inner dimension was padded on one side only
+            k = max(a.shape[-1], b.shape[-2])
+            a = _pad(a, -1, k) if a.shape[-1] < k else a
+            b = _pad(b, -2, k) if b.shape[-2] < k else b
+        op = torch.bmm if a.dim() == 3 else torch.mm
+        out = op(a, b, out_dtype=torch.float32)
+        return out[..., :m, :n]
+    dtype = _at_least_float32(a, b)
+    return torch.matmul(a.to(dtype), b.to(dtype))
+
+
+def _at_least_float32(*tensors: torch.Tensor) -> torch.dtype:
+    """float32, or float64 when an operand is float64 (the tests' references)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def split_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` [n, d] as three bf16 parts concatenated on the last axis [n, 3d]:
+    hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid); each subtraction is exact in
+    float32 and |x - hi - mid - lo| <= 2^-24 |x| (three 8-bit significands)."""
+    x = x.to(torch.float32)
+    hi = x.to(torch.bfloat16)
+    rest = x - hi.to(torch.float32)
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.to(torch.float32)).to(torch.bfloat16)
+    return torch.cat([hi, mid, lo], dim=-1)
+
+
+def left_times_scaled(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """Lᵀ R [d0, d1] float32 for dense ``left`` [n, d0] and float32 ``right`` [n, d1] (the
+    book-keeping product): in tensor-core mode with a bf16 ``left`` on CUDA, one bf16 GEMM
+    against the three-part split of ``right``; otherwise a float32 GEMM."""
+    if bf16_exact(left):
+        d1 = right.shape[1]
+        parts = mm32(left.T, split_bf16(right))
+        return parts[:, :d1] + parts[:, d1 : 2 * d1] + parts[:, 2 * d1 :]
+    dtype = _at_least_float32(left, right)
+    return left.to(dtype).T @ right.to(dtype)
 
 
 @dataclass
@@ -34,8 +155,8 @@ class Factor:
 
     def times(self, probes: torch.Tensor) -> torch.Tensor:
         """L P: [n, k]."""
-        if self.dense is not None:
-            return self.dense @ probes.to(self.dense.dtype)
+        if self.dense is not None:  # float32: bf16-rounded probes would not be Gaussian
+            return self.dense.to(torch.float32) @ probes.to(torch.float32)
         return probes[self.index]
 
 
@@ -49,7 +170,7 @@ def scatter_rows(index: torch.Tensor, rows: torch.Tensor, num: int) -> torch.Ten
 def gram(a: Factor, b: Factor) -> torch.Tensor:
     """[n_a, n_b] of L_a,t · L_b,s."""
     if a.dense is not None and b.dense is not None:
-        return a.dense @ b.dense.T
+        return mm32(a.dense, b.dense.T)
     if a.dense is None and b.dense is None:
         return (a.index[:, None] == b.index[None, :]).to(torch.float32)
     if a.dense is None:
@@ -61,11 +182,13 @@ def materialize(uses: Sequence[tuple[Factor, torch.Tensor]], shape: torch.Size) 
     """Σ_c L_cᵀ R_c as a [d0, d1] float32 matrix."""
     total = torch.zeros(shape, dtype=torch.float32, device=uses[0][1].device)
     for left, right in uses:
-        right = right.to(torch.float32)
         if left.dense is not None:
-            total.addmm_(left.dense.to(torch.float32).T, right)
+            if right.dtype == torch.float32:
+                total += left_times_scaled(left.dense, right)
+            else:
+                total += mm32(left.dense.T, right)
         else:
-            total += scatter_rows(left.index, right, shape[0])
+            total += scatter_rows(left.index, right.to(torch.float32), shape[0])
     return total
 
 
@@ -131,15 +254,17 @@ class Padded:
         lengths = [s.stop - s.start for s in spans]
         width = max(lengths) if lengths else 0
         uniform = len(set(lengths)) <= 1 and width * len(spans) == n
-        starts = torch.tensor([s.start for s in spans], device=device)
-        offsets = torch.arange(width, device=device)
-        limit = torch.tensor(lengths, device=device)[:, None]
+        starts = torch.tensor([s.start for s in spans])
+        offsets = torch.arange(width)
+        limit = torch.tensor(lengths)[:, None]
         index = torch.where(offsets < limit, starts[:, None] + offsets, n)
-        return cls(index, n, uniform)
+        return cls(index.to(device), n, uniform)  # built on the host, one copy
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """[U, T_max, d] float32, zero past each unit's length."""
-        x = x.to(torch.float32)
+    def rows(self, x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
+        """[U, T_max, d] float32 (bf16 kept as is with ``keep_bf16``), zero past each unit's
+        length."""
+        if not (keep_bf16 and x.dtype == torch.bfloat16):
+            x = x.to(torch.float32)
         if self.uniform:
             return x.reshape(*self.index.shape, x.shape[1])
         return torch.cat([x, x.new_zeros((1, x.shape[1]))])[self.index]
@@ -155,14 +280,14 @@ def _batched_gram(a: tuple, b: tuple) -> torch.Tensor:
     """[u, T, T] of L_a,t · L_b,s for padded factors ('dense', [u,T,d0]) / ('ids', [u,T])."""
     (kind_a, xa), (kind_b, xb) = a, b
     if kind_a == "dense" and kind_b == "dense":
-        return torch.bmm(xa, xb.transpose(1, 2))
+        return mm32(xa, xb.transpose(1, 2))
     if kind_a == "ids" and kind_b == "ids":
         return (xa[:, :, None] == xb[:, None, :]).to(torch.float32)
     if kind_a == "ids":  # onehot(x_t) · g_s = g_s[x_t]
         return _batched_gram(b, a).transpose(1, 2)
     # dense a [u, T, d0] against ids b [u, T]: out[u, t, s] = a[u, t, ids_b[u, s]]
     index = xb[:, None, :].expand(xa.shape[0], xa.shape[1], xb.shape[1])
-    return torch.gather(xa, 2, index)
+    return torch.gather(xa, 2, index).to(torch.float32)
 
 
 def batched_exact_squared_norms(
@@ -180,11 +305,14 @@ def batched_exact_squared_norms(
     ghost = ghost_cost < dense_cost
     per_unit = width * width if ghost else d0 * d1
     chunk = max(1, MAX_BUFFER_ELEMENTS // max(per_unit, 1))
+    keep = all(bf16_exact(r) and (f.dense is None or bf16_exact(f.dense)) for f, r in uses)
     all_lefts = [
-        ("ids", padded.ids(f.index)) if f.dense is None else ("dense", padded.rows(f.dense))
+        ("ids", padded.ids(f.index))
+        if f.dense is None
+        else ("dense", padded.rows(f.dense, keep_bf16=keep))
         for f, _ in uses
     ]
-    all_rights = [padded.rows(r) for _, r in uses]
+    all_rights = [padded.rows(r, keep_bf16=keep) for _, r in uses]
     out = []
     for start in range(0, n_units, chunk):
         units = slice(start, min(start + chunk, n_units))
@@ -194,22 +322,25 @@ def batched_exact_squared_norms(
             total = None
             for i in range(len(uses)):
                 for j in range(i + 1):
-                    term = _batched_gram(lefts[i], lefts[j]) * torch.bmm(
+                    term = _batched_gram(lefts[i], lefts[j]) * mm32(
                         rights[i], rights[j].transpose(1, 2)
                     )
                     term = term.sum((1, 2)).double() * (1 if i == j else 2)
                     total = term if total is None else total + term
         else:
             count = units.stop - units.start
-            matrix = torch.zeros((count, d0, d1), dtype=torch.float32, device=rights[0].device)
+            matrix = None
             for (kind, left), right in zip(lefts, rights, strict=True):
                 if kind == "dense":
-                    matrix.baddbmm_(left.transpose(1, 2), right)
+                    part = mm32(left.transpose(1, 2), right)
                 else:
                     rows = left + torch.arange(count, device=left.device)[:, None] * d0
-                    flat = scatter_rows(rows.reshape(-1), right.flatten(0, 1), count * d0)
-                    matrix += flat.view(count, d0, d1)
-            total = matrix.pow(2).sum((1, 2)).double()
+                    flat = scatter_rows(
+                        rows.reshape(-1), right.flatten(0, 1).to(torch.float32), count * d0
+                    )
+                    part = flat.view(count, d0, d1)
+                matrix = part if matrix is None else matrix + part
+            total = torch.linalg.vector_norm(matrix, dim=(1, 2)).double().square()
         out.append(total)
     return torch.cat(out)
 

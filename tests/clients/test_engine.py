@@ -217,3 +217,10 @@ def test_build_engine_from_config_with_deepspeed():
     plain = ClippingEngine(tiny_model(seed=0), engine="loop")
     assert_sums_close(engine.clipped_sum(units, 1.0).sums, plain.clipped_sum(units, 1.0).sums)
     assert all(p.grad is None for p in engine.module.parameters())
+
+
+def test_cuda_device_without_a_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = parse_config({"data": {"seq_len": 24}, "workers": {"device": "cuda"}})
+    with pytest.raises(EngineError, match="no CUDA device is visible"):
+        build_engine(config, byte_manifest())

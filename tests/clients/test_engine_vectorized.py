@@ -236,3 +236,24 @@ def test_a_parameter_used_outside_its_module_is_detected_not_mis_clipped():
     checked = ClippingEngine(ToyLM(), engine="vectorized")
     checked.clipped_sum(toy_units(4), 1.0)
     assert checked.attribution_verified
+
+
+def test_exact_matmul_switches_tf32_off_and_restores_the_callers_setting():
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction
+    try:
+        matmul.allow_tf32 = matmul.allow_bf16_reduced_precision_reduction = True
+        with norms.exact_matmul():
+            assert not matmul.allow_tf32 and not matmul.allow_bf16_reduced_precision_reduction
+        assert matmul.allow_tf32 and matmul.allow_bf16_reduced_precision_reduction
+    finally:
+        matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction = saved
+
+
+def test_split_bf16_represents_float32_to_within_two_to_the_minus_24():
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(5)) * 1e3
+    parts = norms.split_bf16(x)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (512, 192)
+    rebuilt = parts[:, :64].double() + parts[:, 64:128].double() + parts[:, 128:].double()
+    assert float(((rebuilt - x.double()).abs() / x.double().abs()).max()) <= 2.0**-24
+    assert float(((parts[:, :64].double() - x.double()).abs() / x.double().abs()).max()) > 2.0**-12

@@ -1,0 +1,231 @@
+"""The worker engine on a CUDA device (skipped without one; run on a GPU machine with
+``pytest -m gpu``): the CUDA engines compute the same clipped sums as the CPU reference, the
+result leaves the device as CPU float32, every unit's contribution stays within C under bf16
+and DeepSpeed, and the randomized engine's probes keep their law on the device."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from scipy import stats
+from userdp.clients import norms
+from userdp.clients.engine import ClippingEngine, build_engine
+from userdp.clients.sketch import GaussianProbes
+
+from userdp.config import parse_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.clients.engine_fixtures import (  # noqa: E402
+    SEQ_LEN,
+    assert_sums_close,
+    byte_manifest,
+    random_units,
+    tiny_model,
+    total_norm,
+)
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def exact_float32_matmul():
+    """TF32 would make CUDA float32 products agree with the CPU only to ~1e-3."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def cpu_loop(units, clip_norm, seed=0):
+    return ClippingEngine(tiny_model(seed=seed), engine="loop").clipped_sum(units, clip_norm)
+
+
+@pytest.mark.parametrize("engine", ["loop", "vectorized"])
+def test_cuda_engines_equal_the_cpu_loop_in_float32(engine):
+    units = random_units(12, seed=31, max_examples=5)
+    reference = cpu_loop(units, 3.5)
+    assert 0 < reference.clipped < len(units)  # both branches of the clip are exercised
+    got = ClippingEngine(tiny_model().to(CUDA), engine=engine).clipped_sum(units, 3.5)
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in got.sums.values())
+    assert_sums_close(got.sums, reference.sums, rtol=1e-4)
+    assert (got.count, got.clipped, got.nonfinite, got.tokens) == (
+        reference.count,
+        reference.clipped,
+        reference.nonfinite,
+        reference.tokens,
+    )
+    assert got.norm_sum == pytest.approx(reference.norm_sum, rel=1e-4)
+
+
+def test_cuda_vectorized_micro_batches_give_the_same_sum():
+    units = random_units(10, seed=32, max_examples=4)
+    engine = ClippingEngine(tiny_model().to(CUDA), engine="vectorized")
+    whole = engine.clipped_sum(units, 2.0, token_budget=8192)
+    split = engine.clipped_sum(units, 2.0, token_budget=2 * SEQ_LEN)
+    assert_sums_close(split.sums, whole.sums, rtol=1e-5)
+
+
+def test_every_unit_contributes_at_most_c_on_cuda():
+    """One unit per call: a clipped unit's contribution has norm exactly C (to float32)."""
+    engine = ClippingEngine(tiny_model().to(CUDA), engine="vectorized")
+    for unit in random_units(6, seed=33, max_examples=3):
+        got = engine.clipped_sum([unit], 1e-3)
+        assert got.clipped == 1
+        assert total_norm(got.sums) == pytest.approx(1e-3, rel=1e-4)
+
+
+def ds_config(zero_stage: int, dtype: str, engine: str):
+    return parse_config(
+        {
+            "data": {"seq_len": SEQ_LEN},
+            "model": {"preset": "gpt2-tiny", "dtype": dtype, "zero_stage": zero_stage},
+            "strategy": {"engine": engine},
+            "workers": {"device": "cuda", "token_budget": 64},
+        }
+    )
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_deepspeed_cuda_engine_fp32_equals_the_cpu_loop(zero_stage):
+    engine = build_engine(ds_config(zero_stage, "fp32", "vectorized"), byte_manifest())
+    assert engine.deepspeed_engine is not None and engine.device.type == "cuda"
+    units = random_units(8, seed=34)
+    got = engine.clipped_sum(units, 2.0)
+    assert_sums_close(got.sums, cpu_loop(units, 2.0).sums, rtol=1e-4)
+    assert all(p.grad is None for p in engine.module.parameters())
+
+
+def test_deepspeed_cuda_bf16_stays_within_the_clip_bound_and_near_fp32():
+    """bf16 changes the gradients (~1e-2 relative), never the sensitivity: each unit's
+    contribution is clipped in float32 after the bf16 backward."""
+    engine = build_engine(ds_config(2, "bf16", "vectorized"), byte_manifest())
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    units = random_units(8, seed=35)
+    for unit in units[:3]:
+        one = engine.clipped_sum([unit], 1e-3)
+        assert one.clipped == 1 and total_norm(one.sums) <= 1e-3 * (1 + 1e-4)
+    got = engine.clipped_sum(units, 1e6)  # nothing clipped: the plain sum of gradients
+    reference = cpu_loop(units, 1e6)
+    assert all(torch.isfinite(t).all() for t in got.sums.values())
+    diff = math.sqrt(
+        sum(float((got.sums[n] - reference.sums[n]).double().pow(2).sum()) for n in got.sums)
+    )
+    assert diff <= 5e-2 * total_norm(reference.sums)
+
+
+def test_randomized_engine_on_cuda_equals_loop_when_nothing_is_clipped():
+    units = random_units(5, seed=36)
+    got = ClippingEngine(tiny_model().to(CUDA), engine="randomized", probes=4).clipped_sum(
+        units, 1e6
+    )
+    assert got.clipped == 0
+    assert_sums_close(got.sums, cpu_loop(units, 1e6).sums, rtol=1e-4)
+
+
+def test_cuda_probes_are_gaussian_with_variance_one_over_k():
+    source = GaussianProbes(16, seed=0)
+    drawn = source.draw(8000, CUDA)
+    assert drawn.device.type == "cuda" and drawn.shape == (8000, 16)
+    scaled = (drawn * 4).flatten().double().cpu().numpy()  # √k·P ~ N(0, 1)
+    assert stats.kstest(scaled, "norm").pvalue > 1e-4
+    assert not torch.equal(drawn, source.draw(8000, CUDA))
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+def test_bf16_products_are_float32_exact_on_the_tensor_cores():
+    """Tensor-core mode: mm32 on bf16 operands (exact products, float32 accumulation) and the book-keeping's
+    three-part split of a float32 right factor agree with float64 as closely as a float32 GEMM
+    of the same values does (float32 accumulation over 4096 terms: a few 1e-6), not to bf16
+    rounding: the clip factors and the clipped sum are as exact as in float32."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    left = torch.randn(4096, 768, device=CUDA, generator=gen).to(torch.bfloat16)
+    right = torch.randn(4096, 3072, device=CUDA, generator=gen).to(torch.bfloat16)
+    scaled = right.float() * torch.rand(4096, 1, device=CUDA, generator=gen)  # c_t ⊙ R
+    with norms.exact_matmul(tensor_cores=True):
+        product = norms.mm32(left.T, right)
+        booked = norms.left_times_scaled(left, scaled)
+        batched = norms.mm32(left.view(4, 1024, 768).transpose(1, 2), right.view(4, 1024, 3072))
+    assert product.dtype == booked.dtype == batched.dtype == torch.float32
+    assert _relative_error(product, left.double().T @ right.double()) < 2e-5
+    assert _relative_error(booked, left.double().T @ scaled.double()) < 2e-5
+    want = torch.bmm(
+        left.double().view(4, 1024, 768).transpose(1, 2), right.double().view(4, 1024, 3072)
+    )
+    assert _relative_error(batched, want) < 2e-5
+    fp32 = left.float().T @ scaled  # the float32 GEMM the split replaces, same order of error
+    assert _relative_error(fp32, left.double().T @ scaled.double()) < 2e-5
+    # the positive control: one bf16 rounding of the scaled factor is orders worse
+    assert (
+        _relative_error(norms.mm32(left.T, scaled.bfloat16()), left.double().T @ scaled.double())
+        > 1e-4
+    )
+
+
+def test_float32_products_ignore_a_global_tf32_setting():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randn(2048, 2048, device=CUDA, generator=gen)
+    b = torch.randn(2048, 2048, device=CUDA, generator=gen)
+    want = a.double() @ b.double()
+    torch.backends.cuda.matmul.allow_tf32 = True  # the fixture restores it
+    assert _relative_error(a @ b, want) > 1e-5  # TF32 is really on outside the context
+    with norms.exact_matmul():
+        assert _relative_error(norms.mm32(a, b), want) < 2e-5
+    assert torch.backends.cuda.matmul.allow_tf32
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_bf16_products_with_unaligned_dimensions(tensor_cores):
+    """GPT-2's vocabulary (50257) as M, as the inner dimension of both operands, and as the
+    inner dimension of one operand only: the tensor-core path's zero padding never changes the
+    product. Measured on an H100 over the 50257-term Gram: IEEE float32 (the default) 3.7e-5
+    relative (float32 rounding, either sign), the tensor cores 2.3e-4 and low (their float32
+    accumulation is not IEEE): under the engine's 1e-3 norm margin, over the float32 bound."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+
+    def bf16(*shape):
+        return torch.randn(*shape, device=CUDA, generator=gen).to(torch.bfloat16)
+
+    g, a = bf16(1000, 50257), bf16(1000, 771)
+    rows = bf16(3, 40, 50257)
+    row_major, right = bf16(37, 1003), bf16(1003, 19)
+    cases = [
+        (g.T, a),  # M unaligned, stored inner (the lm_head book-keeping)
+        (rows, rows.transpose(1, 2)),  # K unaligned, inner on both sides (the ghost Gram)
+        (row_major, right),  # K unaligned, inner on the left only; M and N unaligned too
+    ]
+    bound = norms.TENSOR_CORE_NORM_MARGIN if tensor_cores else 1e-4
+    with norms.exact_matmul(tensor_cores=tensor_cores):
+        for left, right_side in cases:
+            got = norms.mm32(left, right_side)
+            want = torch.matmul(left.double(), right_side.double())
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert _relative_error(got, want) < bound
+
+
+def test_tensor_core_mode_matches_the_default_within_its_norm_margin():
+    """workers.tensor_core_matmul on a bf16 model: the same sums as the IEEE float32 default to
+    the margin, and every norm inflated by exactly the margin's factor (clipping harder)."""
+    units = random_units(8, seed=37, max_examples=5)
+    config = ds_config(0, "bf16", "vectorized")
+    fast = config.model_copy(
+        update={"workers": config.workers.model_copy(update={"tensor_core_matmul": True})}
+    )
+    default = build_engine(config, byte_manifest()).clipped_sum(units, 1e6)
+    engine = build_engine(fast, byte_manifest())
+    assert engine.tensor_core_matmul
+    tc = engine.clipped_sum(units, 1e6)
+    scale = total_norm(default.sums)
+    diff = math.sqrt(
+        sum(float((tc.sums[n] - default.sums[n]).double().pow(2).sum()) for n in tc.sums)
+    )
+    assert diff <= 2e-3 * scale
+    ratio = tc.norm_sum / default.norm_sum
+    assert 1 + 0.5 * norms.TENSOR_CORE_NORM_MARGIN < ratio < 1 + 2 * norms.TENSOR_CORE_NORM_MARGIN

@@ -1,0 +1,34 @@
+"""``userdp simulate`` with workers on a CUDA device (skipped without one; ``pytest -m gpu`` on a
+GPU machine): two real gRPC worker processes computing on the GPU give the same model updates as
+two CPU worker processes (noise off through the test-only switch), and every tensor moves. Both
+runs use worker processes: DeepSpeed picks one accelerator per process, so a CPU engine cannot
+be built in a process that already built a CUDA one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from userdp.run_components import prepare_run
+from userdp.simulation import run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.userdp.test_simulate import small_config  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_workers_equal_cpu_workers(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # the worker processes' float32 is exact
+    base = small_config(tmp_path, steps=2)
+    gpu = base.model_copy(update={"workers": base.workers.model_copy(update={"device": "cuda"})})
+    a = run(gpu, tmp_path / "gpu", mode="grpc", quiet=True, test_only_disable_noise=True)
+    b = run(base, tmp_path / "cpu", mode="grpc", quiet=True, test_only_disable_noise=True)
+    assert a.steps_done == b.steps_done == 2
+    initial = prepare_run(base).trainable
+    for name, value in a.params.items():
+        torch.testing.assert_close(value, b.params[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert not torch.equal(value, initial[name]), f"{name} did not move"
