@@ -247,16 +247,11 @@ class _Sampler:
         k, g = self._normals(index)
         log_b = math.log(self.bins)
         if self.factor is None:
-            # W = √diag · g, so W/σ − diag/(2σ²) in one scaling pass and one shift pass.
-            base = g
-            base *= (self.scale / np.float32(sigma)).astype(np.float32)
-            base -= (0.5 * self.diag / sigma**2).astype(np.float32)
             # Diagonal G: X ~ P differs from the Q-row only at coordinate k, by G[k, k]/σ², so
             # its log-sum-exp follows from the Q-row's without a second pass over the b modes:
             #   lse(pos) = logaddexp(log Σ_{i≠k} e^{base_i}, base_k + G[k, k]/σ²),
             #   log Σ_{i≠k} e^{base_i} = lse(base) + log1p(−e^{base_k − lse(base)}).
-            base_k = np.take_along_axis(base, k[..., None], -1)[..., 0].astype(np.float64)
-            lse_base = _logsumexp_last(base)
+            base_k, lse_base = self._diagonal_lse(index, k, g, sigma)
             with np.errstate(divide="ignore"):
                 rest = lse_base + np.log1p(-np.exp(np.minimum(base_k - lse_base, 0.0)))
             lse_pos = np.logaddexp(rest, base_k + self.diag[k] / sigma**2)
@@ -270,6 +265,34 @@ class _Sampler:
             y_qp = -_logsumexp_rows(base, log_b)
             y_pq = _logsumexp_rows(pos, log_b)
         return y_pq[y_pq > 0.0], y_qp[y_qp > 0.0]
+
+    def _diagonal_lse(
+        self, index: int, k: np.ndarray, g: np.ndarray, sigma: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(base_k, log Σ_i e^{base_i}) in float64 for base = √diag·g/σ − diag/(2σ²); ``g`` is
+        overwritten.
+
+        Equal diagonal entries (fixed bins without correlation, per-epoch bins) make the shift a
+        constant c: lse(base) = log Σ_i e^{s·g_i} − c, two passes over the draws (scale+exp in
+        place, sum) instead of the max-shifted five. e^{s·g} cannot overflow float32 unless
+        s·max g > 88; a non-finite or zero row sum sends the chunk down the max-shifted path,
+        regenerated from its seed."""
+        diag = self.diag
+        if diag.size and np.all(diag == diag[0]):
+            scale = float(np.sqrt(diag[0]) / sigma)
+            shift = 0.5 * float(diag[0]) / sigma**2
+            g_k = np.take_along_axis(g, k[..., None], -1)[..., 0].astype(np.float64)
+            np.multiply(g, np.float32(scale), out=g)
+            np.exp(g, out=g)
+            total = g.sum(axis=-1, dtype=np.float64)
+            if np.all(np.isfinite(total)) and np.all(total > 0.0):
+                return scale * g_k - shift, np.log(total) - shift
+            k, g = self._normals(index)  # overflow: the max-shifted path on the same draws
+        base = g
+        base *= (self.scale / np.float32(sigma)).astype(np.float32)
+        base -= (0.5 * diag / sigma**2).astype(np.float32)
+        base_k = np.take_along_axis(base, k[..., None], -1)[..., 0].astype(np.float64)
+        return base_k, _logsumexp_last(base)
 
     def losses(self, sigma: float) -> tuple[np.ndarray, np.ndarray]:
         """The positive privacy-loss samples (Y > 0) of both directions at σ: (H(P,Q) losses
