@@ -283,7 +283,8 @@ class _Sampler:
             shift = 0.5 * float(diag[0]) / sigma**2
             g_k = np.take_along_axis(g, k[..., None], -1)[..., 0].astype(np.float64)
             np.multiply(g, np.float32(scale), out=g)
-            np.exp(g, out=g)
+            with np.errstate(over="ignore"):  # detected below: the chunk is redone
+                np.exp(g, out=g)
             total = g.sum(axis=-1, dtype=np.float64)
             if np.all(np.isfinite(total)) and np.all(total > 0.0):
                 return scale * g_k - shift, np.log(total) - shift

@@ -234,3 +234,23 @@ def test_diagonal_shortcut_equals_the_general_gram_path(semantics, sigma, bins, 
     for mine, reference in zip(fast.losses(sigma), general.losses(sigma), strict=True):
         assert mine.shape == reference.shape
         np.testing.assert_allclose(np.sort(mine), np.sort(reference), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("semantics", ["fixed", "per-epoch"])
+@pytest.mark.parametrize("sigma", [1.5, 0.02])  # 0.02: e^{s·g} overflows float32 -> fallback
+def test_two_pass_log_sum_exp_equals_a_float64_reference(semantics, sigma):
+    """The equal-diagonal shortcut lse(base) = log Σ e^{s·g} − c, and its overflow fallback, give
+    the float64 log-sum-exp of base = √diag·g/σ − diag/(2σ²) on the same draws."""
+    sampler = bb._Sampler(bb.dominating_pair(16, 4, bin_semantics=semantics), 3000, 11, 0)
+    k, g = sampler._normals(0)
+    d = float(sampler.diag[0])
+    base = np.sqrt(d) * g.astype(np.float64) / sigma - 0.5 * d / sigma**2
+    peak = base.max(axis=-1, keepdims=True)
+    want = np.log(np.exp(base - peak).sum(axis=-1)) + peak[..., 0]
+    got_k, got = sampler._diagonal_lse(0, k, g.copy(), sigma)
+    with np.errstate(over="ignore"):
+        scaled = np.exp(np.float32(np.sqrt(d) / sigma) * g)
+    overflow = not np.all(np.isfinite(scaled.sum(axis=-1)))
+    assert overflow == (sigma < 0.1)  # both paths are exercised
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * abs(0.5 * d / sigma**2))
+    np.testing.assert_allclose(got_k, np.take_along_axis(base, k[..., None], -1)[..., 0], rtol=1e-6)
