@@ -165,6 +165,10 @@ class WorkerClient:
         self.manifest_sha256 = manifest_sha256
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = min(chunk_bytes, max_message_bytes // 2)
+        # result chunks of this session: also at most half of what the coordinator accepts
+        # (its Welcome says), so a coordinator with a smaller limit never receives a message
+        # over it
+        self.session_chunk_bytes = self.chunk_bytes
         self.backoff = backoff
         self.heartbeat_s = heartbeat_s
         self.health = health
@@ -226,13 +230,21 @@ class WorkerClient:
         options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return grpc.secure_channel(self.target, credentials, options=options)
 
+    def _capabilities(self) -> pb.Capabilities:
+        """The configured capabilities plus this worker's receive limit (the coordinator refuses
+        a worker that could not receive its model chunks)."""
+        capabilities = pb.Capabilities()
+        capabilities.CopyFrom(self.capabilities)
+        capabilities.max_message_bytes = self.max_message_bytes
+        return capabilities
+
     def _register(self) -> pb.WorkerMessage:
         return pb.WorkerMessage(
             register=pb.Register(
                 worker_id=self.worker_id,
                 protocol_version=PROTOCOL_VERSION,
                 shards=[pb.ShardHolding(name=n, sha256=h) for n, h in self.shards],
-                capabilities=self.capabilities,
+                capabilities=self._capabilities(),
                 model_version=self.model_version,
                 shard_manifest_sha256=self.manifest_sha256,
                 incarnation=self.incarnation,
@@ -270,6 +282,10 @@ class WorkerClient:
                 kind = message.WhichOneof("kind")
                 if kind == "welcome":
                     welcomed = True
+                    limit = message.welcome.max_message_bytes
+                    self.session_chunk_bytes = (
+                        min(self.chunk_bytes, limit // 2) if limit else self.chunk_bytes
+                    )
                     if message.welcome.incarnation != self.incarnation:
                         # a new coordinator process: our version number means nothing to it
                         self.incarnation = message.welcome.incarnation
@@ -372,7 +388,7 @@ class WorkerClient:
                     continue
             if (task.task_id, task.attempt) in cancelled:
                 continue
-            for chunk in tensors_chunks(partial.sums, self.chunk_bytes):
+            for chunk in tensors_chunks(partial.sums, self.session_chunk_bytes):
                 outbox.put(
                     pb.WorkerMessage(
                         result_part=pb.ResultPart(

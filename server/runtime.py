@@ -69,7 +69,11 @@ def start_coordinator(
     ``test_only_disable_noise`` (test-only, NOT PRIVATE): see
     :class:`~userdp.server.coordinator.Coordinator`; no config key or CLI flag reaches it."""
     authorizer, tls = authorizer_from_config(config.coordinator, allowed_workers)
-    registry, publisher = WorkerRegistry(), ModelPublisher()
+    max_message_bytes = config.coordinator.max_message_mb << 20
+    # model chunks of at most half the message limit (1 MiB by default) fit every peer that
+    # shares the limit
+    registry = WorkerRegistry()
+    publisher = ModelPublisher(chunk_bytes=min(1 << 20, max_message_bytes // 2))
     partial_bytes = sum(t.numel() * t.element_size() for t in params.values())
     server = serve(
         registry,
@@ -79,7 +83,7 @@ def start_coordinator(
         host=config.coordinator.host,
         port=config.coordinator.port,
         tls=tls,
-        max_message_bytes=config.coordinator.max_message_mb << 20,
+        max_message_bytes=max_message_bytes,
         max_partial_bytes=2 * partial_bytes + (1 << 20),
     )
     deadline = config.coordinator.step_deadline_s

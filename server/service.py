@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _CLOSE = object()
 MAX_OPEN_RESULTS = 8
+CHUNK_MESSAGE_OVERHEAD = 64 << 10  # a chunk message's framing, name and shape, generously
 """Partial sums one session may be receiving at once (bounds coordinator memory)."""
 
 
@@ -294,7 +295,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"worker speaks protocol {reg.protocol_version}, coordinator {PROTOCOL_VERSION}",
             )
-        problem = self._check_shards(reg)
+        problem = self._check_shards(reg) or self._check_message_limit(reg)
         if problem:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         session = WorkerSession(
@@ -343,6 +344,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if message is _CLOSE:
                 return
             yield message
+
+    def _check_message_limit(self, reg: pb.Register) -> str | None:
+        """A worker that could not receive the model's chunks would fail on every broadcast and
+        reconnect forever: refuse it at once, saying which limit to raise. 0 = not stated (an
+        older worker): accepted."""
+        limit = reg.capabilities.max_message_bytes
+        needed = self.publisher.chunk_bytes + CHUNK_MESSAGE_OVERHEAD
+        if limit and limit < needed:
+            return (
+                f"worker {reg.worker_id!r} accepts messages of at most {limit} bytes, but the "
+                f"coordinator sends model chunks of up to {needed} bytes: raise the worker's "
+                "--max-message-mb (coordinator.max_message_mb sets the coordinator's chunk size)"
+            )
+        return None
 
     def _check_shards(self, reg: pb.Register) -> str | None:
         for holding in reg.shards:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from userdp.clients.grpc_client import Backoff, WorkerClient
+from userdp.proto.channels import DEFAULT_MAX_MESSAGE_BYTES
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings
 from userdp.server.grpc_server import RunningServer, serve
@@ -108,10 +109,12 @@ def make_loopback(
     no_noise=True,
     population=None,
     port=0,
+    publisher_chunk_bytes=64,
+    max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
 ) -> Loopback:
     population = population or toy.toy_population()
     registry = WorkerRegistry()
-    publisher = ModelPublisher(chunk_bytes=64)
+    publisher = ModelPublisher(chunk_bytes=publisher_chunk_bytes)
     server = serve(
         registry,
         publisher,
@@ -119,6 +122,7 @@ def make_loopback(
         population.shard_sha256,
         tls=tls,
         port=port,
+        max_message_bytes=max_message_bytes,
     )
     coordinator = Coordinator(
         strategy=strategy or uls_strategy(),
