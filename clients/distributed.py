@@ -105,6 +105,14 @@ def split_units(costs: list[int], world_size: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
+def any_rank_failed(failed: bool, device: torch.device) -> bool:
+    """Whether any rank of the default process group reports a failure (an all-reduce MAX of
+    one flag; every rank must call it once per task, failed or not)."""
+    flag = torch.tensor([1.0 if failed else 0.0], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
 def all_reduce_result(result: ClippedSum, device: torch.device) -> ClippedSum:
     """Sum the ranks' clipped partial sums and statistics (min/max for the norm extremes)."""
     dist = torch.distributed

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from userdp.clients.batching import EngineError, Unit, prepare_units
 from userdp.clients.clipping import Accumulator, ClippedSum, loop_clipped_sum
-from userdp.clients.distributed import all_reduce_result, split_units, world
+from userdp.clients.distributed import all_reduce_result, any_rank_failed, split_units, world
 from userdp.clients.fedavg import fedavg_clipped_sum
 from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.sketch import GaussianProbes
@@ -132,11 +132,58 @@ class ClippingEngine:
             an ``os.urandom``-seeded generator on every call."""
         if not (clip_norm > 0 and clip_norm < float("inf")):
             raise EngineError(f"clip_norm must be a positive finite number, got {clip_norm!r}")
+        rank, world_size = world()
+        error: Exception | None = None
+        try:
+            result = self._local_clipped_sum(
+                units,
+                clip_norm,
+                engine,
+                probes,
+                token_budget,
+                local_steps,
+                local_lr,
+                local_batch_size,
+                probe_seed,
+                rank,
+                world_size,
+            )
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
+            error = exc
+        if world_size > 1:
+            # every rank learns whether any rank failed BEFORE the result all-reduce: one
+            # rank raising alone would leave the others blocked in that collective forever
+            if any_rank_failed(error is not None, self.device):
+                if error is not None:
+                    raise error
+                raise EngineError(
+                    f"rank {rank}: another rank of this worker failed on the same task (its "
+                    "log has the error); this task's result is discarded on every rank"
+                )
+            return all_reduce_result(result, self.device)
+        if error is not None:
+            raise error
+        return result
+
+    def _local_clipped_sum(
+        self,
+        units: Sequence[Unit],
+        clip_norm: float,
+        engine: str | None,
+        probes: int | None,
+        token_budget: int | None,
+        local_steps: int,
+        local_lr: float,
+        local_batch_size: int,
+        probe_seed: int | None,
+        rank: int,
+        world_size: int,
+    ) -> ClippedSum:
+        """This rank's share of :meth:`clipped_sum` (all of it in a single process)."""
         name = self._engine_name(engine) if engine else self.engine
         budget = int(token_budget) if token_budget else self.token_budget
         k = self.probes if probes is None else int(probes)
         prepared = prepare_units(units, self.max_positions)
-        rank, world_size = world()
         mine = list(range(len(prepared)))
         if world_size > 1:
             costs = [max(1, u.positions) for u in prepared]
@@ -175,10 +222,7 @@ class ClippingEngine:
                 tensor_cores=self.tensor_core_matmul,
             )
             self.attribution_verified = self.attribution_verified or verified
-        result = acc.result()
-        if world_size > 1:
-            result = all_reduce_result(result, self.device)
-        return result
+        return acc.result()
 
 
 def build_engine(

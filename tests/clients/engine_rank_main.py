@@ -1,6 +1,6 @@
 """One rank of the multi-rank engine test (run as a subprocess by test_engine_distributed.py).
 
-    python engine_rank_main.py OUT_DIR ZERO_STAGE ENGINE
+    python engine_rank_main.py OUT_DIR ZERO_STAGE ENGINE [FAIL_RANK]
 
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT come from the environment. Builds the worker engine
 with ``build_engine`` (DeepSpeed, gloo on CPU), counts every call of the ZeRO optimizer's
@@ -19,9 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def main(out_dir: str, zero_stage: int, engine_name: str) -> None:
+def main(out_dir: str, zero_stage: int, engine_name: str, fail_rank: int = -1) -> None:
     import torch
     from safetensors.torch import save_file
+    from userdp.clients import engine as engine_module
     from userdp.clients.engine import build_engine
 
     from tests.clients.engine_fixtures import SEQ_LEN, byte_manifest, random_units
@@ -48,6 +49,12 @@ def main(out_dir: str, zero_stage: int, engine_name: str) -> None:
 
         optimizer.process_gradients = spy
     units = random_units(7, seed=31, max_examples=4)
+    if rank == fail_rank:  # the failure test: this rank's local compute raises
+
+        def broken(*args, **kwargs):
+            raise RuntimeError(f"injected failure on rank {rank}")
+
+        engine_module.loop_clipped_sum = engine_module.vectorized_clipped_sum = broken
     result = engine.clipped_sum(units, 3.5)
     during = len(reductions)
     grads_untouched = all(p.grad is None for p in engine.module.parameters())
@@ -69,4 +76,4 @@ def main(out_dir: str, zero_stage: int, engine_name: str) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:5]))

@@ -21,7 +21,9 @@ from tests.clients.engine_fixtures import assert_sums_close, random_units, tiny_
 RANK_MAIN = Path(__file__).with_name("engine_rank_main.py")
 
 
-def run_ranks(tmp_path: Path, world: int, zero_stage: int, engine: str) -> list[dict]:
+def start_ranks(
+    tmp_path: Path, world: int, zero_stage: int, engine: str, fail_rank: int = -1
+) -> list[subprocess.Popen]:
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -36,17 +38,41 @@ def run_ranks(tmp_path: Path, world: int, zero_stage: int, engine: str) -> list[
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(RANK_MAIN), str(tmp_path), str(zero_stage), engine],
+                [
+                    sys.executable,
+                    str(RANK_MAIN),
+                    str(tmp_path),
+                    str(zero_stage),
+                    engine,
+                    str(fail_rank),
+                ],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
             )
         )
-    for proc in procs:
+    return procs
+
+
+def run_ranks(tmp_path: Path, world: int, zero_stage: int, engine: str) -> list[dict]:
+    for proc in start_ranks(tmp_path, world, zero_stage, engine):
         output, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, output[-4000:]
     return [json.loads((tmp_path / f"stats-{r}.json").read_text()) for r in range(world)]
+
+
+def test_one_rank_failing_fails_every_rank_instead_of_hanging(tmp_path):
+    """Rank 1's compute raises: rank 1 re-raises its error, rank 0 raises an EngineError saying
+    another rank failed, and neither blocks in the result all-reduce (the timeout would fire)."""
+    outputs = []
+    for proc in start_ranks(tmp_path, 2, 0, "vectorized", fail_rank=1):
+        output, _ = proc.communicate(timeout=300)
+        outputs.append((proc.returncode, output))
+    (rc0, out0), (rc1, out1) = outputs
+    assert rc0 != 0 and "another rank of this worker failed" in out0, out0[-2000:]
+    assert rc1 != 0 and "injected failure on rank 1" in out1, out1[-2000:]
+    assert not list(tmp_path.glob("stats-*.json"))
 
 
 def single_process_loop():
