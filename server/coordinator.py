@@ -99,6 +99,13 @@ class ResumeError(RuntimeError):
     """The run cannot resume without breaking a DP contract (the message says why and what to do)."""
 
 
+def noise_is_stateful(strategy: Any) -> bool:
+    """The strategy's noise carries state across steps (BLT-correlated noise): steps lost after
+    a checkpoint cannot be skipped without breaking the correlation the accountant assumes."""
+    noise = getattr(strategy, "noise", None)
+    return noise is not None and bool(noise.state_dict())
+
+
 @dataclass(frozen=True)
 class CoordinatorSettings:
     step_deadline_s: float = 300.0
@@ -216,8 +223,7 @@ class Coordinator:
         self.publisher.publish(self.model_version, self.params, self.frozen)
 
     def _noise_is_stateful(self) -> bool:
-        noise = getattr(self.strategy, "noise", None)
-        return noise is not None and bool(noise.state_dict())
+        return noise_is_stateful(self.strategy)
 
     def _ledger_steps(self) -> list[int]:
         return [int(record["step"]) for record in self.ledger.records]

@@ -122,7 +122,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--in-process",
         action="store_true",
-        help="same strategy and worker compute in one process, without gRPC (no checkpoints)",
+        help="same strategy and worker compute in one process, without gRPC (checkpoints and resumes like the coordinator)",
     )
     sim.add_argument("--quiet", action="store_true", help="log lines instead of a progress bar")
     sim.set_defaults(handler=_run)

@@ -9,15 +9,16 @@ Three ways to reach the workers, one run loop (:class:`RunLoop`) and one set of 
 - ``in-process`` (``simulate --in-process``): the same strategy hooks
   (:func:`userdp.strategies.inprocess.run_step`) and the same worker compute
   (:class:`userdp.clients.worker_service.EngineCompute`, fed the same wire ``Task`` the
-  coordinator would send) in one process, without gRPC, checkpoints or retries: fast research
-  loops.
+  coordinator would send) in one process, without gRPC or retries: fast research loops. It
+  checkpoints like the coordinator (every ``coordinator.checkpoint_every`` steps and on exit,
+  same format) and resumes from the checkpoint (:func:`_resume_in_process`).
 - ``external`` (``train``): the coordinator serves ``coordinator.host:port`` and waits for an
   already running deployment's workers to connect.
 
 Before step 1: σ is calibrated to the target (:mod:`userdp.run_components`), and the held-out
 users' loss is measured on the initial model (the no-fine-tuning baseline). Ctrl-C (or SIGTERM)
-stops cleanly: the grpc/external coordinator saves a checkpoint and the same command resumes; the
-ledger, not the step counter, says what was spent.
+stops cleanly: a checkpoint is saved and the same command resumes; the ledger, not the step
+counter, says what was spent.
 """
 
 from __future__ import annotations
@@ -360,8 +361,46 @@ class InProcessWorker:
         self.store.close()
 
 
+def _resume_in_process(
+    checkpoint_dir: Path, params: dict[str, torch.Tensor], strategy: Any, ledger: Any
+) -> int:
+    """Load the latest in-process checkpoint into ``params`` and ``strategy``; return the next
+    step. Steps the ledger charged after that checkpoint (a crash between checkpoints) are never
+    re-run, so no step is released twice: they stay charged and the run continues after them,
+    unless the noise is stateful (then :class:`ResumeError`, as for the coordinator)."""
+    from userdp.server.checkpoint import load_latest
+    from userdp.server.coordinator import ResumeError, noise_is_stateful
+
+    checkpoint = load_latest(checkpoint_dir)
+    next_step = 0
+    if checkpoint is not None:
+        for name, value in checkpoint.state["params"].items():
+            params[name].copy_(value)
+        strategy.load_state_dict(checkpoint.state["strategy"])
+        next_step = checkpoint.step
+    last = ledger.last_step if ledger.records else -1
+    if last >= next_step:
+        if noise_is_stateful(strategy):
+            raise ResumeError(
+                f"steps {next_step}..{last} are charged in the ledger but the checkpoint is at "
+                f"step {next_step}: the correlated-noise state they advanced is lost. Keep the "
+                "ledger (it stays charged) and use coordinator.checkpoint_every = 1 for "
+                "correlated-noise strategies"
+            )
+        log.warning(
+            "ledger charges steps up to %d but the checkpoint is at step %d: those steps' "
+            "updates were lost; they stay charged; continuing at step %d",
+            last,
+            next_step,
+            last + 1,
+        )
+        next_step = last + 1
+    return next_step
+
+
 def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
     from userdp.accounting.ledger import BudgetExceededError
+    from userdp.server.checkpoint import save_checkpoint
     from userdp.strategies.base import ClipStatistics
     from userdp.strategies.inprocess import run_step
 
@@ -376,7 +415,19 @@ def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
             step_stats[key] += getattr(result, key)
         return dict(result.sums), ClipStatistics(result.count, result.clipped)
 
-    start = loop.ledger.last_step + 1 if loop.ledger.records else 0
+    checkpoint_dir = loop.out / "checkpoints"
+    start = _resume_in_process(checkpoint_dir, params, setup.strategy, loop.ledger)
+    done = start
+
+    def save() -> None:
+        save_checkpoint(
+            checkpoint_dir,
+            step=done,
+            model_version=done,
+            ledger_entries=len(loop.ledger.records),
+            state={"params": params, "strategy": setup.strategy.state_dict()},
+        )
+
     stopped = "finished"
     try:
         for step in range(start, loop.steps):
@@ -396,6 +447,9 @@ def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
                 log.warning("stopping before step %d: %s", step, exc)
                 stopped = "budget"
                 break
+            done = step + 1
+            if done % config.coordinator.checkpoint_every == 0:
+                save()
             tokens = int(step_stats["tokens"])
             loss = step_stats["loss_sum"] / tokens if tokens else math.nan
             loop.on_step(
@@ -408,8 +462,10 @@ def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
                 tokens,
                 params,
             )
+        save()
     except KeyboardInterrupt:
         stopped = "interrupted"
+        save()  # an unexpected error saves nothing: the last checkpoint and the ledger resume
     finally:
         compute.close()
     return params, stopped

@@ -216,3 +216,76 @@ def test_model_is_saved_without_held_out_users(tmp_path) -> None:
     weights = load_file(result.run_dir / "model" / "model.safetensors")
     name = "transformer.h.0.attn.c_attn.weight"
     assert torch.equal(weights[name], result.params[name])
+
+
+def test_in_process_resume_continues_from_its_checkpoint(tmp_path, monkeypatch) -> None:
+    """Interrupted after 2 of 4 steps and run again, an in-process run ends with the same model
+    as an uninterrupted one (noise off, seeded sampling): it resumed from its checkpoint, not from
+    the initial model, and the ledger holds each step once."""
+    from userdp.simulation import RunLoop
+
+    config = small_config(tmp_path, steps=4)
+    whole = run(
+        config, tmp_path / "whole", mode="in-process", quiet=True, test_only_disable_noise=True
+    )
+    original = RunLoop.on_step
+
+    def interrupt_after_step_1(self, step, *args):
+        original(self, step, *args)
+        if step == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunLoop, "on_step", interrupt_after_step_1)
+    first = run(
+        config, tmp_path / "split", mode="in-process", quiet=True, test_only_disable_noise=True
+    )
+    assert first.steps_done == 2
+    monkeypatch.setattr(RunLoop, "on_step", original)
+    second = run(
+        config, tmp_path / "split", mode="in-process", quiet=True, test_only_disable_noise=True
+    )
+    assert second.steps_done == 4
+    for name, value in whole.params.items():
+        torch.testing.assert_close(second.params[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    ledger = (tmp_path / "split" / "ledger.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in ledger if '"step"' in line]
+    assert steps == [0, 1, 2, 3]
+
+
+def test_in_process_resume_never_reruns_a_charged_step(tmp_path) -> None:
+    """Charged steps after the checkpoint stay charged and are skipped (never released twice);
+    with correlated (stateful) noise the run refuses instead, as the coordinator does."""
+    from types import SimpleNamespace
+
+    from userdp.server.checkpoint import save_checkpoint
+    from userdp.server.coordinator import ResumeError
+
+    from userdp.simulation import _resume_in_process
+
+    class Noise:
+        def __init__(self, state):
+            self.state = state
+
+        def state_dict(self):
+            return self.state
+
+    def strategy(state):
+        return SimpleNamespace(
+            noise=Noise(state), state_dict=lambda: {}, load_state_dict=lambda _: None
+        )
+
+    params = {"w": torch.zeros(3)}
+    save_checkpoint(
+        tmp_path,
+        step=2,
+        model_version=2,
+        ledger_entries=2,
+        state={"params": {"w": torch.ones(3)}, "strategy": {}},
+    )
+    ledger = SimpleNamespace(records=[{"step": s} for s in range(5)], last_step=4)
+    assert _resume_in_process(tmp_path, params, strategy({}), ledger) == 5
+    assert torch.equal(params["w"], torch.ones(3))
+    with pytest.raises(ResumeError, match="checkpoint_every = 1"):
+        _resume_in_process(tmp_path, params, strategy({"buffers": torch.zeros(2)}), ledger)
+    in_step = SimpleNamespace(records=[{"step": 0}, {"step": 1}], last_step=1)
+    assert _resume_in_process(tmp_path, params, strategy({}), in_step) == 2
