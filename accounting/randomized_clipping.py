@@ -37,6 +37,7 @@ import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy import integrate, stats
+from userdp.accounting import fast_pld
 
 __all__ = [
     "ESTIMATORS",
@@ -113,11 +114,22 @@ def privacy_loss_distribution(
     for z, w in zip(grid, masses, strict=True):
         if w <= 0.0:
             continue
-        pld = pld_lib.from_gaussian_mechanism(
-            standard_deviation=sigma / z,
-            sampling_prob=q,
-            value_discretization_interval=value_discretization_interval,
-        )
+        # the Poisson-subsampled Gaussian at noise σ/z as the two-component mixture
+        # (sensitivity 0 w.p. 1 − q, 1 w.p. q): fast_pld builds the same pessimistic
+        # connect-the-dots PLD as dp_accounting, vectorized (dp_accounting's Python inversion
+        # loop took ~0.14 s per atom)
+        if q == 1.0:  # no subsampling: the library's closed-form Gaussian loss is fast
+            pld = pld_lib.from_gaussian_mechanism(
+                standard_deviation=sigma / z,
+                value_discretization_interval=value_discretization_interval,
+            )
+        else:
+            pld = fast_pld.mixture_gaussian_pld(
+                sigma / z,
+                [0.0, 1.0],
+                [1.0 - q, q],
+                value_discretization_interval=value_discretization_interval,
+            )
         remove, add = pld._pmf_remove, pld._pmf_add  # noqa: SLF001 (no public accessor)
         if mix_remove is None:
             mix_remove, mix_add = remove, add

@@ -109,3 +109,34 @@ def test_api_dispatch_reaches_this_accountant() -> None:
 
     mech = RandomizedClippingMechanism(2.0, 0.05, 32)
     assert epsilon(mech, 20, 1e-5) == rc.epsilon(2.0, 0.05, 20, 32, 1e-5)
+
+
+def test_atoms_built_with_fast_pld_equal_dp_accountings_subsampled_gaussian() -> None:
+    """Each Z atom's PLD now comes from userdp.accounting.fast_pld (the subsampled Gaussian as a
+    two-component mixture); the mixture built from dp_accounting's own from_gaussian_mechanism
+    atoms must give the same ε."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    sigma, q, k, steps, delta, vdi = 1.5, 0.02, 16, 50, 1e-6, 1e-3
+    grid, masses, tail = rc.envelope_atoms(k, 0.01 * delta / steps)
+    remove = add = None
+    total = 0.0
+    for z, w in zip(grid, masses, strict=True):
+        if w <= 0.0:
+            continue
+        atom = pld_lib.from_gaussian_mechanism(
+            standard_deviation=sigma / z, sampling_prob=q, value_discretization_interval=vdi
+        )
+        if remove is None:
+            remove, add = atom._pmf_remove, atom._pmf_add
+        else:
+            remove = remove.compute_mixture(atom._pmf_remove, total / (total + w))
+            add = add.compute_mixture(atom._pmf_add, total / (total + w))
+        total += w
+    infinite = pld.pld_pmf.DensePLDPmf(vdi, 0, np.zeros(1), 1.0, pessimistic_estimate=True)
+    remove = remove.compute_mixture(infinite, total / (total + tail))  # Z above the grid: ∞ loss
+    add = add.compute_mixture(infinite, total / (total + tail))
+    reference = pld_lib.PrivacyLossDistribution(remove, add).self_compose(steps)
+    want = reference.get_epsilon_for_delta(delta)
+    got = rc.epsilon(sigma, q, steps, k, delta, value_discretization_interval=vdi)
+    assert got == pytest.approx(want, rel=1e-6)
