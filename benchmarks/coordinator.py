@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 
 import torch
-from userdp.clients.grpc_client import ComputedPartial, WorkerClient
+from userdp.clients.grpc_client import WorkerClient
+from userdp.clients.partial import ClippedSum
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings, Population
 from userdp.server.grpc_server import serve
@@ -57,9 +58,9 @@ class ZeroCompute:
     def apply_model(self, tensors, full: bool) -> None:
         self.shapes.update({name: t.shape for name, t in tensors.items()})
 
-    def compute(self, task) -> ComputedPartial:
+    def compute(self, task) -> ClippedSum:
         sums = {name: torch.zeros(shape) for name, shape in self.shapes.items()}
-        return ComputedPartial(sums=sums, count=len(task.unit_ids))
+        return ClippedSum(sums=sums, count=len(task.unit_ids))
 
 
 def _strategy_and_ledger(population: int, cohort: int, ledger_path: Path):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
+from userdp.clients.partial import ClippedSum
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import (
@@ -65,28 +66,12 @@ class WorkerRefusedError(RuntimeError):
         self.details = details
 
 
-@dataclass
-class ComputedPartial:
-    """A task's clipped sum and statistics, as computed by a :class:`TaskCompute`."""
-
-    sums: Mapping[str, Any]
-    count: int
-    nonfinite: int = 0
-    clipped: int = 0
-    norm_min: float = 0.0
-    norm_max: float = 0.0
-    norm_sum: float = 0.0
-    norm_sum_sq: float = 0.0
-    loss_sum: float = 0.0
-    tokens: int = 0
-
-
 class TaskCompute(Protocol):
     """What a worker computes with: holds the model, applies versions, sums clipped units."""
 
     def apply_model(self, tensors: Mapping[str, WireTensor], full: bool) -> None: ...
 
-    def compute(self, task: pb.Task) -> ComputedPartial: ...
+    def compute(self, task: pb.Task) -> ClippedSum: ...
 
 
 @dataclass(frozen=True)

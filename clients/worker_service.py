@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from userdp.clients.grpc_client import ComputedPartial
 from userdp.clients.model import load_parameters
+from userdp.clients.partial import ClippedSum
 from userdp.clients.selection import select_examples
 from userdp.clients.shard_store import ShardStore
 from userdp.proto import userdp_v1_pb2 as pb
@@ -70,9 +70,9 @@ class EngineCompute:
             units.append(self.unit_type(unit_id, examples))
         return units
 
-    def compute(self, task: pb.Task) -> ComputedPartial:
+    def compute(self, task: pb.Task) -> ClippedSum:
         options = task.engine
-        result = self.engine.clipped_sum(
+        return self.engine.clipped_sum(
             self._units(task),
             task.clip_norm,
             engine=options.engine or None,
@@ -81,18 +81,6 @@ class EngineCompute:
             local_steps=options.local_steps,
             local_lr=options.local_lr,
             local_batch_size=options.local_batch_size,
-        )
-        return ComputedPartial(
-            sums=result.sums,
-            count=result.count,
-            nonfinite=result.nonfinite,
-            clipped=result.clipped,
-            norm_min=result.norm_min,
-            norm_max=result.norm_max,
-            norm_sum=result.norm_sum,
-            norm_sum_sq=result.norm_sum_sq,
-            loss_sum=result.loss_sum,
-            tokens=result.tokens,
         )
 
 

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 import torch
 from userdp.clients.grpc_client import Backoff, WorkerClient
+from userdp.clients.partial import ClippedSum
 from userdp.clients.selection import select_examples
 from userdp.clients.shard_store import ShardStore
 from userdp.clients.worker_service import EngineCompute, _selection_rng
@@ -36,20 +37,6 @@ from tests.server.standins import uls_strategy  # noqa: E402
 class Unit:
     unit_id: str
     examples: list
-
-
-@dataclass
-class Summed:
-    sums: dict
-    count: int
-    nonfinite: int = 0
-    clipped: int = 0
-    norm_min: float = 0.0
-    norm_max: float = 0.0
-    norm_sum: float = 0.0
-    norm_sum_sq: float = 0.0
-    loss_sum: float = 0.0
-    tokens: int = 0
 
 
 def unit_norm(examples, clip_norm):
@@ -73,7 +60,7 @@ class TokenCountEngine:
             for name in sums:
                 sums[name] += unit_norm(unit.examples, clip_norm) / total**0.5
         tokens = sum(len(e) for u in units for e in u.examples)
-        return Summed(sums=sums, count=len(units), tokens=tokens)
+        return ClippedSum(sums=sums, count=len(units), tokens=tokens)
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ class ToyCompute:
     def compute(self, task):
         import time
 
-        from userdp.clients.grpc_client import ComputedPartial
+        from userdp.clients.partial import ClippedSum
 
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -95,7 +95,7 @@ class ToyCompute:
             sums["w"] = torch.zeros(7)
         elif self.corrupt == "unclipped":
             sums = {name: s * 100 for name, s in sums.items()}
-        return ComputedPartial(
+        return ClippedSum(
             sums=sums,
             count=len(task.unit_ids),
             clipped=sum(n > task.clip_norm for n in norms),
