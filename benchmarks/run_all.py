@@ -444,7 +444,11 @@ def markdown_report(report: dict[str, Any], outcomes: list[Outcome]) -> str:
         met = {True: "yes", False: "**no**", None: "n/a (not the goal's size)"}[g["met"]]
         lines.append(f"| {g['issue']} | {g['figure']} | {g['measured']} | {g['goal']} | {met} |")
     if not report["machine"]["gpu"]:
-        lines += ["", "**GPU figures are missing**: no CUDA device on this machine."]
+        lines += [
+            "",
+            "**GPU figures are missing** here: no CUDA device on this machine (GPU runs have "
+            "their own files in benchmarks/results/).",
+        ]
     lines += [
         "",
         "## Runs",
