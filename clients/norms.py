@@ -42,22 +42,37 @@ _TENSOR_CORES: contextvars.ContextVar[bool] = contextvars.ContextVar("tensor_cor
 
 @contextlib.contextmanager
 def exact_matmul(tensor_cores: bool = False) -> Iterator[None]:
-    """CUDA float32 GEMMs in full float32 (no TF32) and bf16 GEMMs without reduced-precision
-    split-K reductions, restored on exit; ``tensor_cores`` lets bf16 operands use bf16 GEMMs
-    (see the section comment)."""
+    """float32 GEMMs in IEEE float32 (no TF32 on CUDA, no bf16/TF32 passes in oneDNN on CPU) and
+    bf16 GEMMs without reduced-precision split-K reductions, whatever the caller set, restored on
+    exit; ``tensor_cores`` lets bf16 operands use bf16 GEMMs (see the section comment).
+
+    Torch ≥ 2.9 has per-backend ``fp32_precision`` settings and refuses to READ its legacy flags
+    once both APIs were used, so the new API is used alone where it exists."""
     token = _TENSOR_CORES.set(tensor_cores)
-    matmul = torch.backends.cuda.matmul
+    cuda = torch.backends.cuda.matmul
+    backends = [cuda, torch.backends.mkldnn.matmul]
+    new_api = all(hasattr(b, "fp32_precision") for b in backends)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the legacy allow_tf32 flag warns in newer torch
-        saved = (matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction)
-        matmul.allow_tf32 = False
-        matmul.allow_bf16_reduced_precision_reduction = False
+        saved = [b.fp32_precision for b in backends] if new_api else [cuda.allow_tf32]
+        saved_reduction = cuda.allow_bf16_reduced_precision_reduction
+        if new_api:
+            for backend in backends:
+                backend.fp32_precision = "ieee"
+        else:
+            cuda.allow_tf32 = False
+        cuda.allow_bf16_reduced_precision_reduction = False
     try:
         yield
     finally:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction = saved
+            cuda.allow_bf16_reduced_precision_reduction = saved_reduction
+            if new_api:
+                for backend, value in zip(backends, saved, strict=True):
+                    backend.fp32_precision = value
+            else:
+                cuda.allow_tf32 = saved[0]
         _TENSOR_CORES.reset(token)
 
 

@@ -239,15 +239,27 @@ def test_a_parameter_used_outside_its_module_is_detected_not_mis_clipped():
 
 
 def test_exact_matmul_switches_tf32_off_and_restores_the_callers_setting():
-    matmul = torch.backends.cuda.matmul
-    saved = matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction
+    """A training script's ``torch.set_float32_matmul_precision("medium")`` (bf16 passes in
+    oneDNN on CPU, TF32 on CUDA) must not reach the norms and book-keeping, and the caller's
+    setting (and its legacy getters) must work again afterwards."""
+    backends = torch.backends
+    precision = torch.get_float32_matmul_precision()
+    reduction = backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     try:
-        matmul.allow_tf32 = matmul.allow_bf16_reduced_precision_reduction = True
+        torch.set_float32_matmul_precision("medium")
+        backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
         with norms.exact_matmul():
-            assert not matmul.allow_tf32 and not matmul.allow_bf16_reduced_precision_reduction
-        assert matmul.allow_tf32 and matmul.allow_bf16_reduced_precision_reduction
+            assert backends.cuda.matmul.fp32_precision == "ieee"
+            assert backends.mkldnn.matmul.fp32_precision == "ieee"
+            assert not backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        assert backends.cuda.matmul.fp32_precision == "tf32"
+        assert backends.mkldnn.matmul.fp32_precision == "bf16"
+        assert backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        assert torch.get_float32_matmul_precision() == "medium"  # legacy getter still readable
+        assert backends.cuda.matmul.allow_tf32
     finally:
-        matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction = saved
+        torch.set_float32_matmul_precision(precision)
+        backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduction
 
 
 def test_split_bf16_represents_float32_to_within_two_to_the_minus_24():
