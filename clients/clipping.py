@@ -17,7 +17,7 @@ loss weights make the sum over chunks exactly the unit's gradient.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +28,16 @@ from userdp.clients.batching import (
     token_losses,
 )
 from userdp.clients.partial import ClippedSum
+
+
+def flat_views(flat: torch.Tensor, shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """One view per name into consecutive slices of the 1-D ``flat`` (``shapes`` in order)."""
+    views, offset = {}, 0
+    for name, shape in shapes.items():
+        size = math.prod(shape)
+        views[name] = flat[offset : offset + size].view(shape)
+        offset += size
+    return views
 
 
 def clip_factor(norm: float, clip_norm: float) -> float:
@@ -56,13 +66,10 @@ class Accumulator:
     def __post_init__(self) -> None:
         # one flat float32 buffer with a view per parameter: the result leaves the device in
         # one copy (into page-locked host memory on CUDA, see :meth:`result`)
-        sizes = [p.numel() for p in self.params.values()]
+        size = sum(p.numel() for p in self.params.values())
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
-        self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-        self.sums, offset = {}, 0
-        for (name, p), size in zip(self.params.items(), sizes, strict=True):
-            self.sums[name] = self.flat[offset : offset + size].view(p.shape)
-            offset += size
+        self.flat = torch.zeros(size, dtype=torch.float32, device=device)
+        self.sums = flat_views(self.flat, {name: p.shape for name, p in self.params.items()})
 
     def record(self, norm: float, loss_sum: float, tokens: int) -> float | None:
         """Count one unit; return its clip factor, or None (contributes zero) if not finite."""
@@ -92,11 +99,7 @@ class Accumulator:
             host = torch.empty(self.flat.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(self.flat.detach(), non_blocking=True)
             torch.cuda.current_stream(self.flat.device).synchronize()
-        sums, offset = {}, 0
-        for name, tensor in self.sums.items():
-            sums[name] = host[offset : offset + tensor.numel()].view(tensor.shape)
-            offset += tensor.numel()
-        return sums
+        return flat_views(host, {name: tensor.shape for name, tensor in self.sums.items()})
 
     def result(self) -> ClippedSum:
         return ClippedSum(

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from userdp.clients.batching import EngineError
-from userdp.clients.clipping import ClippedSum
+from userdp.clients.clipping import ClippedSum, flat_views
 
 
 def free_port() -> int:
@@ -140,12 +140,7 @@ def all_reduce_result(result: ClippedSum, device: torch.device) -> ClippedSum:
     lo, hi = lo.to(device), hi.to(device)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    flat = flat.cpu()
-    sums, offset = {}, 0
-    for name in names:
-        size = result.sums[name].numel()
-        sums[name] = flat[offset : offset + size].view_as(result.sums[name]).clone()
-        offset += size
+    sums = flat_views(flat.cpu(), {name: result.sums[name].shape for name in names})
     count, nonfinite, clipped, norm_sum, norm_sum_sq, loss_sum, tokens, skipped = stats.tolist()
     return ClippedSum(
         sums=sums,
