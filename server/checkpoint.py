@@ -181,6 +181,19 @@ def load_latest(directory: str | Path) -> Checkpoint | None:
 RELEASE_JOURNAL = "released.jsonl"
 
 
+def restore_latest(
+    directory: str | Path, params: Mapping[str, torch.Tensor], strategy: Any
+) -> Checkpoint | None:
+    """Copy the latest checkpoint's parameters into ``params`` and its strategy state into
+    ``strategy``; return the checkpoint, or None when there is none yet."""
+    checkpoint = load_latest(directory)
+    if checkpoint is not None:
+        for name, value in checkpoint.state["params"].items():
+            params[name].copy_(value)
+        strategy.load_state_dict(checkpoint.state["strategy"])
+    return checkpoint
+
+
 def append_release_journal(directory: str | Path, step: int, model_version: int) -> None:
     """Record (fsync'd) that ``step``'s update is about to leave the coordinator."""
     directory = Path(directory)

@@ -56,8 +56,8 @@ from userdp.proto import userdp_v1_pb2 as pb
 from userdp.server.aggregation import GatheredSum, StepGather, template_of
 from userdp.server.checkpoint import (
     append_release_journal,
-    load_latest,
     read_release_journal,
+    restore_latest,
     save_checkpoint,
 )
 from userdp.server.planning import assign_groups, plan_groups
@@ -104,6 +104,29 @@ def noise_is_stateful(strategy: Any) -> bool:
     a checkpoint cannot be skipped without breaking the correlation the accountant assumes."""
     noise = getattr(strategy, "noise", None)
     return noise is not None and bool(noise.state_dict())
+
+
+def continue_after_lost_steps(strategy: Any, checkpoint_step: int, last_charged: int) -> int:
+    """Steps ``checkpoint_step``..``last_charged`` are charged in the ledger but their updates
+    are lost (they came after the last checkpoint). They stay charged and are never re-run, so
+    none is released twice: return the step to continue at. Refuse (:class:`ResumeError`) when
+    the noise is stateful: continuing would break the correlation the accountant assumes."""
+    if noise_is_stateful(strategy):
+        raise ResumeError(
+            f"steps {checkpoint_step}..{last_charged} are charged in the ledger after the last "
+            "checkpoint and the correlated-noise state they advanced is lost; continuing would "
+            "break the noise correlation the accountant assumes. Keep the ledger (it stays "
+            "charged) and use coordinator.checkpoint_every = 1 for correlated-noise strategies"
+        )
+    log.warning(
+        "ledger charges steps up to %d but the checkpoint is at step %d: %d step(s) were lost; "
+        "they stay charged; continuing at step %d",
+        last_charged,
+        checkpoint_step,
+        last_charged + 1 - checkpoint_step,
+        last_charged + 1,
+    )
+    return last_charged + 1
 
 
 @dataclass(frozen=True)
@@ -181,12 +204,8 @@ class Coordinator:
     def resume(self) -> None:
         """Load the latest checkpoint (if any), reconcile it with the ledger and the release
         journal (see the module docstring), and publish the model."""
-        checkpoint = load_latest(self.checkpoint_dir)
+        checkpoint = restore_latest(self.checkpoint_dir, self.params, self.strategy)
         if checkpoint is not None:
-            state = checkpoint.state
-            for name, value in state["params"].items():
-                self.params[name].copy_(value)
-            self.strategy.load_state_dict(state["strategy"])
             self.step = checkpoint.step
             self.model_version = checkpoint.model_version
         charged = [int(step) for step in self._ledger_steps()]
@@ -202,28 +221,10 @@ class Coordinator:
             )
             self._charged_unreleased = self.step
         elif last >= self.step:
-            lost = last + 1 - self.step
-            if self._noise_is_stateful():
-                raise ResumeError(
-                    f"steps {self.step}..{last} were released after the last checkpoint and the "
-                    "correlated-noise state they advanced is lost; continuing would break the "
-                    "noise correlation the accountant assumes. Keep the ledger (it stays charged) "
-                    "and use coordinator.checkpoint_every = 1 for correlated-noise strategies"
-                )
-            log.warning(
-                "ledger charges steps up to %d but the checkpoint is at step %d: %d released "
-                "step(s) were lost; they stay charged; continuing at step %d",
-                last,
-                self.step,
-                lost,
-                last + 1,
-            )
-            self.step = last + 1
-            self.model_version += lost + 1
+            resumed = continue_after_lost_steps(self.strategy, self.step, last)
+            self.model_version += resumed - self.step + 1
+            self.step = resumed
         self.publisher.publish(self.model_version, self.params, self.frozen)
-
-    def _noise_is_stateful(self) -> bool:
-        return noise_is_stateful(self.strategy)
 
     def _ledger_steps(self) -> list[int]:
         return [int(record["step"]) for record in self.ledger.records]

@@ -366,35 +366,15 @@ def _resume_in_process(
 ) -> int:
     """Load the latest in-process checkpoint into ``params`` and ``strategy``; return the next
     step. Steps the ledger charged after that checkpoint (a crash between checkpoints) are never
-    re-run, so no step is released twice: they stay charged and the run continues after them,
-    unless the noise is stateful (then :class:`ResumeError`, as for the coordinator)."""
-    from userdp.server.checkpoint import load_latest
-    from userdp.server.coordinator import ResumeError, noise_is_stateful
+    re-run, as for the coordinator (:func:`~userdp.server.coordinator.continue_after_lost_steps`)."""
+    from userdp.server.checkpoint import restore_latest
+    from userdp.server.coordinator import continue_after_lost_steps
 
-    checkpoint = load_latest(checkpoint_dir)
-    next_step = 0
-    if checkpoint is not None:
-        for name, value in checkpoint.state["params"].items():
-            params[name].copy_(value)
-        strategy.load_state_dict(checkpoint.state["strategy"])
-        next_step = checkpoint.step
+    checkpoint = restore_latest(checkpoint_dir, params, strategy)
+    next_step = checkpoint.step if checkpoint is not None else 0
     last = ledger.last_step if ledger.records else -1
     if last >= next_step:
-        if noise_is_stateful(strategy):
-            raise ResumeError(
-                f"steps {next_step}..{last} are charged in the ledger but the checkpoint is at "
-                f"step {next_step}: the correlated-noise state they advanced is lost. Keep the "
-                "ledger (it stays charged) and use coordinator.checkpoint_every = 1 for "
-                "correlated-noise strategies"
-            )
-        log.warning(
-            "ledger charges steps up to %d but the checkpoint is at step %d: those steps' "
-            "updates were lost; they stay charged; continuing at step %d",
-            last,
-            next_step,
-            last + 1,
-        )
-        next_step = last + 1
+        return continue_after_lost_steps(strategy, next_step, last)
     return next_step
 
 
