@@ -117,37 +117,47 @@ def test_apply_model_copies_by_name_and_refuses_unknown(shard_dir):
         compute.apply_model(decode_chunks(tensors_chunks({"nope": torch.zeros(1)})), full=False)
 
 
-def test_end_to_end_over_grpc_with_a_real_manifest(shard_dir, tmp_path):
+def _store_and_population(shard_dir):
     store = ShardStore(shard_dir)
     counts = store.user_counts()
     population = Population.from_manifest(
         store.manifest, {u: c.n_examples for u, c in counts.items()}
     )
-    engine = TokenCountEngine()
-    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    loop = make_loopback(tmp_path, population=population, strategy=uls_strategy(q=0.5))
-    loop.coordinator.params.clear()  # the toy model is replaced by the engine's parameters
-    loop.coordinator.params.update(params)
+    return store, population
+
+
+def _one_step_over_grpc(tmp_path, store, population, strategy, params, compute):
+    """A loopback coordinator holding ``params`` (the toy model replaced by the engine's) and
+    one gRPC worker on ``compute`` run one step: (its report, the coordinator's parameters)."""
     from userdp.server.aggregation import template_of
 
+    loop = make_loopback(tmp_path, population=population, strategy=strategy)
+    loop.coordinator.params.clear()
+    loop.coordinator.params.update({n: t.clone() for n, t in params.items()})
     loop.coordinator.template = template_of(params)
     loop.coordinator.publisher.publish(loop.coordinator.model_version, params, {})
     holdings = [(e.name, e.sha256) for e in store.manifest.shards]
-    client = WorkerClient(
-        loop.server.address,
-        "w0",
-        holdings,
-        EngineCompute(store, engine, Unit),
-        backoff=Backoff(0.05, 0.2),
-    )
+    client = WorkerClient(loop.server.address, "w0", holdings, compute, backoff=Backoff(0.05, 0.2))
     thread = threading.Thread(target=client.run, daemon=True)
     thread.start()
     try:
         assert loop.coordinator.wait_for_workers(10)
         report = loop.coordinator.run(1)[0]
+        after = {n: t.clone() for n, t in loop.coordinator.params.items()}
     finally:
         client.stop()
         loop.close()
+    return report, after
+
+
+def test_end_to_end_over_grpc_with_a_real_manifest(shard_dir, tmp_path):
+    store, population = _store_and_population(shard_dir)
+    engine = TokenCountEngine()
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    compute = EngineCompute(store, engine, Unit)
+    report, _ = _one_step_over_grpc(
+        tmp_path, store, population, uls_strategy(q=0.5), params, compute
+    )
     cohort = uls_strategy(q=0.5).sample_cohort(0, population)
     assert report.units == len(cohort.unit_ids) == len(engine.seen)
     assert sorted(u.unit_id for u in engine.seen) == sorted(cohort.unit_ids)
@@ -172,42 +182,17 @@ def test_end_to_end_over_grpc_with_the_real_engine(shard_dir, tmp_path):
     strategy's server update (noise disabled, test-only)."""
     from userdp.clients.engine import ClippingEngine, build_engine
     from userdp.clients.engine import Unit as EngineUnit
-    from userdp.server.aggregation import template_of
 
     from userdp.config import parse_config
 
-    store = ShardStore(shard_dir)
-    counts = store.user_counts()
-    population = Population.from_manifest(
-        store.manifest, {u: c.n_examples for u, c in counts.items()}
-    )
+    store, population = _store_and_population(shard_dir)
     config = parse_config({"data": {"seq_len": 128}, "strategy": {"engine": "vectorized"}})
     engine = RecordingEngine(build_engine(config, store.manifest, use_deepspeed=False))
     reference_engine = build_engine(config, store.manifest, use_deepspeed=False)
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     strategy = uls_strategy(q=0.5, clip_norm=0.5, lr=0.1)
-    loop = make_loopback(tmp_path, population=population, strategy=strategy)
-    loop.coordinator.params.clear()
-    loop.coordinator.params.update({n: t.clone() for n, t in params.items()})
-    loop.coordinator.template = template_of(params)
-    loop.coordinator.publisher.publish(loop.coordinator.model_version, params, {})
-    holdings = [(e.name, e.sha256) for e in store.manifest.shards]
-    client = WorkerClient(
-        loop.server.address,
-        "w0",
-        holdings,
-        EngineCompute(store, engine, EngineUnit),
-        backoff=Backoff(0.05, 0.2),
-    )
-    thread = threading.Thread(target=client.run, daemon=True)
-    thread.start()
-    try:
-        assert loop.coordinator.wait_for_workers(10)
-        report = loop.coordinator.run(1)[0]
-        after = {n: t.clone() for n, t in loop.coordinator.params.items()}
-    finally:
-        client.stop()
-        loop.close()
+    compute = EngineCompute(store, engine, EngineUnit)
+    report, after = _one_step_over_grpc(tmp_path, store, population, strategy, params, compute)
     units = [u for call in engine.calls for u in call[0]]
     assert all(call[1] == 0.5 and call[2]["engine"] == "vectorized" for call in engine.calls)
     cohort = uls_strategy(q=0.5).sample_cohort(0, population)

@@ -129,15 +129,21 @@ def test_report_command_rerenders_from_the_folder(grpc_run, capsys) -> None:
     assert json.loads(capsys.readouterr().out)["steps"] == 3
 
 
+def assert_same_updates(a, b, config, steps: int, rtol: float, atol: float) -> None:
+    """Two noiseless runs of ``config`` did ``steps`` steps, ended with the same parameters,
+    and every tensor moved from the initial model."""
+    assert a.steps_done == b.steps_done == steps
+    initial = prepare_run(config).trainable
+    for name, value in a.params.items():
+        torch.testing.assert_close(value, b.params[name], rtol=rtol, atol=atol, msg=name)
+        assert not torch.equal(value, initial[name]), f"{name} did not move"
+
+
 def test_grpc_and_in_process_give_identical_updates_without_noise(tmp_path) -> None:
     config = small_config(tmp_path, steps=2)
     a = run(config, tmp_path / "grpc", mode="grpc", quiet=True, test_only_disable_noise=True)
     b = run(config, tmp_path / "local", mode="in-process", quiet=True, test_only_disable_noise=True)
-    assert a.steps_done == b.steps_done == 2
-    initial = prepare_run(config).trainable
-    for name, value in a.params.items():
-        torch.testing.assert_close(value, b.params[name], rtol=1e-5, atol=1e-6, msg=name)
-        assert not torch.equal(value, initial[name]), f"{name} did not move"
+    assert_same_updates(a, b, config, 2, rtol=1e-5, atol=1e-6)
 
 
 def test_a_run_over_its_budget_stops_before_the_step_that_would_exceed_it(tmp_path) -> None:

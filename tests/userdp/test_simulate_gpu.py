@@ -10,13 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from userdp.run_components import prepare_run
 from userdp.simulation import run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.userdp.test_simulate import small_config  # noqa: E402
+from tests.userdp.test_simulate import assert_same_updates, small_config  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -27,8 +25,4 @@ def test_cuda_workers_equal_cpu_workers(tmp_path, monkeypatch) -> None:
     gpu = base.model_copy(update={"workers": base.workers.model_copy(update={"device": "cuda"})})
     a = run(gpu, tmp_path / "gpu", mode="grpc", quiet=True, test_only_disable_noise=True)
     b = run(base, tmp_path / "cpu", mode="grpc", quiet=True, test_only_disable_noise=True)
-    assert a.steps_done == b.steps_done == 2
-    initial = prepare_run(base).trainable
-    for name, value in a.params.items():
-        torch.testing.assert_close(value, b.params[name], rtol=1e-4, atol=1e-5, msg=name)
-        assert not torch.equal(value, initial[name]), f"{name} did not move"
+    assert_same_updates(a, b, base, 2, rtol=1e-4, atol=1e-5)
