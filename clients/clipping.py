@@ -90,11 +90,13 @@ class Accumulator:
         self.sums[name].add_(value.to(torch.float32), alpha=scale)
 
     def host_sums(self) -> dict[str, torch.Tensor]:
-        """The sums as CPU float32 tensors (views of one host buffer). From CUDA: one copy into
-        page-locked memory (torch's caching host allocator reuses the block once the previous
-        result is freed), several times faster than per-tensor copies into pageable memory."""
+        """The sums as CPU float32 tensors (views of one host buffer). On CPU, the accumulator's
+        own buffer (no copy; an accumulator is done once its result is taken). From CUDA: one
+        copy into page-locked memory (torch's caching host allocator reuses the block once the
+        previous result is freed), several times faster than per-tensor copies into pageable
+        memory."""
         if self.flat.device.type == "cpu":
-            host = self.flat.detach().clone()
+            host = self.flat.detach()
         else:
             host = torch.empty(self.flat.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(self.flat.detach(), non_blocking=True)
