@@ -35,6 +35,7 @@ from userdp.proto.channels import (
     TlsFiles,
     bearer,
     channel_options,
+    chunk_bytes_within,
 )
 from userdp.proto.tensors import (
     DEFAULT_CHUNK_BYTES,
@@ -149,7 +150,7 @@ class WorkerClient:
         self.capabilities = capabilities or pb.Capabilities(device="cpu", num_devices=1)
         self.manifest_sha256 = manifest_sha256
         self.max_message_bytes = max_message_bytes
-        self.chunk_bytes = min(chunk_bytes, max_message_bytes // 2)
+        self.chunk_bytes = chunk_bytes_within(chunk_bytes, max_message_bytes)
         # result chunks of this session: also at most half of what the coordinator accepts
         # (its Welcome says), so a coordinator with a smaller limit never receives a message
         # over it
@@ -267,9 +268,8 @@ class WorkerClient:
                 kind = message.WhichOneof("kind")
                 if kind == "welcome":
                     welcomed = True
-                    limit = message.welcome.max_message_bytes
-                    self.session_chunk_bytes = (
-                        min(self.chunk_bytes, limit // 2) if limit else self.chunk_bytes
+                    self.session_chunk_bytes = chunk_bytes_within(
+                        self.chunk_bytes, message.welcome.max_message_bytes
                     )
                     if message.welcome.incarnation != self.incarnation:
                         # a new coordinator process: our version number means nothing to it

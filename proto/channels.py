@@ -22,6 +22,12 @@ SERVICE_NAME = "userdp.v1.Coordinator"
 WORKER_HEALTH_SERVICE = "userdp.v1.Worker"
 
 
+def chunk_bytes_within(preferred: int, max_message_bytes: int) -> int:
+    """Tensor chunk size for a peer that accepts messages up to ``max_message_bytes``: at most
+    half of it, so a chunk with its envelope always fits (0 = limit unknown: ``preferred``)."""
+    return min(preferred, max_message_bytes // 2) if max_message_bytes else preferred
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """gRPC options for both ends: explicit message limits and keepalive (dead peers surface as a
     stream error within ~30 s instead of a hang)."""

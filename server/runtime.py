@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from userdp.proto.channels import TlsFiles, read_tls_files, read_token
+from userdp.proto.channels import TlsFiles, chunk_bytes_within, read_tls_files, read_token
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings
 from userdp.server.grpc_server import RunningServer, serve
@@ -73,7 +73,7 @@ def start_coordinator(
     # model chunks of at most half the message limit (1 MiB by default) fit every peer that
     # shares the limit
     registry = WorkerRegistry()
-    publisher = ModelPublisher(chunk_bytes=min(1 << 20, max_message_bytes // 2))
+    publisher = ModelPublisher(chunk_bytes=chunk_bytes_within(1 << 20, max_message_bytes))
     partial_bytes = sum(t.numel() * t.element_size() for t in params.values())
     server = serve(
         registry,
