@@ -15,17 +15,13 @@
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from userdp.clients.grpc_client import Backoff, WorkerClient
-from userdp.server.auth import Authorizer
-from userdp.server.coordinator import Coordinator, CoordinatorSettings
-from userdp.server.grpc_server import serve
-from userdp.server.service import ModelPublisher, WorkerRegistry
+from userdp.clients.grpc_client import WorkerClient
+from userdp.server.coordinator import CoordinatorSettings
 from userdp.strategies.builtins import UserLevelSampling
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 from userdp.strategies.optimizers import Sgd
@@ -33,9 +29,11 @@ from userdp.strategies.optimizers import Sgd
 from .stats import ALPHA, assert_gaussian_noise, assert_uncorrelated
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.server import toy  # noqa: E402  (the server tests' loopback harness, reused)
+from tests.server import (
+    harness,  # noqa: E402
+    toy,  # noqa: E402  (the server tests' loopback harness, reused)
+)
 from tests.server.harness import Loopback, reference_params  # noqa: E402
-from tests.server.standins import open_ledger  # noqa: E402
 
 SIGMA = 2.0
 CLIP = 3.0
@@ -73,46 +71,20 @@ def make_loopback(
 ) -> Loopback:
     """tests/server/harness.make_loopback with this module's parameters (a model large enough
     for exact noise statistics, 1 MiB chunks)."""
-    registry = WorkerRegistry()
-    publisher = ModelPublisher()
-    server = serve(registry, publisher, Authorizer.insecure(), population.shard_sha256, port=0)
-    coordinator = Coordinator(
+    return harness.make_loopback(
+        tmp_path,
         strategy=strategy,
-        ledger=open_ledger(Path(tmp_path) / "ledger.jsonl"),
         params=params,
         population=population,
-        registry=registry,
-        publisher=publisher,
-        checkpoint_dir=Path(tmp_path) / "ckpt",
-        settings=settings
-        or CoordinatorSettings(step_deadline_s=30, task_deadline_s=10, wait_for_workers_s=20),
+        no_noise=no_noise,
+        settings=settings,
         fault_hook=fault_hook,
-        test_only_disable_noise=no_noise,
+        publisher_chunk_bytes=1 << 20,
     )
-    try:
-        coordinator.resume()
-    except BaseException:
-        server.stop(grace=0)
-        coordinator.ledger.close()
-        raise
-    return Loopback(coordinator, server)
 
 
 def start_worker(loop: Loopback, worker_id, shards, compute, client_class=WorkerClient):
-    population = loop.coordinator.population
-    client = client_class(
-        loop.server.address,
-        worker_id,
-        [(s, population.shard_sha256[s]) for s in shards],
-        compute,
-        backoff=Backoff(initial_s=0.05, max_s=0.5),
-        heartbeat_s=0.5,
-    )
-    thread = threading.Thread(target=client.run, daemon=True)
-    thread.start()
-    loop.clients.append(client)
-    loop.threads.append(thread)
-    return client
+    return loop.add_worker(worker_id, shards, compute, client_class=client_class)
 
 
 def _seed_with_cohort_gap(population, gap: float = 0.25) -> int:

@@ -32,9 +32,11 @@ class Loopback:
     threads: list[threading.Thread] = field(default_factory=list)
     processes: list[subprocess.Popen] = field(default_factory=list)
 
-    def add_worker(self, worker_id, shards, compute=None, holdings=None, **kwargs) -> WorkerClient:
+    def add_worker(
+        self, worker_id, shards, compute=None, holdings=None, client_class=WorkerClient, **kwargs
+    ) -> WorkerClient:
         population = self.coordinator.population
-        client = WorkerClient(
+        client = client_class(
             self.server.address,
             worker_id,
             holdings or [(s, population.shard_sha256[s]) for s in shards],
@@ -111,6 +113,7 @@ def make_loopback(
     port=0,
     publisher_chunk_bytes=64,
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+    params=None,
 ) -> Loopback:
     population = population or toy.toy_population()
     registry = WorkerRegistry()
@@ -127,7 +130,7 @@ def make_loopback(
     coordinator = Coordinator(
         strategy=strategy or uls_strategy(),
         ledger=ledger or open_ledger(tmp_path / "ledger.jsonl"),
-        params=toy.initial_params(),
+        params=toy.initial_params() if params is None else params,
         population=population,
         registry=registry,
         publisher=publisher,
