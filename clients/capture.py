@@ -111,11 +111,10 @@ class Capture:
 
 @dataclass
 class Layout:
-    """Token bookkeeping of one micro-batch: flat position -> local unit, per-unit positions."""
+    """Token bookkeeping of one micro-batch: flat position -> local unit, per-unit spans."""
 
     rows: int
     length: int
-    unit_positions: list[torch.Tensor]  # per local unit: flat indices of its real positions (host)
     unit_rows: list[torch.Tensor]  # per local unit: its row indices (host)
     positions: torch.Tensor  # all real positions, unit by unit
     position_unit: torch.Tensor  # the local unit of each entry of ``positions``
@@ -145,7 +144,6 @@ class Layout:
         return cls(
             rows,
             length,
-            positions,
             unit_rows,
             every.to(device),
             owner.to(device),
