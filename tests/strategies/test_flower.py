@@ -17,8 +17,18 @@ from .helpers import ListLedger
 NODES = 3
 
 
-def test_two_round_flower_simulation_charges_the_ledger():
-    flwr_sim = pytest.importorskip("flwr.simulation")
+RAY_STARTUP_TIMEOUT = "timed out during startup"  # ray's fixed 30 s raylet registration wait
+
+
+def _ray_startup_timed_out(error: BaseException) -> bool:
+    while error is not None:
+        if RAY_STARTUP_TIMEOUT in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _two_rounds(flwr_sim):
     strategy = UserLevelSampling(
         noise_multiplier=1.0,
         clip_norm=1.0,
@@ -43,6 +53,20 @@ def test_two_round_flower_simulation_charges_the_ledger():
         num_supernodes=NODES,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
     )
+    return strategy, ledger, adapter, worker
+
+
+def test_two_round_flower_simulation_charges_the_ledger():
+    flwr_sim = pytest.importorskip("flwr.simulation")
+    try:
+        strategy, ledger, adapter, worker = _two_rounds(flwr_sim)
+    except RuntimeError as exc:
+        # On a loaded 2-core machine ray's raylet sometimes misses its fixed startup window
+        # (seen once in six CI runs): infrastructure, not the code under test. Retry once, with
+        # a fresh strategy and ledger; any other failure, or a second timeout, fails the test.
+        if not _ray_startup_timed_out(exc):
+            raise
+        strategy, ledger, adapter, worker = _two_rounds(flwr_sim)
     assert adapter.released_steps == [0, 1]
     assert [step for step, _ in ledger.entries] == [0, 1]
     assert ledger.entries[0][1] == strategy.mechanism().to_dict()
