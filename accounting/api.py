@@ -28,6 +28,7 @@ import numpy as np
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from userdp.accounting import fast_pld, pld_ops
 from userdp.accounting.mechanisms import (
+    DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     BallsInBinsMechanism,
     ElsMechanism,
     GroupPrivacyMechanism,
@@ -52,7 +53,6 @@ __all__ = [
 
 # Bump when any accountant's numbers may change (it keys the on-disk calibration cache).
 ACCOUNTANT_VERSION = "1"
-DEFAULT_VALUE_DISCRETIZATION_INTERVAL = 1e-4
 ELS_BACKENDS = ("fast", "dp_accounting")
 PLD_KINDS = (UlsMechanism.kind, ElsMechanism.kind)
 # Kinds whose per-step PLDs compose with each other across phases.

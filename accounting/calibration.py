@@ -7,14 +7,16 @@ for every mechanism here, so a bracket [private, not private] plus bisection/Bre
 
 Results are cached on disk (``$USERDP_CACHE_DIR``, default ``~/.cache/userdp``): one JSON file
 per query, named by the SHA-256 of the canonical JSON of everything the answer depends on
-(operation, mechanism, steps, δ, target, tolerance, discretization, accountant version,
-dp_accounting version). A file is used only if the query stored inside it equals the query
-asked, so a hash collision or a stale file can never return a value for other parameters.
+(operation, mechanism, steps, δ, target, tolerance, discretization, accountant version, userdp
+version, a sha256 of this package's source, and the dp_accounting, numpy and scipy versions). A
+file is used only if the query stored inside it equals the query asked, so a hash collision, a
+stale file or a σ computed by other accountant code can never be returned.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -314,13 +316,31 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "userdp"
 
 
+@functools.cache
+def accountant_code_sha256() -> str:
+    """sha256 over the source of this package's modules (name-sorted): any edit to the code that
+    computes σ, ε or steps gives cached results a new key."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def _full_query(query: dict[str, Any]) -> dict[str, Any]:
     import dp_accounting
+    import numpy
+    import scipy
+
+    from userdp import __version__
 
     return {
         **query,
         "accountant_version": api.ACCOUNTANT_VERSION,
+        "userdp_version": __version__,
+        "accountant_code_sha256": accountant_code_sha256(),
         "dp_accounting_version": getattr(dp_accounting, "__version__", "unknown"),
+        "numpy_version": numpy.__version__,
+        "scipy_version": scipy.__version__,
     }
 
 

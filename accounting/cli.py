@@ -9,7 +9,8 @@ Examples::
     userdp account max-steps --mechanism uls --noise-multiplier 1 --sampling-prob 0.01 \\
         --epsilon 8 --delta 1e-6
 
-Bad input raises ValueError with the offending flag named; ``userdp`` prints it and exits 2.
+Bad input raises ValueError with the offending flag named; ``userdp`` prints it and exits 2. The
+accountants (dp_accounting, scipy) are imported by the handlers, not at parser build time.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from userdp.accounting import api, calibration
 from userdp.accounting.mechanisms import (
     BIN_SEMANTICS,
+    DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     ESTIMATORS,
     BallsInBinsMechanism,
     ElsMechanism,
@@ -168,6 +169,8 @@ def _epsilon(args: argparse.Namespace) -> int:
         raise AccountCliError("--noise-multiplier is required for `account epsilon`")
     if args.steps is None:
         raise AccountCliError("--steps is required for `account epsilon`")
+    from userdp.accounting import api
+
     mechanism = build_mechanism(args, args.noise_multiplier)
     with _flag_names():
         eps = api.epsilon(
@@ -192,6 +195,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise AccountCliError("--epsilon is required for `account calibrate`")
     if args.steps is None:
         raise AccountCliError("--steps is required for `account calibrate`")
+    from userdp.accounting import calibration
+
     template = build_mechanism(args, 1.0)
     with _flag_names():
         sigma = calibration.calibrate_noise_multiplier(
@@ -221,6 +226,8 @@ def _max_steps(args: argparse.Namespace) -> int:
         raise AccountCliError("--noise-multiplier is required for `account max-steps`")
     if args.epsilon is None:
         raise AccountCliError("--epsilon is required for `account max-steps`")
+    from userdp.accounting import calibration
+
     mechanism = build_mechanism(args, args.noise_multiplier)
     with _flag_names():
         steps = calibration.max_steps(
@@ -257,7 +264,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--discretization",
         type=float,
-        default=api.DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+        default=DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
         help="PLD value_discretization_interval (default 1e-4)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")

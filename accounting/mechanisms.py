@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BIN_SEMANTICS",
+    "DEFAULT_VALUE_DISCRETIZATION_INTERVAL",
     "ESTIMATORS",
     "BallsInBinsMechanism",
     "CorrelationSpec",
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 BIN_SEMANTICS: tuple[str, ...] = ("fixed", "per-epoch")
+DEFAULT_VALUE_DISCRETIZATION_INTERVAL = 1e-4
+"""The PLD accountants' default value discretization interval (dp_accounting's parameter)."""
 ESTIMATORS: tuple[str, ...] = ("hutchinson", "hutch++")
 
 

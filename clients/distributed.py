@@ -1,6 +1,6 @@
 """DeepSpeed around the worker's model, and the cross-rank reduction of clipped sums.
 
-Decision (DESIGN.md "Known design risks", docs/worker.md): DeepSpeed wraps the model for device
+Decision (docs/worker.md, "DeepSpeed"): DeepSpeed wraps the model for device
 placement, process-group setup (gloo on CPU, NCCL on GPU), bf16 and ZeRO stage 0–2 partitioning,
 but per-unit gradients are computed with ``torch.autograd.grad`` on ``engine.module`` into our own
 buffers. ``autograd.grad`` never runs the AccumulateGrad nodes on which ZeRO-1/2 hang their
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,17 +54,30 @@ def deepspeed_config(zero_stage: int, bf16: bool) -> dict[str, Any]:
 
 
 def wrap_with_deepspeed(
-    module: torch.nn.Module, zero_stage: int, bf16: bool, device: str = "cpu"
+    module: torch.nn.Module,
+    zero_stage: int,
+    bf16: bool,
+    device: str = "cpu",
+    on_phase: Callable[[str], None] | None = None,
 ) -> Any:
     """``deepspeed.initialize`` around ``module``; returns the DeepSpeedEngine.
 
     ``device`` is ``workers.device``: for "cpu" DeepSpeed's CPU accelerator is selected
     (``DS_ACCELERATOR``, unless already set) and the placement is checked afterwards. On CPU
-    DeepSpeed JIT-compiles its shared-memory comm op on first use, into ``$TORCH_EXTENSIONS_DIR``
-    (scripts/env.sh; deploy/warm_deepspeed_ops.py warms it in images)."""
+    DeepSpeed JIT-compiles its shared-memory comm op on first use, into ``$TORCH_EXTENSIONS_DIR``:
+    setup builds it (:mod:`userdp.clients.deepspeed_ops`), and here it is loaded from that cache
+    or built, healing a lock left by a killed build, before ``deepspeed.initialize`` would wait on
+    it. ``on_phase`` hears the start-up phases (worker progress reports)."""
+    from userdp.clients.deepspeed_ops import build_startup_ops
+
+    phase = on_phase or (lambda name: None)
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
+
+    phase("building DeepSpeed ops")
+    build_startup_ops(on_wait=lambda: phase("building DeepSpeed ops"))
+    phase("initializing DeepSpeed")
 
     if not torch.distributed.is_initialized():
         _default_env()

@@ -30,7 +30,7 @@ An engine is not thread-safe: the vectorized engines attach hooks to the shared 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -231,6 +231,7 @@ def build_engine(
     *,
     seed: int | None = None,
     use_deepspeed: bool = True,
+    on_phase: Callable[[str], None] | None = None,
 ) -> ClippingEngine:
     """The worker's engine for a validated :class:`userdp.config.Config` and shard manifest.
 
@@ -239,7 +240,8 @@ def build_engine(
     (in-process tests and tools), and takes the engine, probes and token budget from
     ``strategy.engine``, ``strategy.probes`` and ``workers.token_budget``. Its initial weights
     are replaced by the coordinator's broadcast; ``seed`` (default ``output.seed``, else 0) only
-    makes research runs reproducible."""
+    makes research runs reproducible. ``on_phase`` hears the start-up phases (loading the
+    model, building DeepSpeed ops, initializing DeepSpeed) for worker progress reports."""
     from userdp.clients.model import build_model, model_shape
 
     shape = model_shape(manifest, config.data.seq_len)
@@ -248,13 +250,15 @@ def build_engine(
     device = torch.device(config.workers.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("workers.device = 'cuda' but no CUDA device is visible; use 'cpu'")
+    if on_phase is not None:
+        on_phase("loading model")
     module = build_model(config.model, shape, seed)
     ds_engine = None
     if use_deepspeed:
         from userdp.clients.distributed import wrap_with_deepspeed
 
         ds_engine = wrap_with_deepspeed(
-            module, config.model.zero_stage, config.model.dtype == "bf16", device.type
+            module, config.model.zero_stage, config.model.dtype == "bf16", device.type, on_phase
         )
         module = ds_engine.module
     else:

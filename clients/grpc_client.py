@@ -21,7 +21,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -119,6 +119,23 @@ class WorkerHealth:
         self.server.stop(grace=None)
 
 
+def worker_channel(
+    target: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    tls: TlsFiles | None = None,
+    tls_server_name: str = "coordinator",
+) -> grpc.Channel:
+    """A channel to the coordinator: mTLS with the worker's certificate when ``tls`` is given."""
+    options = channel_options(max_message_bytes)
+    if tls is None:
+        return grpc.insecure_channel(target, options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+    )
+    options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return grpc.secure_channel(target, credentials, options=options)
+
+
 class WorkerClient:
     """One worker's connection loop (see the module docstring)."""
 
@@ -139,6 +156,7 @@ class WorkerClient:
         backoff: Backoff = Backoff(),
         heartbeat_s: float = 5.0,
         health: WorkerHealth | None = None,
+        on_welcome: Callable[[], None] | None = None,
     ) -> None:
         self.target = target
         self.worker_id = worker_id
@@ -158,6 +176,7 @@ class WorkerClient:
         self.backoff = backoff
         self.heartbeat_s = heartbeat_s
         self.health = health
+        self.on_welcome = on_welcome
         self.model_version = -1
         self.incarnation = ""  # the coordinator process that model_version came from
         self.sessions = 0
@@ -207,14 +226,7 @@ class WorkerClient:
             self._stop.wait(delay)
 
     def _channel(self) -> grpc.Channel:
-        options = channel_options(self.max_message_bytes)
-        if self.tls is None:
-            return grpc.insecure_channel(self.target, options=options)
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=self.tls.ca, private_key=self.tls.key, certificate_chain=self.tls.cert
-        )
-        options.append(("grpc.ssl_target_name_override", self.tls_server_name))
-        return grpc.secure_channel(self.target, credentials, options=options)
+        return worker_channel(self.target, self.max_message_bytes, self.tls, self.tls_server_name)
 
     def _capabilities(self) -> pb.Capabilities:
         """The configured capabilities plus this worker's receive limit (the coordinator refuses
@@ -279,6 +291,8 @@ class WorkerClient:
                     self.sessions += 1
                     beat.start()
                     log.info("worker %s: connected to %s", self.worker_id, self.target)
+                    if self.on_welcome is not None:
+                        self.on_welcome()
                     self._set_ready(message.welcome.model_version)
                 elif kind == "task":
                     tasks.put(message.task)

@@ -15,7 +15,7 @@ engine's sum of clipped unit gradients, on the model version the coordinator bro
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -84,9 +84,12 @@ class EngineCompute:
         )
 
 
-def build_compute(config: Any, store: ShardStore) -> EngineCompute:
-    """The worker compute of a config: model, engine and clipping engine of ``userdp.clients``."""
+def build_compute(
+    config: Any, store: ShardStore, on_phase: Callable[[str], None] | None = None
+) -> EngineCompute:
+    """The worker compute of a config: model, engine and clipping engine of ``userdp.clients``
+    (``on_phase`` hears the start-up phases)."""
     from userdp.clients.engine import Unit, build_engine
 
-    engine = build_engine(config, store.manifest)
+    engine = build_engine(config, store.manifest, on_phase=on_phase)
     return EngineCompute(store, engine, Unit)

@@ -62,6 +62,22 @@ class Register(_message.Message):
     incarnation: str
     def __init__(self, worker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardHolding, _Mapping]]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., model_version: _Optional[int] = ..., shard_manifest_sha256: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
+class StartupReport(_message.Message):
+    __slots__ = ("worker_id", "phase", "phase_seconds", "shards")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    phase: str
+    phase_seconds: float
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., phase: _Optional[str] = ..., phase_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StartupAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Heartbeat(_message.Message):
     __slots__ = ("model_version", "running_task_ids")
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class CoordinatorStub:
                 request_serializer=userdp_dot_proto_dot_userdp__v1__pb2.WorkerMessage.SerializeToString,
                 response_deserializer=userdp_dot_proto_dot_userdp__v1__pb2.CoordinatorMessage.FromString,
                 _registered_method=True)
+        self.ReportStartup = channel.unary_unary(
+                '/userdp.v1.Coordinator/ReportStartup',
+                request_serializer=userdp_dot_proto_dot_userdp__v1__pb2.StartupReport.SerializeToString,
+                response_deserializer=userdp_dot_proto_dot_userdp__v1__pb2.StartupAck.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -51,6 +56,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportStartup(self, request, context):
+        """A starting worker's progress before it connects (building ops and loading the model can take
+        minutes on a loaded machine): sent on every phase change and every few seconds within one.
+        The coordinator keeps waiting for workers while these arrive. Same authentication as Connect.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +72,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=userdp_dot_proto_dot_userdp__v1__pb2.WorkerMessage.FromString,
                     response_serializer=userdp_dot_proto_dot_userdp__v1__pb2.CoordinatorMessage.SerializeToString,
+            ),
+            'ReportStartup': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStartup,
+                    request_deserializer=userdp_dot_proto_dot_userdp__v1__pb2.StartupReport.FromString,
+                    response_serializer=userdp_dot_proto_dot_userdp__v1__pb2.StartupAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +106,33 @@ class Coordinator:
             '/userdp.v1.Coordinator/Connect',
             userdp_dot_proto_dot_userdp__v1__pb2.WorkerMessage.SerializeToString,
             userdp_dot_proto_dot_userdp__v1__pb2.CoordinatorMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStartup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/userdp.v1.Coordinator/ReportStartup',
+            userdp_dot_proto_dot_userdp__v1__pb2.StartupReport.SerializeToString,
+            userdp_dot_proto_dot_userdp__v1__pb2.StartupAck.FromString,
             options,
             channel_credentials,
             insecure,

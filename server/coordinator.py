@@ -73,6 +73,7 @@ from userdp.server.service import (
     WorkerRegistry,
     WorkerSession,
 )
+from userdp.server.startup import StartupWait, WorkerProgress
 from userdp.strategies.base import ClipStatistics, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,10 @@ class CoordinatorSettings:
     max_step_retries: int = 3
     """Aborted attempts of one step index before :meth:`Coordinator.run` gives up."""
     checkpoint_every: int = 1
-    wait_for_workers_s: float = 120.0
+    worker_startup_s: float = 1800.0
+    """The longest wait for every shard to have a ready worker (see :mod:`userdp.server.startup`)."""
+    worker_stall_s: float = 300.0
+    """While waiting, the longest silence of every worker still starting before the wait fails."""
     ack_wait_s: float = 5.0
     """At a step's start, how long to wait for workers to acknowledge the current model."""
     heartbeat_timeout_s: float = 30.0
@@ -461,17 +465,36 @@ class Coordinator:
                 return
             self.pump_events(0.005)
 
-    def wait_for_workers(self, timeout_s: float | None = None) -> bool:
-        """Wait until every shard has an in-sync holder (or timeout); returns whether it does."""
-        timeout_s = self.settings.wait_for_workers_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        needed = set(self.population.shard_sha256)
+    def wait_for_workers(
+        self,
+        timeout_s: float | None = None,
+        *,
+        on_progress: Callable[[list[WorkerProgress]], None] | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        """Wait until every shard has an in-sync holder, while starting workers make progress
+        (:mod:`~userdp.server.startup`); raises :class:`~userdp.server.startup.WorkerStartupError` after ``timeout_s``
+        (default ``settings.worker_startup_s``) or when every starting worker has been silent
+        for ``settings.worker_stall_s``. ``on_progress`` receives the starting workers about once
+        a second; ``check`` may raise to end the wait (e.g. a worker process exited)."""
+        wait = StartupWait(
+            needed=frozenset(self.population.shard_sha256),
+            startup_s=self.settings.worker_startup_s if timeout_s is None else timeout_s,
+            stall_s=self.settings.worker_stall_s,
+            started=time.monotonic(),
+        )
+        shown = -math.inf
         while True:
-            held = set().union(*[s.shards for s in self._eligible().values()] or [set()])
-            if needed <= held:
-                return True
-            if time.monotonic() > deadline:
-                return False
+            done, starting = wait.check(
+                self._eligible(), self.registry.sessions(), self.registry.startup()
+            )
+            if done:
+                return
+            if check is not None:
+                check()
+            if on_progress is not None and time.monotonic() - shown >= 1.0:
+                shown = time.monotonic()
+                on_progress(starting)
             self.pump_events(0.05)
 
     def _handle(self, event: Event, gather: StepGather | None) -> None:

@@ -100,6 +100,8 @@ def start_coordinator(
             step_deadline_s=deadline,
             task_deadline_s=deadline / 2,
             checkpoint_every=config.coordinator.checkpoint_every,
+            worker_startup_s=config.coordinator.worker_startup_s,
+            worker_stall_s=config.coordinator.worker_stall_s,
         ),
         test_only_disable_noise=test_only_disable_noise,
     )

@@ -204,13 +204,36 @@ class ModelPublisher:
             return self._full_cache
 
 
+@dataclass(frozen=True)
+class StartupStatus:
+    """A starting worker's last progress report (``ReportStartup``)."""
+
+    worker_id: str
+    phase: str
+    phase_seconds: float
+    shards: frozenset[str]
+    received: float
+    """``time.monotonic()`` when the report arrived."""
+
+
 class WorkerRegistry:
-    """Live sessions by worker id, and the event queue the step loop reads."""
+    """Live sessions by worker id, start-up reports of workers not yet connected, and the event
+    queue the step loop reads."""
 
     def __init__(self) -> None:
         self.events: queue.Queue[Event] = queue.Queue()
         self._lock = threading.Lock()
         self._sessions: dict[str, WorkerSession] = {}
+        self._startup: dict[str, StartupStatus] = {}
+
+    def report_startup(self, status: StartupStatus) -> None:
+        with self._lock:
+            self._startup[status.worker_id] = status
+
+    def startup(self) -> dict[str, StartupStatus]:
+        """The last start-up report of every worker that sent one, by worker id."""
+        with self._lock:
+            return dict(self._startup)
 
     def add(self, session: WorkerSession) -> None:
         with self._lock:
@@ -277,6 +300,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.max_message_bytes = max_message_bytes
         self.heartbeat_interval_s = heartbeat_interval_s
         self.incarnation = uuid.uuid4().hex
+
+    def ReportStartup(self, request, context):  # noqa: N802 - gRPC method name
+        identity = self.authorizer.authenticate(context)
+        if not request.worker_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StartupReport.worker_id is empty")
+        self.authorizer.authorize(context, identity, request.worker_id)
+        self.registry.report_startup(
+            StartupStatus(
+                worker_id=request.worker_id,
+                phase=request.phase,
+                phase_seconds=request.phase_seconds,
+                shards=frozenset(request.shards),
+                received=time.monotonic(),
+            )
+        )
+        return pb.StartupAck()
 
     def Connect(self, request_iterator, context):  # noqa: N802 - gRPC method name
         identity = self.authorizer.authenticate(context)

@@ -114,7 +114,13 @@ class UserDpFlowerStrategy(FlowerStrategy):
             for node in nodes
         ]
         counts: dict[str, int] = {}
-        for reply in grid.send_and_receive(messages, timeout=self.timeout):
+        replies = list(grid.send_and_receive(messages, timeout=self.timeout))
+        if len(replies) < len(messages):
+            raise StrategyError(
+                f"census: {len(replies)} of {len(messages)} nodes answered within "
+                f"{self.timeout:g} s (a node that failed to start or is overloaded)"
+            )
+        for reply in replies:
             if reply.has_error():
                 raise StrategyError(f"census failed on node {reply.metadata.src_node_id}")
             record = reply.content.config_records["userdp.users"]

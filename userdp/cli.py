@@ -1,16 +1,24 @@
 """The ``userdp`` command line: one parser, with each subcommand registered by its own module.
 
 A command module exposes ``register(subparsers)``, which adds its parser and sets ``handler`` to a
-function ``(args) -> int``. Convention: a handler raises ``ValueError`` (or a subclass, e.g.
-``ConfigError``) for bad user input; ``main`` prints it as one line and exits with status 2.
+function ``(args) -> int``; ``register`` imports nothing heavy (``userdp --help`` stays fast), the
+handler imports what it needs. Convention: a handler raises ``ValueError`` (or a subclass, e.g.
+``ConfigError``) for bad user input; ``main`` prints it as one line and exits with status 2. Any
+other error is also one line with status 2, naming the file that holds its traceback
+(``args.log_dir`` when the handler set one, e.g. a run folder's ``logs/``, else the temp dir).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from userdp import __version__
 
@@ -55,6 +63,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"userdp {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        where = _save_traceback(args)
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"userdp {args.command}: error: {message} (traceback: {where})", file=sys.stderr)
+        return 2
+
+
+def _save_traceback(args: argparse.Namespace) -> Path | str:
+    """Write the current exception's traceback to a log file; return its path."""
+    directory = Path(getattr(args, "log_dir", None) or tempfile.gettempdir())
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = directory / f"userdp-{args.command}-error-{stamp}-{os.getpid()}.log"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(traceback.format_exc())
+    except OSError:
+        return "not saved: the log directory is not writable"
+    return path
 
 
 if __name__ == "__main__":

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from userdp.config import Config, load_config
-
 
 def _check(args: argparse.Namespace) -> int:
+    from userdp.config import load_config
+
     load_config(args.file)
     print(f"{args.file}: ok")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
+    from userdp.config import Config, load_config
+
     config = load_config(args.file) if args.file else Config()
     print(json.dumps(config.model_dump(), indent=2))
     return 0

@@ -66,6 +66,7 @@ def _run(args: argparse.Namespace) -> int:
     from userdp.simulation import run
 
     config = _load(args)
+    args.log_dir = Path(args.output or config.output.dir) / "logs"
     _logging(args.quiet)
     signal.signal(signal.SIGTERM, _interrupt)
     if args.command == "train":

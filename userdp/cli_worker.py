@@ -1,6 +1,8 @@
 """``userdp worker --coordinator HOST:PORT --shards DIR ...``: serve gradient tasks for the shards
 in DIR (all of them, or ``--shard-names``), reconnecting with backoff until drained or stopped.
 
+While it starts (loading the model, building DeepSpeed's op) it logs and reports its phase to the
+coordinator (:mod:`userdp.clients.startup`), which waits while that progress continues.
 SIGTERM drains gracefully (no new tasks, finish queued ones, exit 0). A refusal by the coordinator
 (bad token/certificate, unknown worker id, shards that do not match its manifest) exits 3 with the
 coordinator's message.
@@ -27,6 +29,7 @@ def _run(args: argparse.Namespace) -> int:
     from userdp.clients.grpc_client import WorkerClient, WorkerHealth, WorkerRefusedError
     from userdp.clients.shard_format import file_sha256
     from userdp.clients.shard_store import ShardStore
+    from userdp.clients.startup import StartupReporter
     from userdp.config import Config, load_config
     from userdp.proto import userdp_v1_pb2 as pb
     from userdp.proto.channels import read_tls_files, read_token
@@ -41,22 +44,30 @@ def _run(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or socket.gethostname()
     shard_dir = Path(args.shards)
     names = [n for n in (args.shard_names or "").split(",") if n] or None
-    store = ShardStore(shard_dir, shards=names)
-    if args.verify:
-        store.verify()
-    by_name = {entry.name: entry for entry in store.manifest.shards}
-    holdings = [(name, by_name[name].sha256) for name in store.shard_names]
     token = read_token(args.token_file) if args.token_file else None
     tls = read_tls_files(args.tls_dir, worker_id) if args.tls_dir else None
-
-    from userdp.clients.worker_service import build_compute
-
+    store = ShardStore(shard_dir, shards=names)
+    startup = StartupReporter(target, worker_id, store.shard_names, token=token, tls=tls)
     try:
-        compute = build_compute(config, store)
-    except ModuleNotFoundError as exc:
-        raise ValueError(
-            f"userdp worker needs {exc.name} (the worker's model/engine), which this build lacks"
-        ) from None
+        if args.verify:
+            startup.phase("verifying shards")
+            store.verify()
+        by_name = {entry.name: entry for entry in store.manifest.shards}
+        holdings = [(name, by_name[name].sha256) for name in store.shard_names]
+
+        from userdp.clients.worker_service import build_compute
+
+        try:
+            compute = build_compute(config, store, on_phase=startup.phase)
+        except ModuleNotFoundError as exc:
+            raise ValueError(
+                f"userdp worker needs {exc.name} (the worker's model/engine), which this build lacks"
+            ) from None
+        startup.phase("connecting")
+    except BaseException:
+        startup.close()
+        store.close()
+        raise
     health = WorkerHealth(args.health_port) if args.health_port is not None else None
     max_bytes = (args.max_message_mb or config.coordinator.max_message_mb) << 20
     client = WorkerClient(
@@ -75,6 +86,7 @@ def _run(args: argparse.Namespace) -> int:
         manifest_sha256=file_sha256(shard_dir / "manifest.json"),
         max_message_bytes=max_bytes,
         health=health,
+        on_welcome=startup.stop,
     )
 
     def on_term(signum, frame):
@@ -87,6 +99,7 @@ def _run(args: argparse.Namespace) -> int:
         logging.getLogger("userdp.worker").error("%s", exc)
         return 3
     finally:
+        startup.close()
         if health is not None:
             health.stop()
         store.close()

@@ -126,6 +126,12 @@ class CoordinatorConfig(_Section):
     port: Annotated[int, Field(ge=0, le=65535)] = 0
     """0 = pick a free port (simulate); a deployment sets a fixed one."""
     step_deadline_s: Positive = 300.0
+    worker_startup_s: Positive = 1800.0
+    """The longest wait for every shard to have a ready worker before step 1 (workers report
+    their start-up phase while they load the model and build DeepSpeed's op)."""
+    worker_stall_s: Positive = 300.0
+    """While waiting for workers: fail when every worker still starting has sent nothing for
+    this long (it died or hangs). Before any worker has reported only worker_startup_s applies."""
     checkpoint_every: PositiveInt = 10
     max_message_mb: Annotated[int, Field(ge=1, le=2047)] = 64
     auth_token_file: str | None = None

@@ -143,6 +143,22 @@ class RunLoop:
             {"kind": "eval", "step": step, "eval_loss": loss, "users": len(self.setup.eval_users)}
         )
 
+    def close_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def on_worker_progress(self, starting: list[Any]) -> None:
+        """While the coordinator waits for workers: each starting worker's phase on the progress
+        bar (or logged, when quiet); an empty list clears it."""
+        from userdp.server.startup import summarize
+
+        text = summarize(starting)
+        if self._bar is not None:
+            self._bar.set_description_str(f"workers: {text}" if text else "", refresh=True)
+        elif text:
+            log.info("waiting for workers: %s", text)
+
     def _spent(self) -> float | None:
         return self.ledger.spent(self.setup.delta) if self.ledger.records else None
 
@@ -191,8 +207,7 @@ class RunLoop:
         from userdp.clients.model import load_parameters
         from userdp.run_outputs import render_plots, render_report, save_model, write_facts
 
-        if self._bar is not None:
-            self._bar.close()
+        self.close_progress()
         steps_done = len(self.ledger.records)
         if steps_done and steps_done not in self.eval_losses and stopped != "interrupted":
             self.evaluate(steps_done, params)
@@ -267,9 +282,37 @@ def _spawn_workers(loop: RunLoop, address: str) -> list[subprocess.Popen]:
             "--config",
             str(loop.config_path),
         ]
-        log_file = open(logs / f"worker-{i}.log", "ab")  # noqa: SIM115 (closed by the process)
-        procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env))
+        log_path = logs / f"worker-{i}.log"
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        proc.log_path = str(log_path)  # type: ignore[attr-defined]
+        procs.append(proc)
     return procs
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""
+
+
+def _check_workers_alive(procs: list[subprocess.Popen]) -> None:
+    """Raise :class:`WorkerStartupError` naming the first worker process that has exited and
+    the last line of its log (the wait for workers calls this while it waits)."""
+    from userdp.server.startup import WorkerStartupError
+
+    for proc in procs:
+        if proc.poll() is not None:
+            worker_id = proc.args[proc.args.index("--worker-id") + 1]
+            log_path = Path(proc.log_path)
+            last = _last_line(log_path)
+            raise WorkerStartupError(
+                f"worker {worker_id} exited with status {proc.returncode} before it was ready"
+                + (f": {last}" if last else "")
+                + f" (log: {log_path})"
+            )
 
 
 def _stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
@@ -306,12 +349,10 @@ def _run_coordinator(loop: RunLoop, spawn: bool) -> tuple[dict[str, torch.Tensor
         print(f"userdp train: coordinator listening on {address}", file=sys.stderr, flush=True)
     finished, stopped = False, "interrupted"
     try:
-        if not coordinator.wait_for_workers():
-            dead = [p.args[p.args.index("--worker-id") + 1] for p in procs if p.poll() is not None]
-            raise RuntimeError(
-                "workers did not connect in time"
-                + (f"; exited: {dead} (see {loop.out / 'logs'})" if dead else "")
-            )
+        coordinator.wait_for_workers(
+            on_progress=loop.on_worker_progress, check=lambda: _check_workers_alive(procs)
+        )
+        loop.on_worker_progress([])
 
         def on_step(report: Any) -> None:
             loop.on_step(
@@ -487,5 +528,8 @@ def run(
             params, stopped = _run_coordinator(loop, spawn=(mode == "grpc"))
     except KeyboardInterrupt:
         stopped = "interrupted"
+    except Exception:
+        loop.close_progress()
+        raise
     result = loop.finish(params, stopped)
     return result

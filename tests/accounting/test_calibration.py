@@ -120,6 +120,22 @@ def test_cache_key_includes_the_accountant_version(monkeypatch, _private_cache) 
     assert len(list((_private_cache / "accounting").glob("*.json"))) == 2
 
 
+def test_cache_key_includes_the_package_version_and_the_accountant_code(
+    monkeypatch, _private_cache
+) -> None:
+    """A σ computed by another userdp version, or by edited accountant code, is never served."""
+    import userdp
+
+    template = UlsMechanism(1.0, 0.05)
+    calibrate_noise_multiplier(template, 2.0, 1e-6, 100, **FAST)
+    monkeypatch.setattr(userdp, "__version__", "0.0.0-other")
+    calibrate_noise_multiplier(template, 2.0, 1e-6, 100, **FAST)
+    assert len(list((_private_cache / "accounting").glob("*.json"))) == 2
+    monkeypatch.setattr(calibration, "accountant_code_sha256", lambda: "0" * 64)
+    calibrate_noise_multiplier(template, 2.0, 1e-6, 100, **FAST)
+    assert len(list((_private_cache / "accounting").glob("*.json"))) == 3
+
+
 def test_calibration_errors_are_value_errors_naming_the_parameter() -> None:
     with pytest.raises(InvalidMechanismError, match="target_epsilon=0"):
         calibrate_noise_multiplier(UlsMechanism(1.0, 0.1), 0, 1e-6, 10)

@@ -41,9 +41,18 @@ def test_uls_is_exactly_dp_accounting() -> None:
 
 
 def test_uls_paper_reference_numbers() -> None:
-    # notes/000.md §3.2 / §7.1 (dp_accounting 0.6.0, vdi 1e-4).
-    assert epsilon(UlsMechanism(1.0, 0.01), 2000, 1e-6) == pytest.approx(2.955257999, abs=1e-8)
-    assert epsilon(UlsMechanism(0.8, 0.01), 1000, 1e-6) == pytest.approx(3.706189699, abs=1e-8)
+    """The ULS numbers of "Fine-Tuning Large Language Models with User-Level Differential
+    Privacy" (dp_accounting 0.6.0, discretization 1e-4). Exact against dp_accounting in this
+    run; against the pinned values to rel 1e-6: the PLD is self-composed by FFT, whose rounding
+    differs between numpy/scipy builds (3.7061896872 here vs 3.706189699 recorded elsewhere,
+    rel 3e-9), while a change to the accountant moves ε by the discretization, ~1e-4."""
+    for mech, steps, pinned in (
+        (UlsMechanism(1.0, 0.01), 2000, 2.955257999),
+        (UlsMechanism(0.8, 0.01), 1000, 3.706189699),
+    ):
+        eps = epsilon(mech, steps, 1e-6)
+        assert eps == _pld_accountant_epsilon([(mech, steps)], 1e-6)
+        assert eps == pytest.approx(pinned, rel=1e-6)
 
 
 def test_heterogeneous_phases_match_pld_accountant() -> None:

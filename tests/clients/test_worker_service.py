@@ -141,7 +141,7 @@ def _one_step_over_grpc(tmp_path, store, population, strategy, params, compute):
     thread = threading.Thread(target=client.run, daemon=True)
     thread.start()
     try:
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         report = loop.coordinator.run(1)[0]
         after = {n: t.clone() for n, t in loop.coordinator.params.items()}
     finally:

@@ -194,16 +194,14 @@ def test_deepspeed_ops_are_warmed_into_the_jit_cache_as_the_runtime_user(final_s
     warm = [
         n
         for n, i in enumerate(final_stage)
-        if i.keyword == "RUN" and "warm_deepspeed_ops.py" in i.value
+        if i.keyword == "RUN" and "python -m userdp.clients.deepspeed_ops" in i.value
     ]
-    assert warm and warm[0] > user_at, "warm-up must run after USER (cache owned by that user)"
+    assert warm and warm[0] > user_at, "op build must run after USER (cache owned by that user)"
     assert "DS_ACCELERATOR=${DS_ACCELERATOR}" in final_stage[warm[0]].value
-    copied = [
-        n
-        for n, i in enumerate(final_stage)
-        if i.keyword == "COPY" and "deploy/warm_deepspeed_ops.py" in i.value
+    installed = [
+        n for n, i in enumerate(final_stage) if i.keyword == "RUN" and "uv pip install" in i.value
     ]
-    assert copied and copied[0] < warm[0]
+    assert installed and installed[0] < warm[0], "the op is built by the installed package"
     chown = [i.value for i in final_stage[:user_at] if i.keyword == "RUN" and "chown" in i.value]
     assert any("${TORCH_EXTENSIONS_DIR}" in c for c in chown)
 

@@ -110,7 +110,7 @@ def check_coordinator_noise_magnitude(tmp_path: Path) -> None:
     try:
         start_worker(loop, "w0", shards, toy.ToyCompute())
         start_worker(loop, "w1", shards, toy.ToyCompute())
-        assert loop.coordinator.wait_for_workers(20), "workers did not connect"
+        loop.coordinator.wait_for_workers()
         reports = loop.coordinator.run(1)
     finally:
         loop.close()
@@ -192,7 +192,7 @@ def check_coordinator_counts_each_unit_once(tmp_path: Path) -> None:
         start_worker(loop, "a-late", [s0], TimedCompute(2.0, log=late_log), LateWorker)
         start_worker(loop, "b-slow", [s1], TimedCompute(2.5))
         start_worker(loop, "c-backup", [s0, s1], TimedCompute(0.0, 1.0, backup_log))
-        assert loop.coordinator.wait_for_workers(20), "workers did not connect"
+        loop.coordinator.wait_for_workers()
         reports = loop.coordinator.run(1)
     finally:
         loop.close()
@@ -252,7 +252,7 @@ def check_coordinator_resume_draws_fresh_noise(tmp_path: Path) -> None:
     loop = make_loopback(tmp_path, recording(), _params(shapes), population, fault_hook=crash)
     try:
         start_worker(loop, "w0", shards, toy.ToyCompute())
-        assert loop.coordinator.wait_for_workers(20), "worker did not connect"
+        loop.coordinator.wait_for_workers()
         try:
             loop.coordinator.run(3)
         except Crash:
@@ -265,7 +265,7 @@ def check_coordinator_resume_draws_fresh_noise(tmp_path: Path) -> None:
     try:
         assert loop.coordinator.step == 1, "resume must replay the unreleased step 1"
         start_worker(loop, "w0", shards, toy.ToyCompute())
-        assert loop.coordinator.wait_for_workers(20), "worker did not reconnect"
+        loop.coordinator.wait_for_workers()
         loop.coordinator.run(3)
     finally:
         loop.close()

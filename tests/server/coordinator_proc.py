@@ -47,7 +47,7 @@ def main(directory: str, steps: str) -> int:
         return applied
 
     client._apply = apply_and_record
-    assert loop.coordinator.wait_for_workers(20)
+    loop.coordinator.wait_for_workers()
     print(f"start {loop.coordinator.step} {loop.coordinator.model_version}", flush=True)
     loop.coordinator.run(int(steps))
     print("done", flush=True)

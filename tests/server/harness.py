@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,14 @@ class Loopback:
         self.clients.append(client)
         self.threads.append(thread)
         return client
+
+    def wait_until_ready(self, worker_id: str, timeout_s: float = 300.0) -> None:
+        """Pump the coordinator's events until ``worker_id`` holds the current model (a generous
+        outer bound: only a broken worker reaches it)."""
+        deadline = time.monotonic() + timeout_s
+        while worker_id not in self.coordinator._eligible():
+            assert time.monotonic() < deadline, f"worker {worker_id} never became ready"
+            self.coordinator.pump_events(0.05)
 
     def restart(self, client: WorkerClient) -> None:
         client._stop = threading.Event()
@@ -136,7 +145,7 @@ def make_loopback(
         publisher=publisher,
         checkpoint_dir=tmp_path / "ckpt",
         settings=settings
-        or CoordinatorSettings(step_deadline_s=30, task_deadline_s=10, wait_for_workers_s=20),
+        or CoordinatorSettings(step_deadline_s=30, task_deadline_s=10, worker_startup_s=300),
         fault_hook=fault_hook,
         test_only_disable_noise=no_noise,
     )

@@ -33,9 +33,9 @@ def test_killed_worker_process_mid_step_completes_via_replica(tmp_path):
     loop = make_loopback(tmp_path, fault_hook=hook)
     try:
         loop.add_process("a-proc", ALL, delay=1.0)  # wins ties: gets tasks first
-        assert loop.coordinator.wait_for_workers(30)
+        loop.coordinator.wait_for_workers()
         loop.add_worker("b-thread", ALL)
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         reports = loop.coordinator.run(3)
     finally:
         loop.close()
@@ -50,7 +50,7 @@ def test_slow_worker_task_is_reissued_and_counted_once(tmp_path):
     try:
         loop.add_worker("a-slow", ALL, compute=toy.ToyCompute(delay_s=0.6))
         loop.add_worker("b-fast", ALL)
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         reports = loop.coordinator.run(2)
     finally:
         loop.close()
@@ -64,7 +64,7 @@ def test_bad_partial_is_rejected_and_reissued(tmp_path, corrupt):
     try:
         loop.add_worker("a-bad", ALL, compute=toy.ToyCompute(corrupt=corrupt))
         loop.add_worker("b-good", ALL)
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         reports = loop.coordinator.run(2)
     finally:
         loop.close()
@@ -77,7 +77,7 @@ def test_step_without_any_holder_aborts_with_nothing_released_or_charged(tmp_pat
     loop = make_loopback(tmp_path, settings=settings)
     try:
         loop.add_worker("w0", ALL[:3])  # nobody holds shard-00003
-        loop.coordinator.wait_for_workers(0.5)
+        loop.wait_until_ready("w0")
         before = {n: t.clone() for n, t in loop.coordinator.params.items()}
         with pytest.raises(StepAborted):
             loop.coordinator.run(1)
@@ -95,7 +95,7 @@ def test_stale_worker_is_resynced_not_trusted(tmp_path):
         compute = toy.ToyCompute()
         client = loop.add_worker("a-returning", ALL, compute=compute)
         loop.add_worker("b-steady", ALL)
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         loop.coordinator.run(1)
         client.stop()
         loop.threads[0].join(5)

@@ -16,7 +16,7 @@ def test_steps_equal_noiseless_single_process_reference(tmp_path):
         loop.add_worker("w0", ["shard-00000", "shard-00001"])
         loop.add_worker("w1", ["shard-00001", "shard-00002", "shard-00003"])
         loop.add_worker("w2", ["shard-00003", "shard-00000", "shard-00002"])
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         reports = loop.coordinator.run(3)
     finally:
         loop.close()
@@ -36,7 +36,7 @@ def test_worker_reconnects_with_backoff_after_coordinator_restart(tmp_path):
     compute = ToyCompute()
     client = loop.add_worker("w0", ALL, compute=compute)
     try:
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         loop.coordinator.run(2)
     finally:
         loop.server.stop(grace=0)  # the coordinator goes away; the worker keeps retrying
@@ -44,7 +44,7 @@ def test_worker_reconnects_with_backoff_after_coordinator_restart(tmp_path):
     loop2 = make_loopback(tmp_path, port=port)
     try:
         assert loop2.coordinator.step == 2
-        assert loop2.coordinator.wait_for_workers(15)
+        loop2.coordinator.wait_for_workers()
         assert client.sessions == 2
         loop2.coordinator.run(3)
     finally:
@@ -66,7 +66,7 @@ def test_budget_stops_the_run_before_the_step_that_would_exceed_it(tmp_path):
     loop = make_loopback(tmp_path, ledger=ledger)
     try:
         loop.add_worker("w0", ALL)
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         reports = loop.coordinator.run(10)
     finally:
         loop.close()

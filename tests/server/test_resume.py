@@ -51,7 +51,7 @@ def test_crash_at_every_phase_then_resume(tmp_path, phase):
     loop = make_loopback(tmp_path, strategy=NoiseSpy(draws), fault_hook=crash, no_noise=False)
     try:
         client = loop.add_worker("w0", ALL)
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         with pytest.raises(SimulatedCrash):
             loop.coordinator.run(3)
         held_version = client.model_version
@@ -77,7 +77,7 @@ def test_crash_at_every_phase_then_resume(tmp_path, phase):
         loop2_start = loop2.coordinator.step
         returning = loop2.add_worker("w0", ALL)
         returning.model_version = held_version
-        assert loop2.coordinator.wait_for_workers(10)
+        loop2.coordinator.wait_for_workers()
         loop2.coordinator.run(3)
     finally:
         loop2.close()
@@ -119,7 +119,7 @@ def test_blt_state_survives_a_crash(tmp_path, phase):
     loop = make_loopback(tmp_path, strategy=strategy(), fault_hook=crash, no_noise=False)
     try:
         loop.add_worker("w0", ALL)
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         with pytest.raises(SimulatedCrash):
             loop.coordinator.run(6)
         saved = loop.coordinator.strategy.state_dict()
@@ -139,7 +139,7 @@ def test_blt_state_survives_a_crash(tmp_path, phase):
                 or loop2.coordinator.step == 2
             )
         loop2.add_worker("w0", ALL)
-        assert loop2.coordinator.wait_for_workers(10)
+        loop2.coordinator.wait_for_workers()
         loop2.coordinator.run(6)
     finally:
         loop2.close()
@@ -165,7 +165,7 @@ def test_blt_resume_refuses_when_released_noise_state_was_lost(tmp_path):
     )
     try:
         loop.add_worker("w0", ALL)
-        assert loop.coordinator.wait_for_workers(10)
+        loop.coordinator.wait_for_workers()
         with pytest.raises(SimulatedCrash):
             loop.coordinator.run(6)
     finally:
