@@ -48,3 +48,39 @@ def test_readme_cli_reference_names_every_command() -> None:
     registered = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001
     assert registered <= documented, f"undocumented commands: {sorted(registered - documented)}"
     assert documented - {"--version", "--help"} <= registered, sorted(documented - registered)
+
+
+def test_an_unexpected_error_is_one_line_exit_2_with_its_traceback_in_a_file(
+    monkeypatch, capsys, tmp_path
+) -> None:
+    from userdp import cli, cli_config
+
+    def broken(args):
+        raise RuntimeError("workers did not become ready\nsecond line of detail")
+
+    monkeypatch.setattr(cli_config, "_check", broken)
+    monkeypatch.setattr(cli.tempfile, "gettempdir", lambda: str(tmp_path))
+    assert cli.main(["config", "check", "run.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(
+        "userdp config: error: workers did not become ready second line of detail (traceback: "
+    )
+    (log,) = tmp_path.glob("userdp-config-error-*.log")
+    assert str(log) in err
+    assert "Traceback" in log.read_text() and "RuntimeError" in log.read_text()
+
+
+def test_building_the_parser_imports_nothing_heavy() -> None:
+    """`userdp --help` and parsing cost a fraction of a second: no torch, accountant, config
+    schema or gRPC until a handler runs (CPU time is measured in benchmarks/cli_start.py)."""
+    heavy = ("torch", "dp_accounting", "scipy", "numpy", "pydantic", "grpc", "transformers")
+    code = (
+        "import sys\n"
+        "from userdp.cli import build_parser\n"
+        "build_parser().parse_args(['account', 'epsilon', '--mechanism', 'uls'])\n"
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""

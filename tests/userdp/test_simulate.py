@@ -91,6 +91,38 @@ def test_grpc_run_writes_the_whole_run_folder(grpc_run) -> None:
     assert Path(again.data.shards, "manifest.json").is_file()
 
 
+def test_worker_logs_hold_their_start_up_phases(grpc_run) -> None:
+    """Each worker logs its own start-up (what a user reads when a worker is slow to start)."""
+    _, result = grpc_run
+    logs = sorted((result.run_dir / "logs").glob("worker-*.log"))
+    assert len(logs) == 2
+    for i, path in enumerate(logs):
+        text = path.read_text()
+        for phase in ("starting", "loading model", "building DeepSpeed ops", "connecting"):
+            assert f"worker sim-worker-{i}: {phase}" in text, (path, phase)
+
+
+def test_a_worker_process_that_exits_ends_the_wait_naming_its_log(tmp_path) -> None:
+    from userdp.server.startup import WorkerStartupError
+
+    from userdp.simulation import _check_workers_alive
+
+    log_path = tmp_path / "worker-0.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "print('loading'); print('OSError: disk full'); exit(3)"]
+            + ["--worker-id", "sim-worker-0"],
+            stdout=log_file,
+        )
+    proc.log_path = str(log_path)
+    proc.wait()
+    with pytest.raises(WorkerStartupError) as raised:
+        _check_workers_alive([proc])
+    message = str(raised.value)
+    assert "worker sim-worker-0 exited with status 3 before it was ready" in message
+    assert "OSError: disk full" in message and str(log_path) in message
+
+
 def test_ledger_epsilon_equals_userdp_account(grpc_run, capsys) -> None:
     config, result = grpc_run
     argv = [
