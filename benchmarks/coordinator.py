@@ -141,7 +141,7 @@ def bench_round(
                 )
             )
         try:
-            assert coordinator.wait_for_workers(120)
+            coordinator.wait_for_workers()
             coordinator.run(1)  # the first step warms up (connections, first full sync)
             if profiler is not None:
                 profiler.enable()

@@ -86,6 +86,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--scale", "--workers", "2"),
     ),
     Benchmark("strategies", "strategies.py", ("--quick",), ()),
+    Benchmark("cli_start", "cli_start.py", ("--repeats", "3"), ()),
     Benchmark("end_to_end", "end_to_end.py", ("--quick",), (), gpu=True, timeout_s=3600),
 )
 NAMES = tuple(b.name for b in BENCHMARKS)
