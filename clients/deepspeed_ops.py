@@ -151,12 +151,14 @@ def _build_one(builder, on_wait: Callable[[], None] | None) -> None:
     retried after a heal (torch's waiter then finds no library and raises)."""
     lock = extensions_dir() / builder.NAME / "lock"
     stop = threading.Event()
+    healed = threading.Event()
 
     def watch() -> None:
         while not stop.wait(WATCH_INTERVAL_S):
             if on_wait is not None:
                 on_wait()
-            heal_stale_lock(lock)
+            if heal_stale_lock(lock):
+                healed.set()
 
     for attempt in range(1, MAX_BUILD_ATTEMPTS + 1):
         heal_stale_lock(lock)
@@ -171,7 +173,13 @@ def _build_one(builder, on_wait: Callable[[], None] | None) -> None:
                 raise OpBuildError(
                     f"DeepSpeed op {builder.NAME} could not be built into {lock.parent}: {exc}"
                 ) from exc
-            log.warning("DeepSpeed op %s: %s; building again", builder.NAME, exc)
+            if healed.is_set():
+                log.warning(
+                    "DeepSpeed op %s: the build waited on died; building it here", builder.NAME
+                )
+            else:
+                log.warning("DeepSpeed op %s: %s; building again", builder.NAME, exc)
+            healed.clear()
             _forget_build(builder.NAME)
         finally:
             stop.set()
