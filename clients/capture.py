@@ -2,11 +2,17 @@
 parameter (its input, and its output whose gradient is requested later), and the token layout
 that maps flat positions to units. Used by the vectorized engines (:mod:`userdp.clients.ghost`).
 
-Kinds: ``linear`` (nn.Linear, incl. peft LoRA factors), ``conv1d`` (transformers' GPT-2 Conv1D),
-``embedding``, ``ln`` (nn.LayerNorm) and ``generic`` (anything else, re-run per unit). A hooked
-call must take exactly one tensor argument laid out [rows, length, …] and return a tensor; a
-[1, length, …] call broadcast over rows (GPT-2's position embedding) is expanded in the hook so
-that every row gets its own output gradient.
+Kinds: ``linear`` (nn.Linear, incl. peft LoRA factors and untied LM heads), ``conv1d``
+(transformers' GPT-2 Conv1D), ``embedding`` (incl. subclasses that scale their output, e.g.
+Gemma's ``embed_scale``), ``ln`` (nn.LayerNorm), ``rms`` (the RMSNorm classes of Llama, Mistral,
+Qwen2, Gemma, Phi-3, ...: ``y = x̂ ⊙ w`` or ``x̂ ⊙ (1 + w)`` with ``x̂ = x / rms(x)``) and
+``generic`` (anything else, re-run per unit on its recorded arguments). A call of the first five
+kinds must take exactly one tensor argument laid out [rows, length, …] and return a tensor; a
+generic call may take any arguments (tensors whose first dimension is the batch's rows are split
+per unit when it is re-run, e.g. OPT's learned position embedding). A call on flattened
+[rows·length, …] tokens (OPT's MLP) is recorded as [rows, length, …]. A [1, length, …] call
+broadcast over rows (GPT-2's position embedding) is expanded in the hook so that every row gets
+its own output gradient.
 """
 
 from __future__ import annotations
@@ -21,7 +27,28 @@ try:
 except ImportError:  # pragma: no cover - transformers is a dependency of the worker
     Conv1D = ()
 
-LINEAR, CONV1D, EMBEDDING, LAYERNORM, GENERIC = "linear", "conv1d", "embedding", "ln", "generic"
+LINEAR, CONV1D, EMBEDDING, LAYERNORM, RMSNORM, GENERIC = (
+    "linear",
+    "conv1d",
+    "embedding",
+    "ln",
+    "rms",
+    "generic",
+)
+
+
+def rms_epsilon(module: torch.nn.Module) -> float | None:
+    """The epsilon of an RMSNorm layer (``variance_epsilon`` in Llama-style classes, ``eps`` in
+    Gemma-style and torch's own), or None when ``module`` is not one with a single weight."""
+    if not type(module).__name__.endswith("RMSNorm"):
+        return None
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    if names != ["weight"] or module.weight.dim() != 1:
+        return None
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if eps is None:  # torch.nn.RMSNorm(eps=None) uses the dtype's machine epsilon
+        eps = torch.finfo(module.weight.dtype).eps if isinstance(module, torch.nn.RMSNorm) else None
+    return None if eps is None else float(eps)
 
 
 def _kind(module: torch.nn.Module) -> str:
@@ -30,6 +57,9 @@ def _kind(module: torch.nn.Module) -> str:
     if Conv1D and isinstance(module, Conv1D):
         return CONV1D
     if isinstance(module, torch.nn.Embedding):
+        overridden = type(module).forward is not torch.nn.Embedding.forward
+        if overridden and getattr(module, "embed_scale", None) is None:
+            return GENERIC  # e.g. OPT's learned positions: ids computed inside forward
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             raise EngineError(
                 f"{type(module).__name__} with max_norm/scale_grad_by_freq/sparse is not "
@@ -38,6 +68,8 @@ def _kind(module: torch.nn.Module) -> str:
         return EMBEDDING
     if isinstance(module, torch.nn.LayerNorm):
         return LAYERNORM
+    if rms_epsilon(module) is not None:
+        return RMSNORM
     return GENERIC
 
 
@@ -47,9 +79,13 @@ class Call:
 
     module: torch.nn.Module
     kind: str
-    inputs: torch.Tensor
+    inputs: torch.Tensor | None
+    """The call's tensor argument (None for a generic call: see ``args``/``kwargs``)."""
     output: torch.Tensor
     grad: torch.Tensor | None = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    """A generic call's arguments, detached, for re-running it per unit."""
 
 
 @dataclass
@@ -58,6 +94,9 @@ class Capture:
 
     params: dict[str, torch.Tensor]
     rows: int
+    length: int = 0
+    """Tokens per row; lets a call on flattened [rows·length, …] tokens (OPT's MLP and final
+    LayerNorm) be recorded as [rows, length, …]."""
     calls: list[Call] = field(default_factory=list)
     enabled: bool = True
     owners: dict[int, list[tuple[torch.nn.Module, str]]] = field(default_factory=dict)
@@ -86,6 +125,8 @@ class Capture:
         def hook(module, args, kwargs, output):
             if not self.enabled:
                 return None
+            if kind == GENERIC:
+                return self._record_generic(module, args, kwargs, output)
             if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
                 raise EngineError(
                     f"{type(module).__name__} owns a trainable parameter but is not called with "
@@ -98,6 +139,14 @@ class Capture:
                     "the vectorized engines need tensor outputs: use engine 'loop'"
                 )
             x = args[0]
+            tokens = self.rows * self.length
+            if self.length > 1 and x.shape[:1] == (tokens,) and output.shape[:1] == (tokens,):
+                # flattened tokens: record [rows, length, ...] views; the caller gets the
+                # output back through them, so their gradients are the output's
+                x = x.reshape(self.rows, self.length, *x.shape[1:])
+                shaped = output.reshape(self.rows, self.length, *output.shape[1:])
+                self.calls.append(Call(module, kind, x.detach(), shaped))
+                return shaped.reshape(output.shape)
             if x.shape[:1] == (1,) and output.shape[:1] == (1,) and self.rows > 1:
                 # broadcast over rows (e.g. GPT-2's position embedding of [1, length] position
                 # ids): expand so that each row gets its own output gradient
@@ -107,6 +156,35 @@ class Capture:
             return output
 
         return hook
+
+    def _record_generic(self, module, args, kwargs, output):
+        if not isinstance(output, torch.Tensor):
+            raise EngineError(
+                f"{type(module).__name__} returns {type(output).__name__}, not a tensor; "
+                "the vectorized engines need tensor outputs: use engine 'loop'"
+            )
+        if output.shape[:1] == (1,) and self.rows > 1:
+            output = output.expand(self.rows, *output.shape[1:])
+        if output.shape[:1] != (self.rows,):
+            raise EngineError(
+                f"{type(module).__name__} output has shape {tuple(output.shape)}, not "
+                f"[rows={self.rows}, ...]; the vectorized engines cannot attribute its "
+                "gradient per unit: use engine 'loop'"
+            )
+
+        def detach(value):
+            return value.detach() if isinstance(value, torch.Tensor) else value
+
+        call = Call(
+            module,
+            GENERIC,
+            None,
+            output,
+            args=tuple(detach(a) for a in args),
+            kwargs={k: detach(v) for k, v in kwargs.items()},
+        )
+        self.calls.append(call)
+        return output
 
 
 @dataclass

@@ -74,9 +74,11 @@ from userdp.clients.capture import (
     GENERIC,
     LAYERNORM,
     LINEAR,
+    RMSNORM,
     Call,
     Capture,
     Layout,
+    rms_epsilon,
 )
 from userdp.clients.clipping import Accumulator, add_clipped_unit, unit_gradient
 from userdp.clients.norms import (
@@ -111,7 +113,8 @@ def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]
             if id(p) in names
         ]
         if call.kind == GENERIC:
-            generic.append((Call(module, call.kind, call.inputs, call.output, grad), owned))
+            call.grad = grad
+            generic.append((call, owned))
             continue
         g = layout.real(grad, f"{type(module).__name__} output")
         if call.kind == LAYERNORM:  # y = x̂ ⊙ w + b: ∂w = g ⊙ x̂, ∂b = g per position
@@ -121,6 +124,10 @@ def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]
             per_position = {"weight": g * layout.real(normalized, "LayerNorm input"), "bias": g}
             for local, name in owned:
                 token_rows.setdefault(name, []).append(per_position[local])
+            continue
+        if call.kind == RMSNORM:  # y = x̂ ⊙ w (or x̂ ⊙ (1 + w)): ∂w = g ⊙ x̂ per position
+            for _, name in owned:
+                token_rows.setdefault(name, []).append(_rms_weight_rows(call, layout))
             continue
         for local, name in owned:
             if local == "bias":
@@ -132,8 +139,11 @@ def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]
                     layout.flat(ids, "Embedding input")
                 index = ids.reshape(-1)[layout.positions]
                 g_used = g
+                scale = getattr(module, "embed_scale", None)
+                if scale is not None:  # y = E[ids] · scale (Gemma): ∂E = g · scale
+                    g_used = g * torch.as_tensor(scale, dtype=g.dtype, device=g.device)
                 if module.padding_idx is not None:  # no gradient flows to the padding row
-                    g_used = g * (index != module.padding_idx)[:, None].to(g.dtype)
+                    g_used = g_used * (index != module.padding_idx)[:, None].to(g.dtype)
                 use = (Factor(None, index, module.num_embeddings), g_used)
             else:
                 a = layout.real(call.inputs, f"{type(module).__name__} input")
@@ -145,6 +155,19 @@ def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]
     return weights, token_rows, generic
 
 
+def _rms_weight_rows(call: Call, layout: Layout) -> torch.Tensor:
+    """Per real position, ∂w = g ⊙ x̂ of an RMSNorm call, x̂ = x · rsqrt(mean(x²) + ε) computed
+    in float32 and cast back to the input's dtype as transformers' RMSNorms do; dimensions
+    between [rows, length] and the normalized one (per-head norms) are summed."""
+    x = call.inputs
+    x32 = x.to(torch.float32)
+    normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + rms_epsilon(call.module))
+    per_element = call.grad.to(torch.float32) * normalized.to(x.dtype).to(torch.float32)
+    if per_element.dim() > 3:
+        per_element = per_element.sum(dim=tuple(range(2, per_element.dim() - 1)))
+    return layout.real(per_element, f"{type(call.module).__name__} input")
+
+
 def _generic_unit_grads(
     call: Call, owned: list[tuple[str, str]], layout: Layout, capture: Capture
 ) -> dict[str, torch.Tensor]:
@@ -153,13 +176,25 @@ def _generic_unit_grads(
     local = dict(call.module.named_parameters(recurse=False))
     tensors = [local[name] for name, _ in owned]
     out: dict[str, list[torch.Tensor]] = {global_name: [] for _, global_name in owned}
+
+    def unit_part(value, rows):  # a unit's rows of a batch-first tensor argument
+        batch_first = (
+            isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == layout.rows
+        )
+        return value[rows] if batch_first else value
+
     capture.enabled = False
     try:
         for rows in layout.unit_rows:
+            args = [unit_part(a, rows) for a in call.args]
+            kwargs = {k: unit_part(v, rows) for k, v in call.kwargs.items()}
             with torch.enable_grad():
-                y = call.module(call.inputs[rows])
+                y = call.module(*args, **kwargs)
+                g = call.grad[rows]
+                if y.shape[:1] == (1,) and g.shape[:1] != (1,):  # shared over the unit's rows
+                    g = g.sum(0, keepdim=True)
                 parts = torch.autograd.grad(
-                    y, tensors, grad_outputs=call.grad[rows].to(y.dtype), allow_unused=True
+                    y, tensors, grad_outputs=g.to(y.dtype), allow_unused=True
                 )
             for (_, global_name), part, tensor in zip(owned, parts, tensors, strict=True):
                 zero = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
@@ -185,7 +220,7 @@ def _micro_batch(
     # the token layout first: its host work and index copies then wait for nothing on the device
     layout = Layout.of(batch)
     padded = Padded.of(layout.spans, len(layout.positions), layout.positions.device)
-    capture = Capture(params, int(batch.inputs.shape[0]))
+    capture = Capture(params, *map(int, batch.inputs.shape[:2]))
     handles = capture.attach(module)
     try:
         with record_function("userdp.forward"):

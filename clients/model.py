@@ -1,8 +1,9 @@
 """The causal LM of a run, built the same way on the coordinator and on every worker.
 
-No hub downloads: a model comes from a named preset (a ``transformers`` GPT-2 config with the
-shards' vocabulary) or from a local directory (``model.path``, loaded with
-``local_files_only=True``). With ``model.lora_rank > 0`` only LoRA adapters are trainable (peft).
+No hub downloads: a model comes from a named preset (a ``transformers`` GPT-2 or Llama config
+with the shards' vocabulary) or from any local folder ``AutoModelForCausalLM`` loads
+(``model.path``, ``local_files_only=True``). With ``model.lora_rank > 0`` only LoRA adapters are
+trainable (peft); their default targets come from the architecture (:func:`lora_targets`).
 
 The coordinator owns the trainable tensors and broadcasts them; a worker's initial weights are
 replaced by that broadcast, so the init seed only matters for reproducible research runs.
@@ -17,14 +18,15 @@ from typing import Any
 
 import torch
 
-# name -> (layers, width, heads); vocabulary and context come from the shards and the config.
-PRESETS: dict[str, tuple[int, int, int]] = {
-    "gpt2-tiny": (2, 64, 4),
-    "gpt2-small": (12, 768, 12),
-    "gpt2-medium": (24, 1024, 16),
+# name -> (family, layers, width, heads); vocabulary and context come from the shards and the
+# config. Llama presets have an untied head, grouped-query attention and a SwiGLU MLP.
+PRESETS: dict[str, tuple[str, int, int, int]] = {
+    "gpt2-tiny": ("gpt2", 2, 64, 4),
+    "gpt2-small": ("gpt2", 12, 768, 12),
+    "gpt2-medium": ("gpt2", 24, 1024, 16),
+    "llama-tiny": ("llama", 2, 64, 4),
+    "llama-small": ("llama", 12, 768, 12),
 }
-# GPT-2's linear-like modules: LoRA adapters go on these.
-GPT2_LORA_TARGETS = ("c_attn", "c_proj", "c_fc")
 
 
 class ModelBuildError(ValueError):
@@ -71,44 +73,91 @@ def build_model(model_config: Any, shape: ModelShape, seed: int | None = 0) -> t
                 f"tokenizer has {shape.vocab_size} ids: re-shard with the model's tokenizer"
             )
     else:
-        layers, width, heads = PRESETS[model_config.preset]
-        config = transformers.GPT2Config(
-            vocab_size=shape.vocab_size,
-            n_positions=max(shape.seq_len, 8),
-            n_embd=width,
-            n_layer=layers,
-            n_head=heads,
-            bos_token_id=shape.eos_id,
-            eos_token_id=shape.eos_id,
-            pad_token_id=shape.pad_id,
-            # Dropout off: a user's gradient must be a function of the model and the user's data
-            # only, so that every clipping engine computes the same quantity.
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        model = transformers.GPT2LMHeadModel(config).to(dtype)
+        model = _preset_model(model_config.preset, shape).to(dtype)
     if model_config.lora_rank > 0:
-        model = _with_lora(model, model_config.lora_rank)
+        model = _with_lora(model, model_config)
     model.eval()  # no dropout; train/eval mode does not change gradients otherwise
     return model
 
 
-def _with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+def _preset_model(name: str, shape: ModelShape) -> torch.nn.Module:
+    """A freshly initialized preset with the shards' vocabulary. Dropout is off: a user's
+    gradient must be a function of the model and the user's data only, so that every clipping
+    engine computes the same quantity."""
+    import transformers
+
+    family, layers, width, heads = PRESETS[name]
+    ids = {"bos_token_id": shape.eos_id, "eos_token_id": shape.eos_id, "pad_token_id": shape.pad_id}
+    if family == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=shape.vocab_size,
+            max_position_embeddings=max(shape.seq_len, 8),
+            hidden_size=width,
+            intermediate_size=(8 * width // 3 + 63) // 64 * 64,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 2),
+            tie_word_embeddings=False,
+            attention_dropout=0.0,
+            **ids,
+        )
+        return transformers.LlamaForCausalLM(config)
+    config = transformers.GPT2Config(
+        vocab_size=shape.vocab_size,
+        n_positions=max(shape.seq_len, 8),
+        n_embd=width,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **ids,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def lora_targets(model: torch.nn.Module, model_config: Any) -> list[str] | str:
+    """``model.lora_target_modules`` when given (each must name a module of the model), else
+    PEFT's own targets for the model type, else PEFT's "all-linear" (every Linear layer of
+    attention and MLP, not the output head)."""
+    names = [name for name, _ in model.named_modules()]
+    given = model_config.lora_target_modules
+    if given:
+        missing = [t for t in given if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n})
+            raise ModelBuildError(
+                f"model.lora_target_modules: {missing} name no module of "
+                f"{type(model).__name__}; its module names include {leaves[:24]}"
+            )
+        return list(given)
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    default = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if default and all(any(n.endswith("." + t) for n in names) for t in default):
+        return list(default)
+    return "all-linear"
+
+
+def _with_lora(model: torch.nn.Module, model_config: Any) -> torch.nn.Module:
     try:
         import peft
     except ImportError:
         raise ModelBuildError(
             "model.lora_rank > 0 needs peft: install userdp with the [peft] extra"
         ) from None
-    targets = [t for t in GPT2_LORA_TARGETS if any(n.endswith(t) for n, _ in model.named_modules())]
-    if not targets:
-        raise ModelBuildError(
-            f"LoRA: none of {GPT2_LORA_TARGETS} found in {type(model).__name__}; "
-            "this model needs its own target modules"
-        )
+    from transformers.pytorch_utils import Conv1D
+
+    rank = model_config.lora_rank
+    alpha = model_config.lora_alpha if model_config.lora_alpha is not None else 2 * rank
     lora = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=True
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=lora_targets(model, model_config),
+        # GPT-2's Conv1D stores its weight transposed
+        fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
     )
     return peft.get_peft_model(model, lora)
 

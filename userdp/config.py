@@ -8,6 +8,7 @@ whose message names the key, the bad value and the allowed range, e.g.
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from pathlib import Path
@@ -64,16 +65,92 @@ class DataConfig(_Section):
     """Maximum tokens per example fed to the model."""
 
 
-class ModelConfig(_Section):
-    """The causal LM; built from a transformers config (no hub downloads)."""
+def _local_model_folder(value: str | None) -> str | None:
+    if value is None:
+        return None
+    folder = Path(value).expanduser()
+    if not (folder / "config.json").is_file():
+        where = "is not a folder" if not folder.is_dir() else "has no config.json"
+        raise ValueError(
+            f"= {value!r} {where}: it must be a local folder saved with save_pretrained "
+            "(config.json + weights); userdp never downloads, so a hub name such as 'gpt2' "
+            "cannot be used: download and save it on a machine with access, then give the folder"
+        )
+    return value
 
-    preset: Literal["gpt2-tiny", "gpt2-small", "gpt2-medium"] | None = "gpt2-tiny"
-    path: str | None = None
-    """A local directory with a transformers model (config.json, weights); overrides ``preset``."""
+
+def _deepspeed_json(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"= {value!r}: no such file (a DeepSpeed JSON config)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"= {value!r} is not a readable JSON file: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"= {value!r} must hold a JSON object (DeepSpeed's config format)")
+    stage = loaded.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ValueError(f"= {value!r} sets zero_optimization.stage = {stage!r}; {ZERO3_REFUSAL}")
+    return value
+
+
+ZERO3_REFUSAL = (
+    "ZeRO-3 is not supported: it keeps only a partition of each parameter on a rank outside a "
+    "module's forward/backward, while the clipping engines read whole parameters (shapes, "
+    "per-unit norms) and a worker applies the coordinator's broadcast to whole tensors; neither "
+    "is implemented for partitioned parameters (docs/worker.md). Use stage 0-2"
+)
+
+
+def _zero_stage(value: int) -> int:
+    if value == 3:
+        raise ValueError(f"= 3: {ZERO3_REFUSAL}")
+    if value not in (0, 1, 2):
+        raise ValueError(f"must be 0, 1 or 2, got {value!r}")
+    return value
+
+
+def _lora_dropout(value: float) -> float:
+    if value != 0.0:
+        raise ValueError(
+            f"= {value:g}: only 0 is supported. Workers compute per-unit gradients with the model "
+            "in eval mode, so that a unit's gradient depends only on the model and its data and "
+            "every clipping engine (and their cross-checks) computes the same quantity; dropout "
+            "would be silently off"
+        )
+    return value
+
+
+class ModelConfig(_Section):
+    """The causal LM: a preset built from a transformers config, or any local folder that
+    ``AutoModelForCausalLM.from_pretrained(local_files_only=True)`` loads (no hub downloads)."""
+
+    preset: (
+        Literal["gpt2-tiny", "gpt2-small", "gpt2-medium", "llama-tiny", "llama-small"] | None
+    ) = "gpt2-tiny"
+    path: Annotated[str | None, AfterValidator(_local_model_folder)] = None
+    """A local folder with a transformers causal LM (config.json, safetensors); overrides
+    ``preset``. Any family AutoModelForCausalLM loads (Llama, Mistral, Qwen2, Gemma, Phi,
+    GPT-NeoX, OPT, GPT-2, ...), fp32 or bf16, tied or untied embeddings."""
     dtype: Literal["fp32", "bf16"] = "fp32"
-    zero_stage: Annotated[int, Field(ge=0, le=2)] = 0
+    zero_stage: Annotated[int, AfterValidator(_zero_stage)] = 0
+    """DeepSpeed ZeRO stage on workers (0-2); a ``deepspeed_config`` file's stage wins."""
+    deepspeed_config: Annotated[str | None, AfterValidator(_deepspeed_json)] = None
+    """A DeepSpeed JSON config (DeepSpeed's own format) passed to ``deepspeed.initialize`` on
+    workers; the keys userdp controls (batch sizes, optimizer, scheduler, bf16) are overridden
+    and the worker logs which in one line."""
     lora_rank: NonNegativeInt = 0
     """0 = full fine-tuning; > 0 trains LoRA adapters of this rank (needs the ``peft`` extra)."""
+    lora_target_modules: list[str] | None = None
+    """Module names (suffixes) that get adapters; default: PEFT's targets for the model type,
+    or every Linear layer of attention and MLP (PEFT's "all-linear") for types it does not know."""
+    lora_alpha: Positive | None = None
+    """LoRA scaling numerator (scale = alpha / rank); default 2 x rank."""
+    lora_dropout: Annotated[float, AfterValidator(_lora_dropout)] = 0.0
+    """Must be 0 (see the error for why)."""
 
 
 class StrategyConfig(_Section):

@@ -11,12 +11,14 @@ from userdp.clients.engine import ClippingEngine, Unit
 from userdp.clients.model import ModelShape, build_model
 from userdp.clients.shard_format import TokenizerInfo
 
+from userdp.config import ModelConfig
+
 VOCAB = 259
 SEQ_LEN = 24
 
 
 def tiny_model(lora_rank: int = 0, seed: int = 0, dtype: str = "fp32") -> torch.nn.Module:
-    config = SimpleNamespace(preset="gpt2-tiny", path=None, dtype=dtype, lora_rank=lora_rank)
+    config = ModelConfig(preset="gpt2-tiny", dtype=dtype, lora_rank=lora_rank)
     return build_model(config, ModelShape(VOCAB, SEQ_LEN, pad_id=0, eos_id=1), seed)
 
 
