@@ -12,6 +12,7 @@ passed and never stepped (the coordinator owns the update; the worker only copie
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 from userdp.clients.batching import EngineError
 from userdp.clients.clipping import ClippedSum, flat_views
+
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -42,15 +45,58 @@ def _default_env() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
 
 
-def deepspeed_config(zero_stage: int, bf16: bool) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": bf16},
-        "steps_per_print": 1 << 62,
+# Keys of a user's DeepSpeed config that userdp sets itself: workers never step an optimizer
+# (the coordinator owns the update) and feed DeepSpeed one micro-batch per call.
+CONTROLLED = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 1 << 62,
+}
+DROPPED = ("train_batch_size", "optimizer", "scheduler", "fp16", "amp")
+
+
+def deepspeed_config(
+    zero_stage: int, bf16: bool, user: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """The config passed to ``deepspeed.initialize``: the user's DeepSpeed JSON (``user``,
+    DeepSpeed's own format) with the keys userdp controls set (:data:`CONTROLLED`, bf16 from
+    ``model.dtype``) or removed (:data:`DROPPED`: the batch size DeepSpeed derives, the optimizer
+    and scheduler userdp never steps, fp16/amp), and ZeRO's stage from the user's file or else
+    ``zero_stage``. Returns the config and one note per user value that was overridden."""
+    config = dict(user or {})
+    notes = []
+    for key, value in CONTROLLED.items():
+        if key in config and config[key] != value:
+            notes.append(f"{key}={config[key]!r} -> {value!r}")
+        config[key] = value
+    for key in DROPPED:
+        if key in config:
+            notes.append(f"{key} removed")
+            del config[key]
+    bf16_user = (
+        config.get("bf16", {}).get("enabled") if isinstance(config.get("bf16"), dict) else None
+    )
+    if bf16_user is not None and bool(bf16_user) != bf16:
+        notes.append(f"bf16.enabled={bf16_user!r} -> {bf16!r} (model.dtype decides)")
+    config["bf16"] = {
+        **(config.get("bf16") if isinstance(config.get("bf16"), dict) else {}),
+        "enabled": bf16,
     }
+    zero = dict(config.get("zero_optimization") or {})
+    zero.setdefault("stage", zero_stage)
+    config["zero_optimization"] = zero
+    return config, notes
+
+
+def read_deepspeed_json(path: str | None) -> dict[str, Any] | None:
+    """``model.deepspeed_config``'s JSON object (None when unset)."""
+    if not path:
+        return None
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
 
 
 def wrap_with_deepspeed(
@@ -59,9 +105,12 @@ def wrap_with_deepspeed(
     bf16: bool,
     device: str = "cpu",
     on_phase: Callable[[str], None] | None = None,
+    user_config: dict[str, Any] | None = None,
 ) -> Any:
     """``deepspeed.initialize`` around ``module``; returns the DeepSpeedEngine.
 
+    ``user_config`` is ``model.deepspeed_config``'s JSON (:func:`deepspeed_config` says which of
+    its keys userdp overrides; the overrides are logged in one line).
     ``device`` is ``workers.device``: for "cpu" DeepSpeed's CPU accelerator is selected
     (``DS_ACCELERATOR``, unless already set) and the placement is checked afterwards. On CPU
     DeepSpeed JIT-compiles its shared-memory comm op on first use, into ``$TORCH_EXTENSIONS_DIR``:
@@ -82,13 +131,14 @@ def wrap_with_deepspeed(
     if not torch.distributed.is_initialized():
         _default_env()
     optimizer = None
-    if zero_stage > 0:
+    config, notes = deepspeed_config(zero_stage, bf16, user_config)
+    if notes:
+        log.warning("model.deepspeed_config: userdp overrides %s", "; ".join(notes))
+    if config["zero_optimization"]["stage"] > 0:
         trainable = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(trainable, lr=0.0)
     try:
-        engine, _, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=deepspeed_config(zero_stage, bf16)
-        )
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     except AssertionError as exc:  # DeepSpeed reports configuration problems as assertions
         raise EngineError(f"deepspeed.initialize refused the worker model: {exc}") from exc
     placed = next(engine.module.parameters()).device.type

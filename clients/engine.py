@@ -235,8 +235,9 @@ def build_engine(
 ) -> ClippingEngine:
     """The worker's engine for a validated :class:`userdp.config.Config` and shard manifest.
 
-    Builds the model (``model`` section; ``data.seq_len`` context), wraps it with DeepSpeed (ZeRO
-    ``model.zero_stage``, bf16 when ``model.dtype = "bf16"``) unless ``use_deepspeed`` is False
+    Builds the model (``model`` section; ``data.seq_len`` context), wraps it with DeepSpeed (the
+    ``model.deepspeed_config`` JSON if given, ZeRO ``model.zero_stage`` unless that file sets
+    one, bf16 when ``model.dtype = "bf16"``) unless ``use_deepspeed`` is False
     (in-process tests and tools), and takes the engine, probes and token budget from
     ``strategy.engine``, ``strategy.probes`` and ``workers.token_budget``. Its initial weights
     are replaced by the coordinator's broadcast; ``seed`` (default ``output.seed``, else 0) only
@@ -255,10 +256,15 @@ def build_engine(
     module = build_model(config.model, shape, seed)
     ds_engine = None
     if use_deepspeed:
-        from userdp.clients.distributed import wrap_with_deepspeed
+        from userdp.clients.distributed import read_deepspeed_json, wrap_with_deepspeed
 
         ds_engine = wrap_with_deepspeed(
-            module, config.model.zero_stage, config.model.dtype == "bf16", device.type, on_phase
+            module,
+            config.model.zero_stage,
+            config.model.dtype == "bf16",
+            device.type,
+            on_phase,
+            read_deepspeed_json(config.model.deepspeed_config),
         )
         module = ds_engine.module
     else:

@@ -235,6 +235,17 @@ class WorkersConfig(_Section):
 class OutputConfig(_Section):
     dir: str = "runs/latest"
     plots: bool = True
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
+    """Experiment trackers that get the metrics and the privacy report, as HF Trainer's
+    ``report_to`` (each an optional extra: ``userdp[tracking]`` for tensorboard and mlflow,
+    ``userdp[wandb]``); see userdp/tracking.py for where each writes."""
+    sample_prompts: list[str] | None = None
+    """Prompts whose continuations go to ``samples.jsonl`` and the report's appendix after the
+    last evaluation; default: the first tokens of a few held-out users' first example (those
+    users are outside ε, and their text is shown verbatim: the report says so)."""
+    sample_count: NonNegativeInt = 4
+    """How many held-out users' prompts to use when ``sample_prompts`` is not set (0 = none)."""
+    sample_max_new_tokens: PositiveInt = 32
     seed: NonNegativeInt | None = None
     """Seeds sampling and model init for reproducible research runs; noise is always from os.urandom."""
 
@@ -270,6 +281,11 @@ def parse_config(raw: dict[str, Any]) -> Config:
     except ValidationError as exc:
         lines = [_format_error(err) for err in exc.errors()]
         raise ConfigError("; ".join(lines)) from None
+    from userdp.tracking import missing_backends
+
+    missing = missing_backends(config.output.report_to)
+    if missing:
+        raise ConfigError("output.report_to: " + "; ".join(missing))
     if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
         raise ConfigError(
             "strategy.sampling = 'shuffle' has no tight accountant: set "

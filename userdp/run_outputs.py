@@ -59,6 +59,8 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value)  # a TOML basic string for everything json escapes
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
@@ -160,6 +162,12 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
             f"| no fine-tuning (step 0) | {_fmt(data['evaluation']['baseline_eval_loss'])} |\n"
             f"| after step {final['step']} | {_fmt(final['eval_loss'])} |\n"
         )
+    samples_path = run_dir / "samples.jsonl"
+    if samples_path.is_file():
+        from userdp.samples import samples_appendix
+
+        rows = [json.loads(line) for line in samples_path.read_text().splitlines() if line]
+        markdown += samples_appendix(rows)
     _atomic_write_text(run_dir / "privacy_report.json", json.dumps(data, indent=2, sort_keys=True))
     _atomic_write_text(run_dir / "privacy_report.md", markdown)
     return data
@@ -232,14 +240,3 @@ def render_plots(run_dir: Path) -> list[Path]:
     ax.set_title("Clip fraction")
     save(fig, "clip_fraction.png")
     return written
-
-
-# ---- model -------------------------------------------------------------------------------------
-
-
-def save_model(model: Any, run_dir: Path) -> Path:
-    """Save ``model`` (safetensors + config.json) in ``model/``."""
-    target = run_dir / "model"
-    target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target, safe_serialization=True)
-    return target

@@ -57,14 +57,21 @@ class RunResult:
 
 
 def resolved_config(config: Any, setup: Any, out: Path, mode: str) -> Any:
-    """The config as run: shards resolved, σ and δ fixed, output dir set (written to
-    ``config.toml``, which workers and ``userdp report`` read)."""
+    """The config as run: shards, model folder and DeepSpeed file as absolute paths, σ and δ
+    fixed, output dir set (written to ``config.toml``, which workers and ``userdp report``
+    read)."""
     coordinator = config.coordinator
     if mode != "external":
         coordinator = coordinator.model_copy(update={"host": "127.0.0.1", "port": 0})
+    files = {
+        key: str(Path(value).expanduser().resolve())
+        for key in ("path", "deepspeed_config")
+        if (value := getattr(config.model, key))
+    }
     return config.model_copy(
         update={
             "data": config.data.model_copy(update={"shards": str(setup.shard_dir.resolve())}),
+            "model": config.model.model_copy(update=files),
             "privacy": config.privacy.model_copy(
                 update={"noise_multiplier": setup.noise_multiplier, "delta": setup.delta}
             ),
@@ -99,11 +106,15 @@ class RunLoop:
     def start(self, mode: str) -> None:
         from userdp.run_components import open_ledger
         from userdp.run_outputs import MetricsLog, read_metrics, write_config
+        from userdp.tracking import Trackers
 
         self.run_config = resolved_config(self.config, self.setup, self.out, mode)
         self.config_path = write_config(self.run_config, self.out)
         self.ledger = open_ledger(self.setup, self.out)
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.trackers = Trackers(
+            self.run_config.output.report_to, self.out, self.run_config.model_dump()
+        )
         self.model, self.evaluator = self._model_and_evaluator()
         done = {r["step"] for r in read_metrics(self.metrics.path) if r.get("kind") == "eval"}
         if 0 not in done and not self.ledger.records:
@@ -139,9 +150,36 @@ class RunLoop:
         load_parameters(self.model, params if params is not None else self.setup.trainable)
         loss = self.evaluator.loss()
         self.eval_losses[step] = loss
-        self.metrics.write(
+        self._record(
             {"kind": "eval", "step": step, "eval_loss": loss, "users": len(self.setup.eval_users)}
         )
+
+    def _record(self, row: dict[str, Any]) -> None:
+        """A metrics.jsonl row, also sent to the trackers of ``output.report_to``."""
+        self.metrics.write(row)
+        self.trackers.log_row(row)
+
+    def _write_samples(self) -> None:
+        """Greedy continuations of the sample prompts (:mod:`userdp.samples`)."""
+        from userdp.clients.shard_store import ShardStore
+        from userdp.clients.tokenization import load_tokenizer
+        from userdp.samples import generate_samples, sample_prompts, write_samples
+
+        output = self.run_config.output
+        if output.sample_prompts is None and (not output.sample_count or not self.setup.eval_users):
+            return
+        tokenizer = load_tokenizer(self.setup.shard_dir)
+        with ShardStore(self.setup.shard_dir) as store:
+            prompts = sample_prompts(self.run_config, tokenizer, store, self.setup.eval_users)
+        pad = self.setup.manifest.tokenizer.pad_id
+        rows = generate_samples(
+            self.model,
+            tokenizer,
+            prompts,
+            output.sample_max_new_tokens,
+            pad if pad is not None else 0,
+        )
+        write_samples(rows, self.out)
 
     def close_progress(self) -> None:
         if self._bar is not None:
@@ -180,7 +218,7 @@ class RunLoop:
         done = step + 1
         if done % self.epsilon_every == 0 or done == self.steps:
             self.epsilon = self._spent()
-        self.metrics.write(
+        self._record(
             {
                 "kind": "step",
                 "step": step,
@@ -205,7 +243,8 @@ class RunLoop:
 
     def finish(self, params: dict[str, torch.Tensor], stopped: str) -> RunResult:
         from userdp.clients.model import load_parameters
-        from userdp.run_outputs import render_plots, render_report, save_model, write_facts
+        from userdp.export import export_model
+        from userdp.run_outputs import render_plots, render_report, write_facts
 
         self.close_progress()
         steps_done = len(self.ledger.records)
@@ -214,12 +253,14 @@ class RunLoop:
         self.epsilon = self._spent()
         self.ledger.close()
         write_facts(self.setup.strategy.facts(), self.out)
-        if steps_done:
-            render_report(self.out, self.run_config, self.setup.delta)
+        load_parameters(self.model, params)
+        if stopped != "interrupted":
+            self._write_samples()
+        report = render_report(self.out, self.run_config, self.setup.delta) if steps_done else None
         if self.run_config.output.plots:
             render_plots(self.out)
-        load_parameters(self.model, params)
-        save_model(self.model, self.out)
+        self.trackers.finish(report, self.out / "privacy_report.md")
+        export_model(self.model, self.out, self.setup.manifest.tokenizer, self.setup.shard_dir)
         losses = sorted(self.eval_losses.items())
         return RunResult(
             run_dir=self.out,

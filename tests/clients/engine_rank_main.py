@@ -19,7 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def main(out_dir: str, zero_stage: int, engine_name: str, fail_rank: int = -1) -> None:
+def main(out_dir: str, stage_or_json: str, engine_name: str, fail_rank: int = -1) -> None:
+    """``stage_or_json``: a ZeRO stage (``model.zero_stage``) or a DeepSpeed JSON file
+    (``model.deepspeed_config``)."""
     import torch
     from safetensors.torch import save_file
     from userdp.clients import engine as engine_module
@@ -31,12 +33,17 @@ def main(out_dir: str, zero_stage: int, engine_name: str, fail_rank: int = -1) -
     config = parse_config(
         {
             "data": {"seq_len": SEQ_LEN},
-            "model": {"zero_stage": zero_stage},
+            "model": (
+                {"deepspeed_config": stage_or_json}
+                if stage_or_json.endswith(".json")
+                else {"zero_stage": int(stage_or_json)}
+            ),
             "strategy": {"engine": engine_name},
             "workers": {"token_budget": 64},
         }
     )
     engine = build_engine(config, byte_manifest())
+    zero_stage = engine.deepspeed_engine.zero_optimization_stage()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     reductions = []
     optimizer = engine.deepspeed_engine.optimizer
@@ -69,6 +76,9 @@ def main(out_dir: str, zero_stage: int, engine_name: str, fail_rank: int = -1) -
         reductions_during_clipped_sum=during,
         reductions_after_plain_backward=len(reductions),
         grads_untouched=grads_untouched,
+        zero_stage=zero_stage,
+        micro_batch=engine.deepspeed_engine.train_micro_batch_size_per_gpu(),
+        has_lr_scheduler=engine.deepspeed_engine.lr_scheduler is not None,
     )
     (out / f"stats-{rank}.json").write_text(json.dumps(stats))
     save_file({k: v.contiguous() for k, v in result.sums.items()}, str(out / f"sums-{rank}.st"))
@@ -76,4 +86,4 @@ def main(out_dir: str, zero_stage: int, engine_name: str, fail_rank: int = -1) -
 
 if __name__ == "__main__":
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:5]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))

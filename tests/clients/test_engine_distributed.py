@@ -22,7 +22,7 @@ RANK_MAIN = Path(__file__).with_name("engine_rank_main.py")
 
 
 def start_ranks(
-    tmp_path: Path, world: int, zero_stage: int, engine: str, fail_rank: int = -1
+    tmp_path: Path, world: int, zero_stage: int | Path, engine: str, fail_rank: int = -1
 ) -> list[subprocess.Popen]:
     port = str(free_port())
     procs = []
@@ -55,7 +55,7 @@ def start_ranks(
     return procs
 
 
-def run_ranks(tmp_path: Path, world: int, zero_stage: int, engine: str) -> list[dict]:
+def run_ranks(tmp_path: Path, world: int, zero_stage: int | Path, engine: str) -> list[dict]:
     for proc in start_ranks(tmp_path, world, zero_stage, engine):
         output, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, output[-4000:]
@@ -111,6 +111,34 @@ def test_two_ranks_zero2_vectorized_equal_single_process_loop(tmp_path):
         assert rank_stats["reductions_after_plain_backward"] > 0  # the spy does see reductions
 
 
+def test_two_ranks_from_a_deepspeed_json_equal_single_process_loop(tmp_path):
+    """A DeepSpeed user's own JSON (ZeRO-2 with an optimizer, scheduler and batch sizes of its
+    own): the stage is taken, the keys userdp controls are overridden, and the clipped sum is
+    still the single-process loop engine's, with no reduction of unclipped gradients."""
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 64,
+                "train_micro_batch_size_per_gpu": 8,
+                "gradient_accumulation_steps": 4,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+                "zero_optimization": {"stage": 2, "overlap_comm": False},
+                "gradient_clipping": 1.0,
+            }
+        )
+    )
+    stats = run_ranks(tmp_path, 2, ds_json, engine="vectorized")
+    check_against_loop(tmp_path, stats, 2)
+    for rank_stats in stats:
+        assert rank_stats["zero_stage"] == 2
+        assert rank_stats["micro_batch"] == 1
+        assert not rank_stats["has_lr_scheduler"]
+        assert rank_stats["reductions_during_clipped_sum"] == 0
+        assert rank_stats["reductions_after_plain_backward"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("zero_stage", "engine"), [(0, "loop"), (1, "vectorized"), (2, "loop")])
 def test_two_ranks_other_stages_and_engines(tmp_path, zero_stage, engine):
@@ -118,3 +146,27 @@ def test_two_ranks_other_stages_and_engines(tmp_path, zero_stage, engine):
     check_against_loop(tmp_path, stats, 2)
     if zero_stage:
         assert all(s["reductions_during_clipped_sum"] == 0 for s in stats)
+
+
+def test_deepspeed_json_overrides_are_named() -> None:
+    from userdp.clients.distributed import deepspeed_config
+
+    user = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "AdamW"},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e7},
+        "wall_clock_breakdown": True,
+    }
+    config, notes = deepspeed_config(0, False, user)
+    assert config["train_micro_batch_size_per_gpu"] == 1 and "optimizer" not in config
+    assert config["bf16"] == {"enabled": False}
+    assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5e7}
+    assert config["wall_clock_breakdown"] is True  # everything else passes through
+    assert notes == [
+        "train_micro_batch_size_per_gpu=8 -> 1",
+        "optimizer removed",
+        "bf16.enabled=True -> False (model.dtype decides)",
+    ]
+    assert deepspeed_config(2, True)[0]["zero_optimization"] == {"stage": 2}
+    assert user["optimizer"] == {"type": "AdamW"}  # the caller's dict is left as it was

@@ -1,0 +1,108 @@
+"""Generation samples after the last evaluation: ``RUN/samples.jsonl`` and the report's appendix.
+
+Prompts are ``output.sample_prompts`` (text, encoded with the shards' tokenizer) or, by default,
+the first tokens of the first example of ``output.sample_count`` held-out users. Held-out users
+are never trained on, so ε does not cover them, and their text appears verbatim in the samples:
+keep the samples inside the trust boundary unless those users' data may be shown. Continuations
+are greedy (deterministic) and at most ``output.sample_max_new_tokens`` long.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PROMPT_TOKENS = 16
+"""Tokens of a held-out user's first example used as its prompt."""
+HELD_OUT_CAVEAT = (
+    "Prompts taken from held-out users show their text verbatim; those users are not covered "
+    "by ε (they never contribute to training). Keep these samples inside the trust boundary "
+    "unless that text may be shown, or set output.sample_prompts."
+)
+
+
+def sample_prompts(
+    config: Any, tokenizer: Any, store: Any, eval_users: Sequence[str]
+) -> list[tuple[str, np.ndarray]]:
+    """(source, prompt ids) of the configured prompts or of held-out users' first tokens."""
+    import pyarrow as pa
+
+    if config.output.sample_prompts is not None:
+        encoded = tokenizer.encode_arrow(pa.array(list(config.output.sample_prompts)))
+        return [
+            ("output.sample_prompts", np.asarray(ids.values, dtype=np.int64))
+            for ids in encoded
+            if len(ids.values)
+        ]
+    prompts = []
+    for user in eval_users:
+        if len(prompts) >= config.output.sample_count:
+            break
+        examples = [e for e in store.user_examples(user) if len(e) >= 2]
+        if examples:
+            prompts.append((f"held-out user {user}", np.asarray(examples[0][:PROMPT_TOKENS])))
+    return prompts
+
+
+@torch.no_grad()
+def generate_samples(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[tuple[str, np.ndarray]],
+    max_new_tokens: int,
+    pad_id: int,
+) -> list[dict[str, Any]]:
+    """Greedy continuations of each prompt (one at a time: no padding to get wrong)."""
+    rows = []
+    for source, ids in prompts:
+        inputs = torch.as_tensor(ids, dtype=torch.long)[None]
+        output = model.generate(
+            input_ids=inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+        new = output[0, inputs.shape[1] :].tolist()
+        rows.append(
+            {
+                "source": source,
+                "prompt": tokenizer.decode(ids.tolist()),
+                "continuation": tokenizer.decode(new),
+                "prompt_ids": ids.tolist(),
+                "continuation_ids": new,
+                "decoding": "greedy",
+            }
+        )
+    return rows
+
+
+def write_samples(rows: Sequence[dict[str, Any]], run_dir: Path) -> Path:
+    path = Path(run_dir) / "samples.jsonl"
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    return path
+
+
+def samples_appendix(rows: Sequence[dict[str, Any]]) -> str:
+    """The report's appendix (markdown) for ``rows``."""
+    if not rows:
+        return ""
+    lines = ["", "## Appendix: generation samples", ""]
+    if any(row["source"].startswith("held-out user") for row in rows):
+        lines += [f"Note: {HELD_OUT_CAVEAT}", ""]
+    for row in rows:
+        lines += [
+            f"- {row['source']} (greedy):",
+            f"  - prompt: `{_inline(row['prompt'])}`",
+            f"  - continuation: `{_inline(row['continuation'])}`",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _inline(text: str) -> str:
+    return text.replace("`", "'").replace("\n", "\\n")
