@@ -51,7 +51,11 @@ def byte_tokenizer_fast() -> Any:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(list(BYTE_SPECIALS))
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        split_special_tokens=True,  # the text "<eos>" is five bytes, as in the shards
     )
 
 
