@@ -19,6 +19,11 @@ markdown table.
     .venv/bin/python benchmarks/worker.py                   # GPT-2-small, 64 users, G=8, seq 128
     .venv/bin/python benchmarks/worker.py --quick           # gpt2-tiny, 16 users, G=4, seq 64
     .venv/bin/python benchmarks/worker.py --preset gpt2-small --users 4 --group-size 4
+    .venv/bin/python benchmarks/worker.py --preset llama-small --lora-rank 0,8   # Llama-shaped
+
+``--preset llama-small`` is Llama-shaped near GPT-2 small's size (12 layers, 768 wide, RMSNorm,
+SwiGLU, grouped-query attention, untied head); ``--lora-rank 0,8`` measures full fine-tuning and
+LoRA (rank 8, PEFT's default targets) as separate cases.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -95,7 +99,9 @@ def _setup(spec: dict):
     from userdp.clients.model import ModelShape, build_model
 
     torch.set_num_threads(spec["threads"])
-    config = SimpleNamespace(preset=spec["preset"], path=None, dtype=spec["dtype"], lora_rank=0)
+    from userdp.config import ModelConfig
+
+    config = ModelConfig(preset=spec["preset"], dtype=spec["dtype"], lora_rank=spec["lora_rank"])
     module = build_model(config, ModelShape(VOCAB, spec["seq_len"], 0, 1), 0)
     device = torch.device(spec["device"])
     module.to(device)
@@ -188,7 +194,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="gpt2-tiny, 16 users, G=4, seq 64")
-    parser.add_argument("--preset", default=None, choices=["gpt2-tiny", "gpt2-small"])
+    parser.add_argument(
+        "--preset",
+        default=None,
+        choices=["gpt2-tiny", "gpt2-small", "llama-tiny", "llama-small"],
+    )
+    parser.add_argument(
+        "--lora-rank", default="0", help="comma-separated LoRA ranks, one case each (0 = full)"
+    )
     parser.add_argument("--users", type=int, default=None)
     parser.add_argument("--group-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
@@ -225,12 +238,14 @@ def main() -> int:
     }
     engines = [e for e in args.engines.split(",") if e]
     rows = []
-    for unit in ["user"] if args.skip_els else ["user", "example"]:
-        rows += measure_case(f"{unit} step", {**base, "unit": unit}, engines)
-    if not args.skip_long:
-        long = {**base, "seq_len": args.long_seq, "users": args.long_users, "group_size": 2}
-        long["token_budget"] = max(args.token_budget, 2 * args.long_seq)
-        rows += measure_case("long seq", long, ["vectorized", "randomized"])
+    for rank in [int(r) for r in args.lora_rank.split(",") if r]:
+        ranked = {**base, "lora_rank": rank}
+        for unit in ["user"] if args.skip_els else ["user", "example"]:
+            rows += measure_case(f"{unit} step", {**ranked, "unit": unit}, engines)
+        if not args.skip_long:
+            long = {**ranked, "seq_len": args.long_seq, "users": args.long_users, "group_size": 2}
+            long["token_budget"] = max(args.token_budget, 2 * args.long_seq)
+            rows += measure_case("long seq", long, ["vectorized", "randomized"])
     result = {
         "benchmark": "worker clipping engines",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, device {args.device}",
@@ -239,15 +254,17 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     print()
     print(
-        "| case | preset | unit | users×G×seq | mode | tokens | s | × non-private "
+        "| case | preset | LoRA | unit | users×G×seq | mode | tokens | s | × non-private "
         "| peak MB | memory × |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         shape = f"{r['users']}×{r['group_size']}×{r['seq_len']}"
         mode = r["mode"] + (f" (k={r['probes']})" if r["mode"] == "randomized" else "")
+        lora = f"r={r['lora_rank']}" if r["lora_rank"] else "full"
         print(
-            f"| {r['case']} | {r['preset']} | {r['unit']} | {shape} | {mode} | {r['tokens']} | "
+            f"| {r['case']} | {r['preset']} | {lora} | {r['unit']} | {shape} | {mode} | "
+            f"{r['tokens']} | "
             f"{r['seconds']:.2f} | {r['time_ratio']:.2f} | {r['peak_mb']:.0f} | "
             f"{r['memory_ratio']:.2f} |"
         )

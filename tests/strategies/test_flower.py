@@ -40,6 +40,10 @@ def _start_ray() -> None:
     import ray
 
     pythonpath = os.pathsep.join(sys.path)  # what Flower's backend passes to its actors
+    # Ray runs its workers at niceness 15: on a loaded machine they then get almost no CPU (a
+    # node's import of scipy took minutes beside six busy loops). The raylet reads its
+    # worker_niceness from the environment when it starts.
+    os.environ["RAY_worker_niceness"] = "0"
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})

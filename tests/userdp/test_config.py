@@ -71,6 +71,11 @@ def test_shuffle_allowed_only_when_acknowledged() -> None:
         ("[privacy]\ndelta = 2\n", "privacy.delta must be in (0, 1), got 2"),
         ("[strategy]\nsampling_prob = 3\n", "strategy.sampling_prob must be in (0, 1], got 3"),
         ("[strategy]\nclip_norm = -1\n", "strategy.clip_norm must be in (0, inf), got -1"),
+        ("[model]\npath = 'gpt2'\n", "model.path = 'gpt2' is not a folder"),
+        ("[model]\npath = 'gpt2'\n", "a hub name such as 'gpt2' cannot be used"),
+        ("[model]\nzero_stage = 3\n", "model.zero_stage = 3: ZeRO-3 is not supported"),
+        ("[model]\nlora_dropout = 0.05\n", "model.lora_dropout = 0.05: only 0 is supported"),
+        ("[model]\ndeepspeed_config = 'no.json'\n", "model.deepspeed_config = 'no.json': no such"),
     ],
 )
 def test_config_check_cli_exit_code_and_one_line(tmp_path, capsys, content, expected) -> None:
@@ -88,3 +93,20 @@ def test_config_check_accepts_valid_file(tmp_path, capsys) -> None:
     path.write_text("[privacy]\nepsilon = 4.0\n")
     assert main(["config", "check", str(path)]) == 0
     assert "ok" in capsys.readouterr().out
+
+
+def test_model_folder_and_deepspeed_file_are_checked(tmp_path, capsys) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = tmp_path / "run.toml"
+    path.write_text(f"[model]\npath = '{folder}'\n")
+    assert main(["config", "check", str(path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    (folder / "config.json").write_text("{}")
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 3}}')
+    path.write_text(f"[model]\npath = '{folder}'\ndeepspeed_config = '{ds}'\n")
+    assert main(["config", "check", str(path)]) == 2
+    assert "zero_optimization.stage = 3; ZeRO-3 is not supported" in capsys.readouterr().err
+    ds.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}')
+    assert main(["config", "check", str(path)]) == 0
