@@ -86,7 +86,7 @@ def render_values(
 
     from userdp.config import load_config
 
-    config = load_config(config_path)
+    config = load_config(config_path, local_files=False)  # its paths are the pods'
     raw = tomllib.loads(Path(config_path).read_text(encoding="utf-8"))
     notes: list[str] = []
     kept: dict[str, dict[str, Any]] = {}

@@ -65,36 +65,46 @@ class DataConfig(_Section):
     """Maximum tokens per example fed to the model."""
 
 
-def _local_model_folder(value: str | None) -> str | None:
-    if value is None:
-        return None
-    folder = Path(value).expanduser()
-    if not (folder / "config.json").is_file():
-        where = "is not a folder" if not folder.is_dir() else "has no config.json"
-        raise ValueError(
-            f"= {value!r} {where}: it must be a local folder saved with save_pretrained "
-            "(config.json + weights); userdp never downloads, so a hub name such as 'gpt2' "
-            "cannot be used: download and save it on a machine with access, then give the folder"
-        )
-    return value
+def check_local_files(config: Config) -> None:
+    """The files a config names on THIS machine: ``model.path`` must be a folder with
+    ``config.json`` and ``model.deepspeed_config`` a JSON object whose ZeRO stage is 0-2.
+    Checked by :func:`load_config` (``config check``, ``simulate``, ``train``, ``coordinator``,
+    ``worker``), not by :func:`parse_config` nor ``deploy render``, whose config names paths
+    that exist only inside the pods."""
+    problems = []
+    model = config.model
+    if model.path is not None:
+        folder = Path(model.path).expanduser()
+        if not (folder / "config.json").is_file():
+            where = "is not a folder" if not folder.is_dir() else "has no config.json"
+            problems.append(
+                f"model.path = {model.path!r} {where}: it must be a local folder saved with "
+                "save_pretrained (config.json + weights); userdp never downloads, so a hub name "
+                "such as 'gpt2' cannot be used: download and save it on a machine with access, "
+                "then give the folder"
+            )
+    if model.deepspeed_config is not None:
+        problem = _deepspeed_json_problem(model.deepspeed_config)
+        if problem:
+            problems.append(f"model.deepspeed_config = {model.deepspeed_config!r} {problem}")
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
-def _deepspeed_json(value: str | None) -> str | None:
-    if value is None:
-        return None
+def _deepspeed_json_problem(value: str) -> str | None:
     path = Path(value).expanduser()
     try:
         loaded = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"= {value!r}: no such file (a DeepSpeed JSON config)") from None
+        return "is not a file (a DeepSpeed JSON config)"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"= {value!r} is not a readable JSON file: {exc}") from None
+        return f"is not a readable JSON file: {exc}"
     if not isinstance(loaded, dict):
-        raise ValueError(f"= {value!r} must hold a JSON object (DeepSpeed's config format)")
-    stage = loaded.get("zero_optimization", {}).get("stage", 0)
+        return "must hold a JSON object (DeepSpeed's config format)"
+    stage = (loaded.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1, 2):
-        raise ValueError(f"= {value!r} sets zero_optimization.stage = {stage!r}; {ZERO3_REFUSAL}")
-    return value
+        return f"sets zero_optimization.stage = {stage!r}; {ZERO3_REFUSAL}"
+    return None
 
 
 ZERO3_REFUSAL = (
@@ -131,14 +141,14 @@ class ModelConfig(_Section):
     preset: (
         Literal["gpt2-tiny", "gpt2-small", "gpt2-medium", "llama-tiny", "llama-small"] | None
     ) = "gpt2-tiny"
-    path: Annotated[str | None, AfterValidator(_local_model_folder)] = None
+    path: str | None = None
     """A local folder with a transformers causal LM (config.json, safetensors); overrides
     ``preset``. Any family AutoModelForCausalLM loads (Llama, Mistral, Qwen2, Gemma, Phi,
     GPT-NeoX, OPT, GPT-2, ...), fp32 or bf16, tied or untied embeddings."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     zero_stage: Annotated[int, AfterValidator(_zero_stage)] = 0
     """DeepSpeed ZeRO stage on workers (0-2); a ``deepspeed_config`` file's stage wins."""
-    deepspeed_config: Annotated[str | None, AfterValidator(_deepspeed_json)] = None
+    deepspeed_config: str | None = None
     """A DeepSpeed JSON config (DeepSpeed's own format) passed to ``deepspeed.initialize`` on
     workers; the keys userdp controls (batch sizes, optimizer, scheduler, bf16) are overridden
     and the worker logs which in one line."""
@@ -175,6 +185,10 @@ class StrategyConfig(_Section):
     clip_norm: Positive = 1.0
     """C: every unit's gradient is clipped to this L2 norm."""
     steps: PositiveInt = 100
+    sampler_seed: NonNegativeInt | None = None
+    """Seeds the sampler that picks each step's cohort. Unset (the default): a secret seed from
+    os.urandom, kept only in checkpoints, as amplification by sampling assumes. Set it only for
+    research reruns: the report then says the seed was given (``output.seed`` never seeds it)."""
     engine: Literal["loop", "vectorized", "randomized"] = "vectorized"
     probes: PositiveInt = 32
     """k: Hutchinson probes for the randomized engine."""
@@ -247,7 +261,8 @@ class OutputConfig(_Section):
     """How many held-out users' prompts to use when ``sample_prompts`` is not set (0 = none)."""
     sample_max_new_tokens: PositiveInt = 32
     seed: NonNegativeInt | None = None
-    """Seeds sampling and model init for reproducible research runs; noise is always from os.urandom."""
+    """Seeds model init and data order for reproducible research runs; never the cohort sampler
+    (``strategy.sampler_seed``, secret by default) nor the noise (always from os.urandom)."""
 
 
 class Config(_Section):
@@ -294,8 +309,9 @@ def parse_config(raw: dict[str, Any]) -> Config:
     return config
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate a TOML config file."""
+def load_config(path: str | Path, *, local_files: bool = True) -> Config:
+    """Read and validate a TOML config file, and (``local_files``) the files it names on this
+    machine (:func:`check_local_files`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -305,4 +321,7 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not UTF-8 text") from None
-    return parse_config(raw)
+    config = parse_config(raw)
+    if local_files:
+        check_local_files(config)
+    return config

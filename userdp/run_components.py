@@ -135,11 +135,10 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
     from userdp.strategies.dpftrl import BltDpFtrl
 
     s = config.strategy
-    seed = config.output.seed
     common: dict[str, Any] = {
         "noise_multiplier": noise_multiplier,
         "clip_norm": s.clip_norm,
-        "seed": seed,
+        "seed": s.sampler_seed,  # None: a secret seed (os.urandom), never output.seed
         "optimizer": _optimizer(config),
     }
     uls: dict[str, Any] = dict(common, group_size=s.group_size)

@@ -57,14 +57,19 @@ def generate_samples(
     max_new_tokens: int,
     pad_id: int,
 ) -> list[dict[str, Any]]:
-    """Greedy continuations of each prompt (one at a time: no padding to get wrong)."""
+    """Greedy continuations of each prompt (one at a time: no padding to get wrong), within the
+    model's context: a prompt is cut to leave room for at least one new token."""
+    config = getattr(model, "config", None)
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 0)
     rows = []
-    for source, ids in prompts:
+    for source, full in prompts:
+        ids = full[: context - 1] if context else full
+        new_tokens = min(max_new_tokens, context - len(ids)) if context else max_new_tokens
         inputs = torch.as_tensor(ids, dtype=torch.long)[None]
         output = model.generate(
             input_ids=inputs,
             attention_mask=torch.ones_like(inputs),
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=pad_id,
         )

@@ -281,3 +281,57 @@ def check_coordinator_resume_draws_fresh_noise(tmp_path: Path) -> None:
         )
     steps = [r["step"] for r in loop.coordinator.ledger.records]
     assert steps == [0, 1, 2], f"ledger after resume holds steps {steps}; expected [0, 1, 2]"
+
+
+def check_coordinator_uls_resume_never_rereleases(tmp_path: Path) -> None:
+    """ULS with a checkpoint every 2 steps: the coordinator crashes after step 2 was charged AND
+    broadcast but before the next checkpoint. The resumed coordinator must continue after step
+    2 (it stays charged; its update is lost), never release step 2 a second time: across both
+    processes every step index appears once in the release journal, and once in the ledger."""
+    from userdp.server.checkpoint import read_release_journal
+
+    class Crash(Exception):
+        pass
+
+    def crash(phase, step):
+        if (phase, step) == ("sync", 3):
+            raise Crash()
+
+    population = toy.toy_population(N_USERS, 4)
+    shards = list(population.shard_sha256)
+    shapes = {"w": (8, 4), "b": (4,)}
+    settings = CoordinatorSettings(step_deadline_s=60, task_deadline_s=30, checkpoint_every=2)
+    loop = make_loopback(
+        tmp_path, _strategy(0), _params(shapes), population, settings=settings, fault_hook=crash
+    )
+    try:
+        start_worker(loop, "w0", shards, toy.ToyCompute())
+        loop.coordinator.wait_for_workers()
+        try:
+            loop.coordinator.run(5)
+        except Crash:
+            pass
+        else:
+            raise AssertionError("precondition: the simulated crash did not happen")
+    finally:
+        loop.close()
+    journal = read_release_journal(tmp_path / "ckpt")
+    assert journal == [0, 1, 2], f"precondition: releases before the crash were {journal}"
+    loop = make_loopback(tmp_path, _strategy(0), _params(shapes), population, settings=settings)
+    try:
+        start_worker(loop, "w0", shards, toy.ToyCompute())
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(5)
+    finally:
+        loop.close()
+    journal = read_release_journal(tmp_path / "ckpt")
+    twice = sorted({s for s in journal if journal.count(s) > 1})
+    assert not twice, (
+        f"step(s) {twice} released twice after resume (release journal {journal}): a step the "
+        "journal shows as broadcast must stay lost, not be replayed with new noise"
+    )
+    charged = [int(r["step"]) for r in loop.coordinator.ledger.records]
+    assert charged == sorted(set(charged)) and set(journal) <= set(charged), (
+        f"ledger {charged} vs releases {journal}: every release charged exactly once"
+    )
+    assert journal[-1] == 4, f"the resumed run did not finish: releases {journal}"

@@ -14,6 +14,7 @@ chosen so the realized cohort is ≥ 25% off the expected one), R3's "noise reus
 from __future__ import annotations
 
 import numpy as np
+from userdp.strategies.adaptive_clipping import AdaptiveClipping
 from userdp.strategies.base import ClipStatistics
 from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
 from userdp.strategies.dpftrl import BltDpFtrl
@@ -220,8 +221,62 @@ def check_noise_fresh_after_resume() -> None:
         )
 
 
+COUNT_STDDEV = 2.0  # adaptive clipping's σ_b; 2σ_b = 4 > z = 2
+
+
+def adaptive_strategy(shapes_small: bool = False) -> AdaptiveClipping:
+    return AdaptiveClipping(
+        noise_multiplier=SIGMA,
+        initial_clip_norm=CLIP,
+        count_stddev=COUNT_STDDEV,
+        target_quantile=0.5,
+        clip_lr=0.0,  # C stays at CLIP, so every step's expected std is the same
+        sampling_prob=Q,
+        seed=SAMPLER_SEED,
+        noise=test_rng(),
+        optimizer=Sgd(LR),
+    )
+
+
+def check_adaptive_clipping_noise() -> None:
+    """Adaptive clipping (Andrew et al. 2021, Thm. 1) is accounted as ONE Gaussian of multiplier
+    z on (sum, count): that holds only if the sum gets σ_Δ·C, σ_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2), and
+    the centered count gets N(0, σ_b²). (a) With zero contributions the released update is
+    N(0, (lr·σ_Δ·C/E)²) per coordinate (E = qN, on a step whose realized cohort is ≥ 25% off);
+    (b) the noisy count of 400 steps, recovered from the released clip fraction, minus the true
+    centered count, is N(0, σ_b²)."""
+    sigma_delta = (SIGMA**-2 - (2 * COUNT_STDDEV) ** -2) ** -0.5  # 2.309 for z = 2, σ_b = 2
+    pop = user_ids()
+    expected = Q * N_USERS
+    step, realized = step_with_cohort_gap(adaptive_strategy(), pop)
+    strategy = adaptive_strategy()
+    update, _ = released_update(strategy, step, pop)
+    values = np.concatenate([v.ravel() for v in update.values()])
+    assert_gaussian_noise(
+        values,
+        LR * sigma_delta * CLIP / expected,
+        f"adaptive clipping sum, step {step}: std lr·σ_Δ·C/E with σ_Δ = {sigma_delta:.4f} for "
+        f"z = {SIGMA}, σ_b = {COUNT_STDDEV} ({realized} realized units, E = {expected:g})",
+    )
+    strategy = adaptive_strategy()
+    params = {"b": np.zeros(4)}
+    count_noise = []
+    for t in range(400):
+        record = run_step(strategy, t, params, pop, zero_compute)
+        _, _, fraction = strategy.history[-1]
+        # zero_compute clips nobody: the true centered count is units − units/2 = units/2
+        count_noise.append((fraction - 0.5) * expected - record.units / 2)
+    assert_gaussian_noise(
+        np.asarray(count_noise),
+        COUNT_STDDEV,
+        f"adaptive clipping count over 400 steps: noise on Σ(b_u − ½) must be N(0, σ_b²), "
+        f"σ_b = {COUNT_STDDEV}",
+    )
+
+
 __all__ = [
     "ALPHA",
+    "check_adaptive_clipping_noise",
     "check_noise_fresh_across_steps",
     "check_noise_fresh_after_resume",
     "check_noise_fresh_on_retry",

@@ -302,3 +302,41 @@ def check_config_calibration_matches_run(tmp_path: Path) -> None:
         f"the config's sampler includes users at rate {total / (CAL_USERS * 200):.4f}, but the "
         f"config (and the accountant) say q = {CAL_Q}: exact interval [{lo}, {hi}] of 60000"
     )
+
+
+def check_sampler_seed_is_secret_unless_given(tmp_path) -> None:
+    """``output.seed`` (model init, data order) never seeds the cohort sampler: two strategies
+    built from one config with the same ``output.seed`` draw from different secret seeds and
+    different cohorts, and claim no given seed; an explicit ``strategy.sampler_seed`` is used
+    and reported as a caveat (amplification by sampling assumes a secret sampler)."""
+    from userdp.config import parse_config
+    from userdp.run_components import make_strategy
+
+    def build(**strategy):
+        config = parse_config(
+            {
+                "strategy": {"name": "uls", "sampling_prob": 0.25, **strategy},
+                "privacy": {"noise_multiplier": 1.0},
+                "output": {"seed": SEED},
+            }
+        )
+        return make_strategy(config, 400, 1.0)
+
+    users = [f"u{i}" for i in range(400)]
+    first, second = build(), build()
+    seeds = (first.sampler.state_dict()["seed"], second.sampler.state_dict()["seed"])
+    assert seeds[0] != seeds[1] and SEED not in seeds, (
+        f"two runs with output.seed = {SEED} use sampler seeds {seeds}: the cohort sampler must be "
+        "seeded secretly (os.urandom), not from output.seed"
+    )
+    cohorts = [tuple(s.sample_cohort(0, users).unit_ids) for s in (first, second)]
+    assert cohorts[0] != cohorts[1], "two runs drew the same cohort from one output.seed"
+    for strategy in (first, second):
+        assert not any("seed was given" in c for c in strategy.facts().caveats), (
+            "a secret sampler seed is reported as given"
+        )
+    given = build(sampler_seed=5)
+    assert given.sampler.state_dict()["seed"] == 5
+    assert any("seed was given explicitly" in c for c in given.facts().caveats), (
+        "strategy.sampler_seed was given but the report's caveats do not say so"
+    )

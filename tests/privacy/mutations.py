@@ -421,3 +421,54 @@ def mutation_calibration_for_fewer_steps(monkeypatch):
         return original(template, target_epsilon, delta, max(steps - 1, 1), **kwargs)
 
     monkeypatch.setattr(calibration, "calibrate_noise_multiplier", calibrate)
+
+
+# ---------------------------------------------------------------------------------------------
+# adaptive clipping (Andrew et al. 2021) and resume
+
+
+@pytest.fixture
+def mutation_adaptive_sum_noise_uses_z(monkeypatch):
+    """The sum gets the accounted z instead of σ_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) (the count's share
+    of the budget forgotten)."""
+    from userdp.strategies import adaptive_clipping
+
+    monkeypatch.setattr(adaptive_clipping, "update_noise_multiplier", lambda z, count_stddev: z)
+
+
+@pytest.fixture
+def mutation_adaptive_count_without_noise(monkeypatch):
+    """The clipped count is released exactly (no N(0, σ_b²))."""
+    from userdp.strategies.adaptive_clipping import AdaptiveClipping
+
+    def add_noise(self, step, summed, stats=None):
+        centered = (stats.units - stats.clipped) - 0.5 * stats.units
+        self._pending_fraction = centered / self.expected_cohort_size + 0.5
+        return self.noise.add(step, summed, std=self.update_noise_multiplier * self.clip_norm)
+
+    monkeypatch.setattr(AdaptiveClipping, "add_noise", add_noise)
+
+
+@pytest.fixture
+def mutation_resume_replays_released_step(monkeypatch):
+    """Resume ignores the release journal: a charged step after the checkpoint is replayed even
+    though its update was already broadcast (two releases of one step, charged once)."""
+    from userdp.server import coordinator
+
+    monkeypatch.setattr(coordinator, "read_release_journal", lambda directory: [])
+
+
+@pytest.fixture
+def mutation_sampler_seeded_by_output_seed(monkeypatch):
+    """One key seeds both model init and the secret sampler: output.seed becomes the sampler's
+    seed (a reproducible init then gives away the cohorts)."""
+    from userdp import run_components
+
+    original = run_components.make_strategy
+
+    def make_strategy(config, num_users, noise_multiplier):
+        update = {"sampler_seed": config.output.seed}
+        config = config.model_copy(update={"strategy": config.strategy.model_copy(update=update)})
+        return original(config, num_users, noise_multiplier)
+
+    monkeypatch.setattr(run_components, "make_strategy", make_strategy)

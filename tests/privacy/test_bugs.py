@@ -44,6 +44,7 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "noise_magnitude_uls": _no_tmp(partial(noise.check_noise_magnitude, "uls")),
     "noise_magnitude_els": _no_tmp(partial(noise.check_noise_magnitude, "els")),
     "noise_magnitude_blt": _no_tmp(partial(noise.check_noise_magnitude, "blt")),
+    "noise_adaptive_clipping": _no_tmp(noise.check_adaptive_clipping_noise),
     "noise_every_tensor_lora": _no_tmp(
         partial(model_noise.check_noise_on_every_trainable_tensor, 4)
     ),
@@ -58,11 +59,13 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "coordinator_noise_magnitude": coordinator.check_coordinator_noise_magnitude,
     "coordinator_exactly_once": coordinator.check_coordinator_counts_each_unit_once,
     "coordinator_resume_fresh_noise": coordinator.check_coordinator_resume_draws_fresh_noise,
+    "coordinator_uls_resume_no_rerelease": coordinator.check_coordinator_uls_resume_never_rereleases,
     "uls_sampler_matches_accountant": _no_tmp(sampling.check_uls_sampler_matches_accountant),
     "els_sampler_matches_accountant": _no_tmp(sampling.check_els_sampler_matches_accountant),
     "ledger_epsilon_matches_run": sampling.check_ledger_epsilon_matches_steps_run,
     "unaccounted_sampling_flagged": _no_tmp(sampling.check_unaccounted_sampling_is_flagged),
     "config_calibration_matches_run": sampling.check_config_calibration_matches_run,
+    "sampler_seed_secret": sampling.check_sampler_seed_is_secret_unless_given,
 }
 
 
@@ -166,6 +169,18 @@ CASES: list[Case] = [
         NOISE_STD,
         "noise_magnitude_blt",
     ),
+    *_cases(
+        "adaptive clipping: sum noise not σ_Δ",
+        "mutation_adaptive_sum_noise_uses_z",
+        r"adaptive clipping sum.*noise std is",
+        "noise_adaptive_clipping",
+    ),
+    *_cases(
+        "adaptive clipping: count released without noise",
+        "mutation_adaptive_count_without_noise",
+        r"adaptive clipping count.*" + NO_NOISE.removeprefix("noise std is "),
+        "noise_adaptive_clipping",
+    ),
     # --- noise on every trainable tensor --------------------------------------------------------
     *_cases(
         "noise missing on some parameters",
@@ -207,6 +222,12 @@ CASES: list[Case] = [
         REUSED,
         "noise_fresh_after_resume",
         "coordinator_resume_fresh_noise",
+    ),
+    *_cases(
+        "released step replayed after resume",
+        "mutation_resume_replays_released_step",
+        r"released twice after resume",
+        "coordinator_uls_resume_no_rerelease",
     ),
     # --- exactly once, clipping enforced at the coordinator ------------------------------------
     *_cases(
@@ -296,6 +317,12 @@ CASES: list[Case] = [
         "config_calibration_matches_run",
     ),
     *_cases(
+        "sampler seed derived from the public output.seed",
+        "mutation_sampler_seeded_by_output_seed",
+        r"must be seeded secretly",
+        "sampler_seed_secret",
+    ),
+    *_cases(
         "accountant given wrong steps",
         "mutation_calibration_for_fewer_steps",
         r"calibration was given the wrong steps or q",
@@ -321,6 +348,10 @@ REQUIRED_BUGS = frozenset(
         "sampler inclusion probability ≠ accountant q",
         "accountant given wrong steps",
         "accountant given wrong q",
+        "adaptive clipping: sum noise not σ_Δ",
+        "adaptive clipping: count released without noise",
+        "released step replayed after resume",
+        "sampler seed derived from the public output.seed",
     }
 )
 

@@ -75,7 +75,7 @@ def test_shuffle_allowed_only_when_acknowledged() -> None:
         ("[model]\npath = 'gpt2'\n", "a hub name such as 'gpt2' cannot be used"),
         ("[model]\nzero_stage = 3\n", "model.zero_stage = 3: ZeRO-3 is not supported"),
         ("[model]\nlora_dropout = 0.05\n", "model.lora_dropout = 0.05: only 0 is supported"),
-        ("[model]\ndeepspeed_config = 'no.json'\n", "model.deepspeed_config = 'no.json': no such"),
+        ("[model]\ndeepspeed_config = 'no.json'\n", "model.deepspeed_config = 'no.json' is not a"),
     ],
 )
 def test_config_check_cli_exit_code_and_one_line(tmp_path, capsys, content, expected) -> None:

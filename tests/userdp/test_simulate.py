@@ -44,6 +44,7 @@ def small_config(tmp_path: Path, **strategy):
                 "sampling_prob": 0.25,
                 "group_size": 2,
                 "engine": "loop",
+                "sampler_seed": 0,  # the grpc/in-process and resume comparisons need one cohort
                 "server_optimizer": "sgd",
                 "server_lr": 0.5,
                 **strategy,
@@ -327,3 +328,28 @@ def test_in_process_resume_never_reruns_a_charged_step(tmp_path) -> None:
         _resume_in_process(tmp_path, params, strategy({"buffers": torch.zeros(2)}), ledger)
     in_step = SimpleNamespace(records=[{"step": 0}, {"step": 1}], last_step=1)
     assert _resume_in_process(tmp_path, params, strategy({}), in_step) == 2
+
+
+def test_the_secret_sampler_seed_is_only_in_checkpoints(tmp_path) -> None:
+    """output.seed fixes model init, not the cohorts: two runs with the same output.seed and no
+    strategy.sampler_seed draw from different secret seeds, which no file of the run folder but
+    the checkpoints holds (config.toml, ledger, metrics, report, logs, model)."""
+    config = small_config(tmp_path)
+    config = config.model_copy(
+        update={"strategy": config.strategy.model_copy(update={"sampler_seed": None})}
+    )
+    seeds = []
+    for name in ("a", "b"):
+        result = run(config, tmp_path / name, mode="in-process", quiet=True)
+        (state,) = (result.run_dir / "checkpoints").rglob("state.json")
+        sampler = json.loads(state.read_text())["state"]["strategy"]["sampler"]
+        assert sampler["seed_was_given"] is False
+        seeds.append(int(sampler["seed"]))
+        secret = str(sampler["seed"]).encode()
+        checkpoints = result.run_dir / "checkpoints"
+        for path in result.run_dir.rglob("*"):
+            if path.is_file() and checkpoints not in path.parents:
+                assert secret not in path.read_bytes(), f"the sampler seed is in {path}"
+        report = json.loads((result.run_dir / "privacy_report.json").read_text())
+        assert not any("seed was given" in c for c in report["caveats"])
+    assert seeds[0] != seeds[1]
