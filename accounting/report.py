@@ -100,6 +100,8 @@ class PrivacyReport:
     budget_epsilon: float | None
     accountant: str = f"userdp.accounting v{ACCOUNTANT_VERSION}"
     epsilon_curve: list[tuple[int, float]] = field(default_factory=list)
+    training_users: int | None = None
+    """N, the users the run could sample (held-out users excluded); δ is read against 1/N."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -118,6 +120,15 @@ class PrivacyReport:
             f"{self.adjacency}) — guarantee {holds}.",
             "",
         ]
+        if self.training_users:
+            n = self.training_users
+            lines += [
+                f"δ next to the population: δ = {self.delta:.3g} = 1/{1 / self.delta:,.0f}, with "
+                f"N = {n:,} training users (1/N = {1 / n:.3g}; 1/(10·N) = {1 / (10 * n):.3g}). "
+                "δ bounds the probability that the ε guarantee fails for a user; it is "
+                "meaningful only when well below 1/N.",
+                "",
+            ]
         if self.caveats:
             lines += ["## Caveats", ""] + [f"- ⚠ {c}" for c in self.caveats] + [""]
         lines += ["## Parameters", "", "| field | value |", "|---|---|"]
@@ -163,6 +174,18 @@ def assumptions(unit: str, sampling: str, mechanism_kinds: list[str]) -> tuple[s
     return scheme.adjacency.format(unit=unit), scheme.accounting_matches_sampling, caveats
 
 
+def delta_caveat(delta: float, training_users: int | None) -> str | None:
+    """A warning when δ > 1/(10·N): with few users, δ is not small next to one user's share."""
+    if not training_users or delta <= 1.0 / (10 * training_users):
+        return None
+    return (
+        f"δ = {delta:.3g} (≈ 1/{1 / delta:,.0f}) is larger than 1/(10·N) = "
+        f"{1 / (10 * training_users):.3g} for N = {training_users:,} training users: a "
+        "mechanism could reveal one user's data outright with probability about δ and still "
+        "meet this (ε, δ); use more users or a smaller privacy.delta"
+    )
+
+
 def build_report(
     ledger_path: str | os.PathLike[str],
     delta: float,
@@ -173,11 +196,13 @@ def build_report(
     expected_cohort_size: float | None = None,
     curve_points: int = 0,
     extra_caveats: tuple[str, ...] = (),
+    training_users: int | None = None,
     **accountant_options: Any,
 ) -> PrivacyReport:
     """Build the report from the ledger file alone (ε recomputed, not trusted from metrics).
 
     ``curve_points`` > 0 adds ε at that many evenly spaced steps (each costs one accounting).
+    ``training_users`` (N) puts δ next to 1/N, with a caveat when δ > 1/(10·N).
     """
     header, records = read_ledger(ledger_path)
     if not records:
@@ -210,9 +235,12 @@ def build_report(
         expected_cohort_size=expected_cohort_size,
         clip_norm=clip_norm,
         accounting_matches_sampling=matches,
-        caveats=caveats + list(extra_caveats),
+        caveats=[c for c in (delta_caveat(delta, training_users),) if c]
+        + caveats
+        + list(extra_caveats),
         run_id=header["run_id"],
         budget_epsilon=header["budget_epsilon"],
+        training_users=training_users,
         epsilon_curve=curve,
     )
 

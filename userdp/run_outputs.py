@@ -117,9 +117,35 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 # ---- report ------------------------------------------------------------------------------------
 
 
-def write_facts(strategy_facts: Any, run_dir: Path) -> None:
-    """The strategy's own caveats, kept so ``userdp report`` can re-render without the run."""
-    _atomic_write_text(run_dir / "strategy_facts.json", json.dumps(strategy_facts.to_dict()))
+def write_facts(strategy_facts: Any, run_dir: Path, training_users: int | None = None) -> None:
+    """The strategy's own caveats and N (training users), kept so ``userdp report`` can
+    re-render without the run."""
+    facts = {**strategy_facts.to_dict(), "training_users": training_users}
+    _atomic_write_text(run_dir / "strategy_facts.json", json.dumps(facts))
+
+
+def clipping_summary(steps: list[Mapping[str, Any]], clip_norm: float) -> str | None:
+    """One neutral paragraph on the per-step clip fractions (not privatized, like the metrics)."""
+    fractions = [r["clip_fraction"] for r in steps if r.get("clip_fraction") is not None]
+    if not fractions:
+        return None
+    mean, low, high = sum(fractions) / len(fractions), min(fractions), max(fractions)
+    text = (
+        f"Over {len(fractions)} steps, {mean:.0%} of the sampled units had an update norm above "
+        f"C = {clip_norm:g} and were scaled down to it (per step: {low:.0%} to {high:.0%})."
+    )
+    if low == 1.0:
+        text += (
+            " Every unit was clipped in every step: each contributed a direction of norm C, "
+            "whatever its size. The noise is calibrated to C, so the guarantee is unaffected; "
+            "a larger C would keep more of the updates' relative sizes."
+        )
+    elif high == 0.0:
+        text += (
+            " No unit was clipped: C is above every update norm seen, so the noise "
+            "(proportional to C) is larger than the updates needed; a smaller C would add less."
+        )
+    return text
 
 
 def render_report(run_dir: Path, config: Any, delta: float) -> dict:
@@ -133,6 +159,7 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
     facts_path = run_dir / "strategy_facts.json"
     facts = json.loads(facts_path.read_text()) if facts_path.is_file() else {}
     caveats = list(facts.get("caveats", [])) + [METRICS_CAVEAT, EVAL_CAVEAT]
+    training_users = facts.get("training_users")
     expected = steps[-1]["expected_cohort_size"] if steps else None
     report = build_report(
         run_dir / "ledger.jsonl",
@@ -143,6 +170,7 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
         expected_cohort_size=expected,
         curve_points=10,
         extra_caveats=tuple(caveats),
+        training_users=training_users,
     )
     data = report.to_dict()
     baseline = next((r for r in evals if r["step"] == 0), None)
@@ -162,6 +190,10 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
             f"| no fine-tuning (step 0) | {_fmt(data['evaluation']['baseline_eval_loss'])} |\n"
             f"| after step {final['step']} | {_fmt(final['eval_loss'])} |\n"
         )
+    clipping = clipping_summary(steps, config.strategy.clip_norm)
+    if clipping:
+        data["clipping_summary"] = clipping
+        markdown += f"\n## Clipping (training metrics, not covered by ε)\n\n{clipping}\n"
     samples_path = run_dir / "samples.jsonl"
     if samples_path.is_file():
         from userdp.samples import samples_appendix

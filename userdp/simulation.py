@@ -252,7 +252,7 @@ class RunLoop:
             self.evaluate(steps_done, params)
         self.epsilon = self._spent()
         self.ledger.close()
-        write_facts(self.setup.strategy.facts(), self.out)
+        write_facts(self.setup.strategy.facts(), self.out, len(self.setup.population.users))
         load_parameters(self.model, params)
         if stopped != "interrupted":
             self._write_samples()

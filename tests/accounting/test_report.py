@@ -123,3 +123,38 @@ def test_balls_in_bins_semantics_must_match_sampling(tmp_path):
     for sampling in ("poisson", "balls-in-bins-per-epoch"):
         with pytest.raises(ValueError, match="bin_semantics='fixed'"):
             build_report(path, 1e-5, unit="user", sampling=sampling)
+
+
+def test_delta_is_shown_next_to_one_over_n_with_a_warning_when_large(ledger_path):
+    """With 174 training users, δ = 1/N^1.1 ≈ 0.0034 ≈ 1/291 is not small next to 1/N."""
+    n = 174
+    delta = 1.0 / n**1.1
+    report = build_report(ledger_path, delta, unit="user", sampling="poisson", training_users=n)
+    (warning,) = [c for c in report.caveats if "1/(10·N)" in c]
+    assert "N = 174 training users" in warning and "≈ 1/291" in warning
+    markdown = report.to_markdown()
+    assert "N = 174 training users (1/N = 0.00575; 1/(10·N) = 0.000575)" in markdown
+    assert report.to_dict()["training_users"] == n
+    small = build_report(ledger_path, 1e-6, unit="user", sampling="poisson", training_users=n)
+    assert not [c for c in small.caveats if "1/(10·N)" in c]
+    assert not [
+        c
+        for c in build_report(ledger_path, delta, unit="user", sampling="poisson").caveats
+        if "1/(10·N)" in c
+    ]
+
+
+def test_clipping_summary_says_what_clip_fractions_mean() -> None:
+    from userdp.run_outputs import clipping_summary
+
+    every = clipping_summary([{"clip_fraction": 1.0}] * 3, 0.5)
+    assert every.startswith(
+        "Over 3 steps, 100% of the sampled units had an update norm above C = 0.5"
+    )
+    assert "Every unit was clipped in every step" in every
+    none = clipping_summary([{"clip_fraction": 0.0}, {"clip_fraction": None}], 2.0)
+    assert "No unit was clipped" in none and "Over 1 steps" in none
+    mixed = clipping_summary([{"clip_fraction": 0.25}, {"clip_fraction": 0.75}], 1.0)
+    assert "50% of the sampled units" in mixed and "(per step: 25% to 75%)" in mixed
+    assert "Every unit" not in mixed and "No unit" not in mixed
+    assert clipping_summary([], 1.0) is None

@@ -66,6 +66,8 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "unaccounted_sampling_flagged": _no_tmp(sampling.check_unaccounted_sampling_is_flagged),
     "config_calibration_matches_run": sampling.check_config_calibration_matches_run,
     "sampler_seed_secret": sampling.check_sampler_seed_is_secret_unless_given,
+    "report_epsilon_uls": partial(sampling.check_report_epsilon_matches_dp_accounting, "uls"),
+    "report_epsilon_els": partial(sampling.check_report_epsilon_matches_dp_accounting, "els"),
 }
 
 
@@ -303,6 +305,19 @@ CASES: list[Case] = [
         "mutation_ledger_skips_first_step",
         r"every release must be charged exactly once",
         "ledger_epsilon_matches_run",
+    ),
+    *_cases(
+        "accountant given wrong steps",
+        "mutation_accountant_drops_a_step",
+        r"the report says ε",
+        "report_epsilon_uls",
+        "report_epsilon_els",
+    ),
+    *_cases(
+        "ELS accounted at example level",
+        "mutation_els_accounted_as_example_level",
+        r"the report says ε",
+        "report_epsilon_els",
     ),
     *_cases(
         "accountant given wrong q",
