@@ -7,9 +7,9 @@ step and model version, covering exactly the task's units. A failed task (worker
 TaskFailed, bad partial) is closed for good and its groups return to the pending pool, to be
 re-batched under a new task id with a higher attempt number, never to the worker that failed them.
 Results of closed tasks (late duplicates), of other steps or attempts are discarded; a bad partial
-(wrong units, counts, tensor names, shapes, dtypes, non-finite values, or a norm above
-``count · clip_norm`` — a worker that did not clip; not checked under randomized clipping, where
-estimated norms let a unit exceed C by design) is rejected and its groups re-issued. Each
+(wrong units, counts, tensor names, shapes, dtypes, non-finite values, or a norm above what
+``count`` clipped units can sum to — a worker that did not clip; :func:`contribution_bound`)
+is rejected and its groups re-issued. Each
 unit belongs to exactly one group and a group is marked done exactly once, so every unit
 contributes exactly once; :meth:`StepGather.result` re-checks that before anything is released.
 
@@ -28,6 +28,31 @@ from userdp.proto.tensors import FLOAT_DTYPES, WireTensor
 from userdp.server.planning import ShardGroup
 
 NORM_TOLERANCE = 1e-3
+ESTIMATE_ALPHA = 1e-9
+"""Randomized clipping: the probability that an honest partial exceeds its bound (then it is
+only re-issued, which costs time, not privacy)."""
+
+
+def contribution_bound(count: int, clip_norm: float, probes: int = 0) -> float:
+    """The largest norm a sum of ``count`` clipped units can have.
+
+    Exact norms: count·C. Norms estimated with k Gaussian probes (randomized clipping) clip a
+    unit by its estimate, so it contributes C·Z with Z = ‖g‖/√n̂ unbounded; its law is dominated
+    by the randomized-clipping accountant's envelope Z_cons = max(1, √(k/χ²_k)) ("Efficient
+    DP-SGD for LLMs with Randomized Clipping", the rank-1 spectrum; see
+    userdp.accounting.randomized_clipping). By a union bound over the units, count·C·z* with
+    z* = √(k / χ²_k⁻¹(α/count)) holds for an honest worker except with probability α =
+    :data:`ESTIMATE_ALPHA` (z* ≈ 3.24 for k = 32, count = 100), while a worker that does not clip
+    at all sends ‖Σ g_u‖, typically far above it."""
+    bound = count * clip_norm
+    if probes > 0 and count > 0:
+        from scipy import stats
+
+        quantile = float(stats.chi2.ppf(ESTIMATE_ALPHA / count, probes))
+        bound *= max(1.0, math.sqrt(probes / quantile))
+    return bound * (1 + NORM_TOLERANCE) + 1e-6
+
+
 """Relative slack on the ‖partial‖ ≤ count · C check (float32 sums of clipped vectors)."""
 
 
@@ -129,15 +154,16 @@ class StepGather:
         template: Mapping[str, TensorSpec],
         clip_norm: float,
         *,
-        norms_estimated: bool = False,
+        estimate_probes: int = 0,
     ) -> None:
-        """``norms_estimated``: units were clipped by ESTIMATED norms (randomized clipping), so a
-        unit may legitimately contribute C·Z with Z > 1 (covered by its accountant) and the
-        count·C bound is not checked; everything else is."""
+        """``estimate_probes`` > 0: units were clipped by norms ESTIMATED with that many Gaussian
+        probes (randomized clipping), so a unit may legitimately contribute C·Z with Z > 1
+        (covered by its accountant): the norm bound is :func:`contribution_bound`'s for k
+        probes instead of count·C."""
         self.step = step
         self.model_version = model_version
         self.clip_norm = float(clip_norm)
-        self.norms_estimated = bool(norms_estimated)
+        self.estimate_probes = int(estimate_probes)
         self.template = dict(template)
         self._groups = {g.group_id: _GroupState(g) for g in groups}
         self._tasks: dict[str, _TaskState] = {}
@@ -293,11 +319,17 @@ class StepGather:
             if not bool(torch.isfinite(t).all()):
                 return f"tensor {name!r} has non-finite values"
             squared += float(torch.sum(t.to(torch.float64) ** 2))
-        bound = partial.count * self.clip_norm * (1 + NORM_TOLERANCE) + 1e-6
-        if not self.norms_estimated and math.sqrt(squared) > bound:
+        bound = contribution_bound(partial.count, self.clip_norm, self.estimate_probes)
+        if math.sqrt(squared) > bound:
+            what = (
+                f"the bound of {partial.count} units clipped by {self.estimate_probes}-probe "
+                "norm estimates"
+                if self.estimate_probes
+                else "count*clip_norm"
+            )
             return (
-                f"partial sum norm {math.sqrt(squared):.6g} exceeds count*clip_norm = "
-                f"{partial.count * self.clip_norm:.6g} (units not clipped)"
+                f"partial sum norm {math.sqrt(squared):.6g} exceeds {what} = {bound:.6g} "
+                "(units not clipped)"
             )
         return None
 

@@ -294,7 +294,7 @@ class Coordinator:
             groups,
             self.template,
             spec.clip_norm,
-            norms_estimated=spec.engine == "randomized" and spec.probes > 0,
+            estimate_probes=spec.probes if spec.engine == "randomized" else 0,
         )
 
         self._phase("gather", step, times, started)

@@ -59,10 +59,11 @@ def _partial(gather: StepGather, task_id: str, attempt: int, worker: str, scale:
     )
 
 
-def _new_gather(cohort: list[str]) -> StepGather:
+def _new_gather(cohort: list[str], estimate_probes: int = 0) -> StepGather:
     groups = plan_groups(STEP, cohort, _population().shard_of_unit)
     assert len(groups) == 4, "the scenario needs four shard groups"
-    return StepGather(STEP, 7, groups, {"w": TensorSpec((DIM,), "float32")}, CLIP)
+    template = {"w": TensorSpec((DIM,), "float32")}
+    return StepGather(STEP, 7, groups, template, CLIP, estimate_probes=estimate_probes)
 
 
 def _offer(gather: StepGather, partial: PartialSum, what: str):
@@ -165,3 +166,35 @@ def check_unclipped_partial_is_rejected() -> None:
     retry, retry_attempt = gather.issue("worker-b", groups, now=1.0)
     assert _offer(gather, _partial(gather, retry, retry_attempt, "worker-b"), "retry").accepted
     _assert_sum_is_each_unit_once(gather, cohort, "after rejecting an unclipped partial")
+
+
+RC_PROBES = 32
+
+
+def check_unclipped_partial_is_rejected_under_randomized_clipping() -> None:
+    """Randomized clipping (units clipped by k-probe norm estimates): an honest worker's partial
+    may exceed count·C (each unit contributes C·Z, Z = ‖g‖/√n̂), but a worker that does not clip
+    is still rejected: a partial of 10·count·C, far above the envelope's bound (about 3·count·C
+    for k = 32), is refused and re-issued, while 2·count·C (within it) is accepted."""
+    cohort = [f"user-{i}" for i in range(12)]
+    gather = _new_gather(cohort, estimate_probes=RC_PROBES)
+    groups = [g.group_id for g in gather.pending()]
+    task, attempt = gather.issue("worker-a", groups, now=0.0)
+    count = len(gather.task_units(task))
+    bad = _partial(gather, task, attempt, "worker-a")
+    norm = float(torch.linalg.vector_norm(bad.tensors["w"]))
+    bad.tensors = {"w": bad.tensors["w"] * (10 * count * CLIP / norm)}
+    verdict = _offer(gather, bad, "unclipped partial under randomized clipping")
+    assert not verdict.accepted and verdict.reissue, (
+        f"a partial of norm {10 * count * CLIP:.3g} = 10·count·C from {count} units clipped by "
+        f"{RC_PROBES}-probe estimates was accepted ({verdict.reason}): with estimated norms the "
+        "coordinator must still refuse a worker that does not clip"
+    )
+    retry, retry_attempt = gather.issue("worker-b", groups, now=1.0)
+    within = _partial(gather, retry, retry_attempt, "worker-b")
+    norm = float(torch.linalg.vector_norm(within.tensors["w"]))
+    within.tensors = {"w": within.tensors["w"] * (2 * count * CLIP / norm)}
+    assert _offer(gather, within, "estimated-norm partial").accepted, (
+        f"a partial of 2·count·C from {count} units clipped by estimated norms was refused: "
+        "the bound must allow the estimates' spread (Z > 1)"
+    )

@@ -472,3 +472,14 @@ def mutation_sampler_seeded_by_output_seed(monkeypatch):
         return original(config, num_users, noise_multiplier)
 
     monkeypatch.setattr(run_components, "make_strategy", make_strategy)
+
+
+@pytest.fixture
+def mutation_estimated_norms_unchecked(monkeypatch):
+    """With estimated norms (randomized clipping) the coordinator skips the norm bound."""
+    original = aggregation.contribution_bound
+
+    def contribution_bound(count, clip_norm, probes=0):
+        return math.inf if probes else original(count, clip_norm, probes)
+
+    monkeypatch.setattr(aggregation, "contribution_bound", contribution_bound)

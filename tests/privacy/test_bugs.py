@@ -56,6 +56,9 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "noise_fresh_after_resume": _no_tmp(noise.check_noise_fresh_after_resume),
     "exactly_once_gather": _no_tmp(gather.check_exactly_once_under_retries),
     "unclipped_partial_rejected": _no_tmp(gather.check_unclipped_partial_is_rejected),
+    "unclipped_partial_rejected_rc": _no_tmp(
+        gather.check_unclipped_partial_is_rejected_under_randomized_clipping
+    ),
     "coordinator_noise_magnitude": coordinator.check_coordinator_noise_magnitude,
     "coordinator_exactly_once": coordinator.check_coordinator_counts_each_unit_once,
     "coordinator_resume_fresh_noise": coordinator.check_coordinator_resume_draws_fresh_noise,
@@ -250,6 +253,12 @@ CASES: list[Case] = [
         "mutation_unclipped_partial_accepted",
         r"a worker that does not clip",
         "unclipped_partial_rejected",
+    ),
+    *_cases(
+        "missing clipping",
+        "mutation_estimated_norms_unchecked",
+        r"must still refuse a worker that does not clip",
+        "unclipped_partial_rejected_rc",
     ),
     # --- sampling vs accounting -----------------------------------------------------------------
     *_cases(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from userdp.server.aggregation import ExactlyOnceViolation, PartialSum, StepGather, TensorSpec
@@ -122,20 +123,40 @@ def test_planning_groups_by_shard_and_balances_replicas():
     assert choose_worker("b", {"w1": {"b"}}, {}, exclude={"w1"}) is None
 
 
-@pytest.mark.parametrize("estimated", [False, True])
-def test_count_times_c_bound_is_checked_unless_norms_are_estimated(estimated):
+@pytest.mark.parametrize("probes", [0, 32])
+def test_count_times_c_bound_is_checked_and_widened_for_estimated_norms(probes):
     groups = [ShardGroup("7/a", 7, "a", ("u1",))]
-    g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, norms_estimated=estimated)
+    g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, estimate_probes=probes)
     task, _ = g.issue("w1", ["7/a"], 0.0)
     over = g.offer(_partial(task, 0, "w1", ("u1",), value=1.5))  # norm 2.6 > 1·C
-    assert over.accepted == estimated
-    if not estimated:
+    assert over.accepted == bool(probes)  # within 1·C·z* (z* ≈ 2.76 for k = 32, one unit)
+    if not probes:
         assert "exceeds count*clip_norm" in over.reason
+
+
+def test_estimated_norms_still_reject_a_worker_that_does_not_clip():
+    """Randomized clipping: an honest unit contributes C·Z with Z ≤ z* except with probability
+    1e-9 under the accountant's envelope; an unclipped gradient (here 20·C) is rejected."""
+    from scipy import stats
+    from userdp.server.aggregation import contribution_bound
+
+    z_star = (32 / stats.chi2.ppf(1e-9, 32)) ** 0.5
+    assert contribution_bound(1, 1.0, 32) == pytest.approx(z_star * (1 + 1e-3) + 1e-6)
+    assert 2.7 < z_star < 2.8 and contribution_bound(1, 1.0) == pytest.approx(1.001 + 1e-6)
+    # honest units: their estimated-norm contributions C·√(k/χ²_k) stay below the bound
+    rng = np.random.default_rng(0)
+    honest = np.sqrt(32 / rng.chisquare(32, size=(2000, 50)))
+    assert np.all(honest.sum(axis=1) <= contribution_bound(50, 1.0, 32))
+    groups = [ShardGroup("7/a", 7, "a", ("u1",))]
+    g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, estimate_probes=32)
+    task, _ = g.issue("w1", ["7/a"], 0.0)
+    unclipped = g.offer(_partial(task, 0, "w1", ("u1",), value=20.0))
+    assert not unclipped.accepted and "norm estimates" in unclipped.reason
 
 
 def test_estimated_norms_still_reject_non_finite_partials():
     groups = [ShardGroup("7/a", 7, "a", ("u1",))]
-    g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, norms_estimated=True)
+    g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, estimate_probes=32)
     task, _ = g.issue("w1", ["7/a"], 0.0)
     bad = g.offer(_partial(task, 0, "w1", ("u1",), value=float("nan")))
     assert not bad.accepted and "non-finite" in bad.reason
