@@ -16,7 +16,10 @@ behind and every later process waits on it forever. So:
 A lock is stale when no process holds it open or works in its build directory (Linux: read from
 ``/proc``, for the lock owner's processes; torch's builder keeps the lock open for the whole build
 and runs ninja in that directory). Where that cannot be checked, a lock older than
-:data:`STALE_LOCK_AGE_S` is stale.
+:data:`STALE_LOCK_AGE_S` is stale. Limits: builders in another PID namespace (two containers
+sharing one cache volume) are invisible to ``/proc`` here, so such a cache must not be shared
+(images build their own); a builder that is alive but hung keeps its lock, and then the worker's
+start-up bound (``coordinator.worker_startup_s``) ends the wait.
 """
 
 from __future__ import annotations
@@ -60,12 +63,12 @@ def ops_to_build(accelerator: str, requested: Sequence[str] = ()) -> list[str]:
     return names
 
 
-def extensions_dir() -> Path:
-    """The JIT cache torch builds into (``$TORCH_EXTENSIONS_DIR``, else torch's default)."""
-    from torch.utils.cpp_extension import get_default_build_root
+def build_directory(op_name: str) -> Path:
+    """Where torch builds ``op_name`` (``$TORCH_EXTENSIONS_DIR/NAME``, else torch's default root
+    with its python/accelerator subfolder), computed the way torch's JIT loader does."""
+    from torch.utils.cpp_extension import _get_build_directory
 
-    env = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(env) if env else Path(get_default_build_root())
+    return Path(_get_build_directory(op_name, False))
 
 
 def _proc_uid(pid_dir: Path) -> int | None:
@@ -123,7 +126,8 @@ def heal_stale_lock(lock: Path, recheck_s: float = 1.0) -> bool:
         if attempt == 0:
             time.sleep(recheck_s)
     try:
-        if lock.stat().st_ino != stat.st_ino:
+        now = lock.stat()
+        if (now.st_ino, now.st_ctime_ns) != (stat.st_ino, stat.st_ctime_ns):
             return False  # a new build took the lock meanwhile
         lock.unlink()
     except FileNotFoundError:
@@ -149,7 +153,7 @@ def _forget_build(name: str) -> None:
 def _build_one(builder, on_wait: Callable[[], None] | None) -> None:
     """``builder.load()`` with a watcher that heals the op's lock if the build it waits on dies;
     retried after a heal (torch's waiter then finds no library and raises)."""
-    lock = extensions_dir() / builder.NAME / "lock"
+    lock = build_directory(builder.NAME) / "lock"
     stop = threading.Event()
     healed = threading.Event()
 

@@ -22,6 +22,8 @@ import torch
 from userdp.clients.batching import EngineError
 from userdp.clients.clipping import ClippedSum, flat_views
 
+from userdp.config import deepspeed_json_problem
+
 log = logging.getLogger(__name__)
 
 
@@ -63,8 +65,12 @@ def deepspeed_config(
     DeepSpeed's own format) with the keys userdp controls set (:data:`CONTROLLED`, bf16 from
     ``model.dtype``) or removed (:data:`DROPPED`: the batch size DeepSpeed derives, the optimizer
     and scheduler userdp never steps, fp16/amp), and ZeRO's stage from the user's file or else
-    ``zero_stage``. Returns the config and one note per user value that was overridden."""
+    ``zero_stage``. Returns the config and one note per user value that was overridden. Raises
+    EngineError for ZeRO-3 and for keys that partition a unit's parameters or tokens."""
     config = dict(user or {})
+    problem = deepspeed_json_problem(config)
+    if problem:
+        raise EngineError(f"model.deepspeed_config {problem}")  # checked at load; also here
     notes = []
     for key, value in CONTROLLED.items():
         if key in config and config[key] != value:
@@ -87,16 +93,6 @@ def deepspeed_config(
     zero.setdefault("stage", zero_stage)
     config["zero_optimization"] = zero
     return config, notes
-
-
-def read_deepspeed_json(path: str | None) -> dict[str, Any] | None:
-    """``model.deepspeed_config``'s JSON object (None when unset)."""
-    if not path:
-        return None
-    import json
-    from pathlib import Path
-
-    return json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
 
 
 def wrap_with_deepspeed(

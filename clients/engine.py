@@ -256,7 +256,9 @@ def build_engine(
     module = build_model(config.model, shape, seed)
     ds_engine = None
     if use_deepspeed:
-        from userdp.clients.distributed import read_deepspeed_json, wrap_with_deepspeed
+        from userdp.clients.distributed import wrap_with_deepspeed
+
+        from userdp.config import read_deepspeed_json
 
         ds_engine = wrap_with_deepspeed(
             module,

@@ -231,10 +231,13 @@ def _micro_batch(
     weighted = (losses * batch.weights).sum()
     outputs = [call.output for call in capture.calls]
     direct = None
+    unit_checks: dict[int, float] = {}
     if verify:
         direct = torch.autograd.grad(
             weighted, list(params.values()), retain_graph=True, allow_unused=True
         )
+        if probes is None:  # exact norms: check single units too (see verify_attribution)
+            unit_checks = _direct_unit_squared_norms(losses, batch, layout, params)
     with record_function("userdp.output_backward"):
         grads = torch.autograd.grad(weighted, outputs, allow_unused=True)
     for call, grad in zip(capture.calls, grads, strict=True):
@@ -254,7 +257,23 @@ def _micro_batch(
             acc,
             probes,
             direct,
+            unit_checks,
         )
+
+
+def _direct_unit_squared_norms(
+    losses: torch.Tensor, batch: MicroBatch, layout: Layout, params: dict[str, torch.Tensor]
+) -> dict[int, float]:
+    """‖∇ loss_u‖² by autograd, for the first and the last unit of the micro-batch alone."""
+    out = {}
+    for j in sorted({0, len(layout.unit_rows) - 1}):
+        rows = layout.unit_rows[j].to(losses.device)
+        loss = (losses[rows] * batch.weights[rows]).sum()
+        parts = torch.autograd.grad(
+            loss, list(params.values()), retain_graph=True, allow_unused=True
+        )
+        out[j] = float(sum(p.double().pow(2).sum() for p in parts if p is not None))
+    return out
 
 
 def _clip_and_add(
@@ -269,6 +288,7 @@ def _clip_and_add(
     acc: Accumulator,
     probes: ProbeSource | None,
     direct: Sequence[torch.Tensor | None] | None,
+    unit_checks: dict[int, float] | None = None,
 ) -> bool:
     """Steps 3-5 of the module docstring for one micro-batch. Per-unit quantities stay on the
     device until one copy to the host (norms and losses), so the GPU is not stalled per weight
@@ -315,6 +335,7 @@ def _clip_and_add(
     verified = False
     if direct is not None and all(f is not None for f in factors):
         verify_attribution(params, direct, weights, small)
+        verify_unit_norms(params, unit_checks or {}, host[0], tensor_cores_active(device))
         verified = True
     kept = [j for j, f in enumerate(factors) if f is not None]
     if not kept:
@@ -366,6 +387,28 @@ def verify_attribution(
             "parameter is used outside the module that owns it, or by an unsupported layer): "
             "use strategy.engine = 'loop'"
         )
+
+
+def verify_unit_norms(
+    params: dict[str, torch.Tensor],
+    direct: dict[int, float],
+    attributed: torch.Tensor,
+    tensor_cores: bool,
+) -> None:
+    """A single unit's squared norm as attributed (ghost/book-keeping, re-runs) must equal
+    autograd's for that unit alone. :func:`verify_attribution` checks only the SUM over units,
+    which a layer that mixes units' tokens (e.g. a reshape the hooks misread) leaves intact while
+    moving one user's gradient into another's clipped vector: refuse that too."""
+    low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params.values())
+    tol = (5e-2 if low_precision else 1e-3) + (4 * TENSOR_CORE_NORM_MARGIN if tensor_cores else 0)
+    for j, want in direct.items():
+        got = float(attributed[j])
+        if abs(got - want) > tol * max(got, want) + 1e-12:
+            raise EngineError(
+                f"the vectorized engines attribute a squared norm of {got:.6g} to one unit whose "
+                f"own gradient has {want:.6g}: some layer mixes units' tokens in a way the hooks "
+                "cannot follow; use strategy.engine = 'loop'"
+            )
 
 
 def vectorized_clipped_sum(

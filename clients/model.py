@@ -29,6 +29,11 @@ PRESETS: dict[str, tuple[str, int, int, int]] = {
 }
 
 
+# Where userdp's default differs from PEFT's: GPT-2 keeps adapters on attention AND MLP (PEFT's
+# mapping has c_attn only), as userdp has always trained it.
+USERDP_LORA_TARGETS: dict[str, list[str]] = {"gpt2": ["c_attn", "c_proj", "c_fc"]}
+
+
 class ModelBuildError(ValueError):
     """The model section cannot be built (missing local path, peft not installed...)."""
 
@@ -118,8 +123,8 @@ def _preset_model(name: str, shape: ModelShape) -> torch.nn.Module:
 
 def lora_targets(model: torch.nn.Module, model_config: Any) -> list[str] | str:
     """``model.lora_target_modules`` when given (each must name a module of the model), else
-    PEFT's own targets for the model type, else PEFT's "all-linear" (every Linear layer of
-    attention and MLP, not the output head)."""
+    PEFT's own targets for the model type (GPT-2: :data:`USERDP_LORA_TARGETS`), else PEFT's
+    "all-linear" (every Linear layer of attention and MLP, not the output head)."""
     names = [name for name, _ in model.named_modules()]
     given = model_config.lora_target_modules
     if given:
@@ -131,10 +136,15 @@ def lora_targets(model: torch.nn.Module, model_config: Any) -> list[str] | str:
                 f"{type(model).__name__}; its module names include {leaves[:24]}"
             )
         return list(given)
+    import re
+
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    default = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    default = USERDP_LORA_TARGETS.get(model_type)
+    default = default or TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if isinstance(default, str):  # PEFT gives some types as a regex over module names
+        return default if any(re.fullmatch(default, n) for n in names) else "all-linear"
     if default and all(any(n.endswith("." + t) for n in names) for t in default):
         return list(default)
     return "all-linear"

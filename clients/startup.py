@@ -79,14 +79,15 @@ class StartupReporter:
         self._wake.set()
 
     def stop(self) -> None:
-        """No more reports (the worker is connected: its session shows it is alive)."""
+        """No more reports (the worker is connected: its session shows it is alive); the
+        reporting thread ends and closes its channel."""
         self._stop.set()
         self._wake.set()
 
     def close(self) -> None:
+        """Stop reporting; the thread closes the channel once its last call has returned."""
         self.stop()
         self._thread.join(timeout=REPORT_TIMEOUT_S + 1)
-        self._channel.close()
 
     def _report(self) -> bool:
         """Send the current phase; False once reporting is pointless (see FINAL_CODES)."""
@@ -107,8 +108,11 @@ class StartupReporter:
         return True
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._report():
-                return
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
+        try:
+            while not self._stop.is_set():
+                if not self._report():
+                    return
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+        finally:
+            self._channel.close()

@@ -28,6 +28,7 @@ from userdp.proto.tensors import FLOAT_DTYPES, WireTensor
 from userdp.server.planning import ShardGroup
 
 NORM_TOLERANCE = 1e-3
+"""Relative slack on the ‖partial‖ ≤ count · C check (float32 sums of clipped vectors)."""
 ESTIMATE_ALPHA = 1e-9
 """Randomized clipping: the probability that an honest partial exceeds its bound (then it is
 only re-issued, which costs time, not privacy)."""
@@ -51,9 +52,6 @@ def contribution_bound(count: int, clip_norm: float, probes: int = 0) -> float:
         quantile = float(stats.chi2.ppf(ESTIMATE_ALPHA / count, probes))
         bound *= max(1.0, math.sqrt(probes / quantile))
     return bound * (1 + NORM_TOLERANCE) + 1e-6
-
-
-"""Relative slack on the ‖partial‖ ≤ count · C check (float32 sums of clipped vectors)."""
 
 
 @dataclass(frozen=True)

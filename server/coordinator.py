@@ -142,7 +142,8 @@ class CoordinatorSettings:
     worker_startup_s: float = 1800.0
     """The longest wait for every shard to have a ready worker (see :mod:`userdp.server.startup`)."""
     worker_stall_s: float = 300.0
-    """While waiting, the longest silence of every worker still starting before the wait fails."""
+    """While waiting, the longest silence of every worker still starting before the wait fails
+    (a dead process; a hung one keeps reporting and is ended by ``worker_startup_s``)."""
     ack_wait_s: float = 5.0
     """At a step's start, how long to wait for workers to acknowledge the current model."""
     heartbeat_timeout_s: float = 30.0

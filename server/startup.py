@@ -6,8 +6,9 @@ change and every few seconds); once connected, its session's messages show it is
 holds the current model. :class:`StartupWait` judges one moment of that wait: done (every shard
 has a ready holder), still waiting, or failed, with a one-line reason naming each starting
 worker's phase. It fails when the overall bound ``worker_startup_s`` has passed, or when workers
-had started reporting and every one still starting has been silent for ``worker_stall_s`` (it died
-or hangs). Before any worker has reported only the overall bound applies: in a deployment the
+had started reporting and every one still starting has been silent for ``worker_stall_s`` (its
+process died or lost the coordinator; reports come from a background thread, so a worker hung
+inside a phase keeps reporting and only ``worker_startup_s`` ends that wait). Before any worker has reported only the overall bound applies: in a deployment the
 workers' pods may still be scheduled or pulling their image.
 """
 

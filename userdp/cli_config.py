@@ -7,9 +7,13 @@ import json
 
 
 def _check(args: argparse.Namespace) -> int:
-    from userdp.config import load_config
+    from userdp.config import ConfigError, load_config
+    from userdp.tracking import missing_backends
 
-    load_config(args.file)
+    config = load_config(args.file)
+    missing = missing_backends(config.output.report_to)
+    if missing:  # the machine that runs simulate/train needs them; checked here too
+        raise ConfigError("output.report_to: " + "; ".join(missing))
     print(f"{args.file}: ok")
     return 0
 

@@ -86,7 +86,7 @@ def _report(args: argparse.Namespace) -> int:
     config_path = run_dir / "config.toml"
     if not (run_dir / "ledger.jsonl").is_file() or not config_path.is_file():
         raise ValueError(f"{run_dir} is not a run folder (needs ledger.jsonl and config.toml)")
-    config = load_config(config_path)
+    config = load_config(config_path, local_files=False)  # the run's machine's paths
     if config.privacy.delta is None:
         raise ValueError(f"{config_path} has no privacy.delta (not written by a userdp run)")
     delta = args.delta if args.delta is not None else config.privacy.delta

@@ -47,7 +47,11 @@ def _run(args: argparse.Namespace) -> int:
     token = read_token(args.token_file) if args.token_file else None
     tls = read_tls_files(args.tls_dir, worker_id) if args.tls_dir else None
     store = ShardStore(shard_dir, shards=names)
-    startup = StartupReporter(target, worker_id, store.shard_names, token=token, tls=tls)
+    try:
+        startup = StartupReporter(target, worker_id, store.shard_names, token=token, tls=tls)
+    except BaseException:
+        store.close()
+        raise
     try:
         if args.verify:
             startup.phase("verifying shards")

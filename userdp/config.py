@@ -84,27 +84,12 @@ def check_local_files(config: Config) -> None:
                 "then give the folder"
             )
     if model.deepspeed_config is not None:
-        problem = _deepspeed_json_problem(model.deepspeed_config)
-        if problem:
-            problems.append(f"model.deepspeed_config = {model.deepspeed_config!r} {problem}")
+        try:
+            read_deepspeed_json(model.deepspeed_config)
+        except ValueError as exc:
+            problems.append(str(exc))
     if problems:
         raise ConfigError("; ".join(problems))
-
-
-def _deepspeed_json_problem(value: str) -> str | None:
-    path = Path(value).expanduser()
-    try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return "is not a file (a DeepSpeed JSON config)"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return f"is not a readable JSON file: {exc}"
-    if not isinstance(loaded, dict):
-        return "must hold a JSON object (DeepSpeed's config format)"
-    stage = (loaded.get("zero_optimization") or {}).get("stage", 0)
-    if stage not in (0, 1, 2):
-        return f"sets zero_optimization.stage = {stage!r}; {ZERO3_REFUSAL}"
-    return None
 
 
 ZERO3_REFUSAL = (
@@ -113,6 +98,49 @@ ZERO3_REFUSAL = (
     "per-unit norms) and a worker applies the coordinator's broadcast to whole tensors; neither "
     "is implemented for partitioned parameters (docs/worker.md). Use stage 0-2"
 )
+
+
+PARTITIONING = ("tensor_parallel", "sequence_parallel_size", "pipeline", "moe", "expert_parallel")
+"""Keys that split a module's parameters or tokens across a worker's ranks: a rank would then
+see only part of a unit's gradient (its norm) or of its tokens, so they are refused."""
+
+
+def deepspeed_json_problem(config: Any) -> str | None:
+    """Why a DeepSpeed config object cannot drive a userdp worker (None when it can)."""
+    if not isinstance(config, dict):
+        return "must hold a JSON object (DeepSpeed's config format)"
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        return f"sets zero_optimization.stage = {stage!r}; {ZERO3_REFUSAL}"
+    for key in PARTITIONING:
+        value = config.get(key)
+        if value not in (None, {}, False, 0, 1):
+            return (
+                f"sets {key!r}: it splits a module's parameters or tokens across the worker's "
+                "ranks, so no rank sees a unit's whole gradient to clip it; remove it"
+            )
+    return None
+
+
+def read_deepspeed_json(path: str | None) -> dict[str, Any] | None:
+    """``model.deepspeed_config``'s JSON object (None when unset); ValueError naming the file and
+    what is wrong when it is unreadable or cannot drive a userdp worker."""
+    if not path:
+        return None
+    try:
+        loaded = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(
+            f"model.deepspeed_config = {path!r} is not a file (a DeepSpeed JSON config)"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(
+            f"model.deepspeed_config = {path!r} is not a readable JSON file: {exc}"
+        ) from None
+    problem = deepspeed_json_problem(loaded)
+    if problem:
+        raise ValueError(f"model.deepspeed_config = {path!r} {problem}")
+    return loaded
 
 
 def _zero_stage(value: int) -> int:
@@ -222,7 +250,9 @@ class CoordinatorConfig(_Section):
     their start-up phase while they load the model and build DeepSpeed's op)."""
     worker_stall_s: Positive = 300.0
     """While waiting for workers: fail when every worker still starting has sent nothing for
-    this long (it died or hangs). Before any worker has reported only worker_startup_s applies."""
+    this long (its process died or lost the coordinator; a worker reports from a background
+    thread, so one hung inside a phase is ended by worker_startup_s). Before any worker has
+    reported only worker_startup_s applies."""
     checkpoint_every: PositiveInt = 10
     max_message_mb: Annotated[int, Field(ge=1, le=2047)] = 64
     auth_token_file: str | None = None
@@ -261,7 +291,7 @@ class OutputConfig(_Section):
     """How many held-out users' prompts to use when ``sample_prompts`` is not set (0 = none)."""
     sample_max_new_tokens: PositiveInt = 32
     seed: NonNegativeInt | None = None
-    """Seeds model init and data order for reproducible research runs; never the cohort sampler
+    """Seeds model init for reproducible research runs; never the cohort sampler
     (``strategy.sampler_seed``, secret by default) nor the noise (always from os.urandom)."""
 
 
@@ -296,11 +326,6 @@ def parse_config(raw: dict[str, Any]) -> Config:
     except ValidationError as exc:
         lines = [_format_error(err) for err in exc.errors()]
         raise ConfigError("; ".join(lines)) from None
-    from userdp.tracking import missing_backends
-
-    missing = missing_backends(config.output.report_to)
-    if missing:
-        raise ConfigError("output.report_to: " + "; ".join(missing))
     if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
         raise ConfigError(
             "strategy.sampling = 'shuffle' has no tight accountant: set "

@@ -41,6 +41,23 @@ EVAL_CAVEAT = (
 )
 
 
+TRAINED_TOKENIZER_CAVEAT = (
+    "The tokenizer (userdp shard --tokenizer bpe:N) was trained on the users' raw text, without "
+    "noise, and is exported with the model (model/tokenizer.json): its vocabulary is not covered "
+    "by ε. Use a public tokenizer (--tokenizer DIR) to publish the model."
+)
+
+
+def _tokenizer_kind(config: Any) -> str | None:
+    """The shards' tokenizer kind (``byte``, ``bpe``, ``transformers``, ``tokenizers``)."""
+    from userdp.clients.shard_format import read_manifest
+
+    try:
+        return read_manifest(config.data.shards).tokenizer.kind if config.data.shards else None
+    except (OSError, ValueError):
+        return None
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -160,6 +177,8 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
     facts = json.loads(facts_path.read_text()) if facts_path.is_file() else {}
     caveats = list(facts.get("caveats", [])) + [METRICS_CAVEAT, EVAL_CAVEAT]
     training_users = facts.get("training_users")
+    if _tokenizer_kind(config) == "bpe":
+        caveats.append(TRAINED_TOKENIZER_CAVEAT)
     expected = steps[-1]["expected_cohort_size"] if steps else None
     report = build_report(
         run_dir / "ledger.jsonl",

@@ -2,9 +2,10 @@
 
 Prompts are ``output.sample_prompts`` (text, encoded with the shards' tokenizer) or, by default,
 the first tokens of the first example of ``output.sample_count`` held-out users. Held-out users
-are never trained on, so ε does not cover them, and their text appears verbatim in the samples:
-keep the samples inside the trust boundary unless those users' data may be shown. Continuations
-are greedy (deterministic) and at most ``output.sample_max_new_tokens`` long.
+are never trained on, so ε does not cover them, and their text appears verbatim in
+``samples.jsonl``: keep that file inside the trust boundary (the report's appendix shows only the
+continuations of configured prompts). Continuations are greedy (deterministic) and at most
+``output.sample_max_new_tokens`` long.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 PROMPT_TOKENS = 16
 """Tokens of a held-out user's first example used as its prompt."""
 HELD_OUT_CAVEAT = (
-    "Prompts taken from held-out users show their text verbatim; those users are not covered "
-    "by ε (they never contribute to training). Keep these samples inside the trust boundary "
-    "unless that text may be shown, or set output.sample_prompts."
+    "Prompts taken from held-out users are their text verbatim, and those users are not covered "
+    "by ε (they never contribute to training): keep samples.jsonl inside the trust boundary, or "
+    "set output.sample_prompts to public prompts."
 )
 
 
@@ -94,13 +95,22 @@ def write_samples(rows: Sequence[dict[str, Any]], run_dir: Path) -> Path:
 
 
 def samples_appendix(rows: Sequence[dict[str, Any]]) -> str:
-    """The report's appendix (markdown) for ``rows``."""
+    """The report's appendix (markdown) for ``rows``. Continuations of configured prompts are
+    shown; those of held-out users' prompts are only counted (their prompts are private text:
+    they stay in ``samples.jsonl``), so the report stays publishable."""
     if not rows:
         return ""
     lines = ["", "## Appendix: generation samples", ""]
-    if any(row["source"].startswith("held-out user") for row in rows):
-        lines += [f"Note: {HELD_OUT_CAVEAT}", ""]
+    held_out = [row for row in rows if row["source"].startswith("held-out user")]
+    if held_out:
+        lines += [
+            f"{len(held_out)} continuation(s) of held-out users' first tokens are in "
+            f"samples.jsonl, not here. {HELD_OUT_CAVEAT}",
+            "",
+        ]
     for row in rows:
+        if row in held_out:
+            continue
         lines += [
             f"- {row['source']} (greedy):",
             f"  - prompt: `{_inline(row['prompt'])}`",

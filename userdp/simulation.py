@@ -186,6 +186,13 @@ class RunLoop:
             self._bar.close()
             self._bar = None
 
+    def abandon(self) -> None:
+        """After an error: close the progress bar and end the trackers' runs (flushed)."""
+        self.close_progress()
+        trackers = getattr(self, "trackers", None)
+        if trackers is not None:
+            trackers.finish(None, None)
+
     def on_worker_progress(self, starting: list[Any]) -> None:
         """While the coordinator waits for workers: each starting worker's phase on the progress
         bar (or logged, when quiet); an empty list clears it."""
@@ -254,13 +261,13 @@ class RunLoop:
         self.ledger.close()
         write_facts(self.setup.strategy.facts(), self.out, len(self.setup.population.users))
         load_parameters(self.model, params)
+        export_model(self.model, self.out, self.setup.manifest.tokenizer, self.setup.shard_dir)
         if stopped != "interrupted":
             self._write_samples()
         report = render_report(self.out, self.run_config, self.setup.delta) if steps_done else None
         if self.run_config.output.plots:
             render_plots(self.out)
         self.trackers.finish(report, self.out / "privacy_report.md")
-        export_model(self.model, self.out, self.setup.manifest.tokenizer, self.setup.shard_dir)
         losses = sorted(self.eval_losses.items())
         return RunResult(
             run_dir=self.out,
@@ -570,7 +577,7 @@ def run(
     except KeyboardInterrupt:
         stopped = "interrupted"
     except Exception:
-        loop.close_progress()
+        loop.abandon()
         raise
     result = loop.finish(params, stopped)
     return result

@@ -2,8 +2,9 @@
 ["tensorboard", "mlflow", "wandb"]`` (default none).
 
 Each backend is an optional extra, imported only when named; a named backend whose package is
-missing is a config error naming the extra (:func:`missing_backends`, checked when the config is
-loaded). Every backend receives the same scalars as ``metrics.jsonl`` (step rows: loss, ε spent,
+missing is a one-line error naming the extra (:func:`missing_backends`), from ``userdp config
+check`` and when ``simulate``/``train`` start. ``userdp coordinator`` (deployments) does not
+track: use the run folder's metrics.jsonl there. Every backend receives the same scalars as ``metrics.jsonl`` (step rows: loss, ε spent,
 cohort size, clip fraction, tokens/s; eval rows: eval loss) and, at the end, the privacy report.
 Like the metrics, these are NOT privatized (the report says so).
 
@@ -12,7 +13,7 @@ Where each writes, inside the run folder unless the backend's own environment sa
 * ``tensorboard``: event files in ``RUN/tensorboard/``;
 * ``mlflow``: ``$MLFLOW_TRACKING_URI`` if set, else a SQLite store ``RUN/mlflow/mlflow.db`` with
   artifacts in ``RUN/mlflow/artifacts`` (MLflow's file store is in maintenance mode), experiment
-  ``userdp``, one MLflow run per run folder;
+  ``userdp``, one MLflow run per invocation (a resumed run starts another, named after the folder);
 * ``wandb``: offline (``$WANDB_MODE`` overrides), files in ``RUN/wandb/``.
 """
 

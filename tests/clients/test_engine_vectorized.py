@@ -166,7 +166,12 @@ class ScaleNorm(torch.nn.Module):
 
 class ToyLM(torch.nn.Module):
     def __init__(
-        self, vocab: int = 31, width: int = 8, transpose: bool = False, functional: bool = False
+        self,
+        vocab: int = 31,
+        width: int = 8,
+        transpose: bool = False,
+        functional: bool = False,
+        sequence_first: bool = False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -176,12 +181,17 @@ class ToyLM(torch.nn.Module):
         self.head = torch.nn.Linear(width, vocab, bias=False)
         self.transpose = transpose
         self.functional = functional
+        self.sequence_first = sequence_first
 
     def forward(self, input_ids, attention_mask=None, use_cache=False):
         h = self.embed(input_ids)
         h = torch.cumsum(self.norm(h), dim=1)  # causal mixing over positions
         if self.transpose:  # [length, rows, width]: tokens not batch-first
             h = self.mix(h.transpose(0, 1)).transpose(0, 1)
+        elif self.sequence_first:  # flattened [length·rows, width]: looks like [rows·length]
+            rows, length, width = h.shape
+            flat = self.mix(h.transpose(0, 1).reshape(length * rows, width))
+            h = torch.tanh(flat.reshape(length, rows, width).transpose(0, 1))
         else:
             h = torch.tanh(self.mix(h))
         if self.functional:  # mix.weight used again OUTSIDE its module: invisible to hooks
@@ -269,3 +279,14 @@ def test_split_bf16_represents_float32_to_within_two_to_the_minus_24():
     rebuilt = parts[:, :64].double() + parts[:, 64:128].double() + parts[:, 128:].double()
     assert float(((rebuilt - x.double()).abs() / x.double().abs()).max()) <= 2.0**-24
     assert float(((parts[:, :64].double() - x.double()).abs() / x.double().abs()).max()) > 2.0**-12
+
+
+def test_a_layer_that_mixes_units_tokens_is_detected_not_mis_clipped():
+    """Flattened tokens in sequence-first order have the shape of batch-first ones, so the hooks
+    attribute them to the wrong units; the sum over units is unchanged, but single units' norms
+    are not, and the first micro-batch's per-unit check refuses."""
+    module = ToyLM(sequence_first=True)
+    units = [Unit(f"s{i}", [np.arange(i, i + 9) % 31]) for i in range(4)]  # 4 rows x 8
+    with pytest.raises(EngineError, match="mixes units' tokens"):
+        ClippingEngine(module, engine="vectorized").clipped_sum(units, 1.0)
+    assert ClippingEngine(module, engine="loop").clipped_sum(units, 1.0).count == 4

@@ -158,3 +158,5 @@ sample_max_new_tokens = 5
     assert all(len(s["continuation_ids"]) <= 5 for s in samples)
     markdown = (run_dir / "privacy_report.md").read_text()
     assert "## Appendix: generation samples" in markdown and "not covered by ε" in markdown
+    for sample in samples:  # held-out users' text stays in samples.jsonl, out of the report
+        assert sample["prompt"] not in markdown

@@ -73,18 +73,28 @@ def test_trackers_receive_the_metrics_and_the_report(tmp_path: Path, monkeypatch
     assert len(offline) == 1 and offline[0].stat().st_size > 0
 
 
-def test_a_backend_without_its_package_is_a_one_line_config_error(monkeypatch) -> None:
+def test_a_backend_without_its_package_is_a_one_line_error(monkeypatch, tmp_path, capsys):
+    """`config check` and the run's start name the extra; the worker and coordinator, which do
+    not track, load the same config without it."""
+    from userdp.cli import main
+    from userdp.config import load_config
+    from userdp.tracking import Trackers
+
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a)
     )
-    with pytest.raises(ConfigError) as raised:
-        parse_config({"output": {"report_to": ["tensorboard", "mlflow"]}})
-    message = str(raised.value)
-    assert "\n" not in message
-    assert message == (
-        "output.report_to: 'mlflow' needs the mlflow package: pip install 'userdp[tracking]'"
+    path = tmp_path / "run.toml"
+    path.write_text('[output]\nreport_to = ["tensorboard", "mlflow"]\n')
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert (
+        "output.report_to: 'mlflow' needs the mlflow package: pip install 'userdp[tracking]'" in err
     )
+    assert load_config(path).output.report_to == ["tensorboard", "mlflow"]
+    with pytest.raises(ValueError, match=r"'mlflow' needs the mlflow package"):
+        Trackers(["mlflow"], tmp_path, {})
     with pytest.raises(ConfigError, match="report_to"):
         parse_config({"output": {"report_to": ["comet"]}})
 
