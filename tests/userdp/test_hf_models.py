@@ -1,6 +1,7 @@
 """A user's own Hugging Face model folder end to end: a tiny Llama-, Qwen2- and Mistral-style
 model saved with ``save_pretrained`` next to its tokenizer, sharded with that tokenizer, trained
-with LoRA (the architecture's default targets) by ``userdp simulate`` over gRPC workers; the run
+with LoRA (the architecture's default targets) and the user's DeepSpeed JSON (ZeRO-2) by
+``userdp simulate`` over gRPC workers; the run
 folder's ``model/`` then loads with AutoTokenizer + AutoModelForCausalLM and generates, and its
 ``adapter/`` loads with peft onto the original folder with the same outputs."""
 
@@ -94,6 +95,15 @@ def test_shard_simulate_with_lora_and_load_the_run_folder(tmp_path: Path, family
         "2",
     )
     assert shard.returncode == 0, shard.stderr[-2000:]
+    (tmp_path / "ds.json").write_text(  # a DeepSpeed user's own config, ZeRO-2
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 2},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                "train_micro_batch_size_per_gpu": 4,
+            }
+        )
+    )
     (tmp_path / "run.toml").write_text(
         f"""
 [data]
@@ -103,6 +113,7 @@ eval_fraction = 0.2
 [model]
 path = "{folder}"
 lora_rank = 4
+deepspeed_config = "{tmp_path / "ds.json"}"
 [strategy]
 steps = 2
 sampling_prob = 0.5
@@ -125,6 +136,8 @@ sample_max_new_tokens = 5
     result = _userdp("simulate", "--config", str(tmp_path / "run.toml"), "--output", str(run_dir))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
+    for log in (run_dir / "logs").glob("worker-*.log"):  # the JSON reached every worker
+        assert "model.deepspeed_config: userdp overrides" in log.read_text()
     assert summary["stopped"] == "finished" and summary["steps"] == 2
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert report["steps"] == 2 and report["epsilon"] <= 30.0
