@@ -13,87 +13,28 @@ def family_config(family: str):
     import transformers as tf
 
     common = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+    common.update(num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    sized = {"hidden_size": 32, "intermediate_size": 64, **common}
+    no_dropout = {"attention_dropout": 0.0}
     if family == "llama":
-        return tf.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-            **common,
-        )
+        return tf.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **sized)
     if family == "mistral":
         return tf.MistralConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            sliding_window=16,
-            tie_word_embeddings=False,
-            **common,
+            num_key_value_heads=2, sliding_window=16, tie_word_embeddings=False, **sized
         )
     if family == "qwen2":
-        return tf.Qwen2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=True,
-            **common,
-        )
+        return tf.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **sized)
     if family == "gemma":
-        return tf.GemmaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=64,
-            **common,
-        )
+        return tf.GemmaConfig(num_key_value_heads=1, head_dim=8, **sized)
     if family == "phi":
         return tf.PhiConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=64,
-            partial_rotary_factor=0.5,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attention_dropout=0.0,
-            **common,
+            partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, **no_dropout, **sized
         )
     if family == "gpt_neox":
-        return tf.GPTNeoXConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=64,
-            rotary_pct=0.5,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            **common,
-        )
+        return tf.GPTNeoXConfig(rotary_pct=0.5, hidden_dropout=0.0, **no_dropout, **sized)
     if family == "opt":
         return tf.OPTConfig(
-            hidden_size=32,
-            ffn_dim=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=64,
-            word_embed_proj_dim=32,
-            dropout=0.0,
-            attention_dropout=0.0,
-            **common,
+            hidden_size=32, ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, **no_dropout, **common
         )
     raise ValueError(family)
 

@@ -145,6 +145,14 @@ def check_exactly_once_under_retries() -> None:
     _assert_sum_is_each_unit_once(gather, cohort, "late result before its re-issue")
 
 
+def _partial_of_norm(gather, task, attempt, worker, norm: float) -> PartialSum:
+    """The task's honest partial, rescaled to total norm ``norm``."""
+    partial = _partial(gather, task, attempt, worker)
+    scale = norm / float(torch.linalg.vector_norm(partial.tensors["w"]))
+    partial.tensors = {"w": partial.tensors["w"] * scale}
+    return partial
+
+
 def check_unclipped_partial_is_rejected() -> None:
     """A worker that did not clip (‖partial‖ > count·C) is rejected and its groups re-issued;
     the released sum is the clipped one (the coordinator's defense against missing clipping)."""
@@ -154,9 +162,7 @@ def check_unclipped_partial_is_rejected() -> None:
     task, attempt = gather.issue("worker-a", groups, now=0.0)
     count = len(gather.task_units(task))
     # an "unclipped" partial: norm 1.5·count·C (e.g. raw gradients summed)
-    bad = _partial(gather, task, attempt, "worker-a")
-    norm = float(torch.linalg.vector_norm(bad.tensors["w"]))
-    bad.tensors = {"w": bad.tensors["w"] * (1.5 * count * CLIP / norm)}
+    bad = _partial_of_norm(gather, task, attempt, "worker-a", 1.5 * count * CLIP)
     verdict = _offer(gather, bad, "unclipped partial")
     assert not verdict.accepted and verdict.reissue, (
         f"a partial of norm {1.5 * count * CLIP:.3g} > count·C = {count * CLIP:.3g} from "
@@ -181,9 +187,7 @@ def check_unclipped_partial_is_rejected_under_randomized_clipping() -> None:
     groups = [g.group_id for g in gather.pending()]
     task, attempt = gather.issue("worker-a", groups, now=0.0)
     count = len(gather.task_units(task))
-    bad = _partial(gather, task, attempt, "worker-a")
-    norm = float(torch.linalg.vector_norm(bad.tensors["w"]))
-    bad.tensors = {"w": bad.tensors["w"] * (10 * count * CLIP / norm)}
+    bad = _partial_of_norm(gather, task, attempt, "worker-a", 10 * count * CLIP)
     verdict = _offer(gather, bad, "unclipped partial under randomized clipping")
     assert not verdict.accepted and verdict.reissue, (
         f"a partial of norm {10 * count * CLIP:.3g} = 10·count·C from {count} units clipped by "
@@ -191,9 +195,7 @@ def check_unclipped_partial_is_rejected_under_randomized_clipping() -> None:
         "coordinator must still refuse a worker that does not clip"
     )
     retry, retry_attempt = gather.issue("worker-b", groups, now=1.0)
-    within = _partial(gather, retry, retry_attempt, "worker-b")
-    norm = float(torch.linalg.vector_norm(within.tensors["w"]))
-    within.tensors = {"w": within.tensors["w"] * (2 * count * CLIP / norm)}
+    within = _partial_of_norm(gather, retry, retry_attempt, "worker-b", 2 * count * CLIP)
     assert _offer(gather, within, "estimated-norm partial").accepted, (
         f"a partial of 2·count·C from {count} units clipped by estimated norms was refused: "
         "the bound must allow the estimates' spread (Z > 1)"
