@@ -185,10 +185,11 @@ class TensorAssembler:
             raise TensorDecodeError(
                 f"tensor {name!r}: chunk at offset {chunk.offset}, expected {received}"
             )
-        end = received + len(chunk.data)
-        if end > expected or (len(chunk.data) == 0 and expected > 0):
+        data = chunk.data  # one read: each access of a protobuf bytes field copies it
+        end = received + len(data)
+        if end > expected or (len(data) == 0 and expected > 0):
             raise TensorDecodeError(f"tensor {name!r}: chunk overflows {expected} bytes")
-        self._buffers[name][received:end] = chunk.data
+        self._buffers[name][received:end] = data
         self._received[name] = end
 
     def names(self) -> list[str]:
