@@ -134,3 +134,28 @@ def test_a_trained_bpe_exports_as_a_fast_tokenizer(tmp_path: Path) -> None:
     for text, ids in zip(TEXTS, ours.encode_arrow(pa.array(TEXTS)), strict=True):
         want = np.asarray(ids.values).tolist()
         assert loaded(text, add_special_tokens=False)["input_ids"] == want, text
+
+
+def test_a_tokenizer_trained_on_the_users_text_is_a_report_caveat(tmp_path: Path) -> None:
+    from userdp.accounting.ledger import Ledger
+    from userdp.accounting.mechanisms import UlsMechanism
+
+    from userdp import cli
+    from userdp.run_outputs import TRAINED_TOKENIZER_CAVEAT, render_report
+
+    rows = [{"user": f"u{i % 7}", "text": f"{t} number {i}"} for i, t in enumerate(TEXTS * 8)]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reports = {}
+    for spec in ("bpe:300", "byte"):
+        shards = tmp_path / spec.replace(":", "-")
+        argv = ["shard", str(source), "--user-column", "user", "--text-column", "text"]
+        assert cli.main([*argv, "--out", str(shards), "--tokenizer", spec]) == 0
+        run_dir = tmp_path / f"run-{spec.replace(':', '-')}"
+        run_dir.mkdir()
+        with Ledger.create(run_dir / "ledger.jsonl") as ledger:
+            ledger.append(0, UlsMechanism(1.0, 0.1))
+        config = parse_config({"data": {"shards": str(shards)}})
+        reports[spec] = render_report(run_dir, config, 1e-5)
+    assert TRAINED_TOKENIZER_CAVEAT in reports["bpe:300"]["caveats"]
+    assert TRAINED_TOKENIZER_CAVEAT not in reports["byte"]["caveats"]
