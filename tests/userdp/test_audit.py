@@ -23,6 +23,7 @@ def audit_config():
                 "engine": "vectorized",
                 "server_optimizer": "sgd",
                 "server_lr": 0.1,
+                "sampler_seed": 0,  # a fixed cohort sequence: the thresholds below are for it
             },
             "privacy": {"epsilon": 2.0, "delta": 1e-6},
             "output": {"seed": 0},
