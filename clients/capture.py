@@ -125,6 +125,11 @@ class Capture:
         def hook(module, args, kwargs, output):
             if not self.enabled:
                 return None
+            if not isinstance(output, torch.Tensor):
+                raise EngineError(
+                    f"{type(module).__name__} returns {type(output).__name__}, not a tensor; "
+                    "the vectorized engines need tensor outputs: use engine 'loop'"
+                )
             if kind == GENERIC:
                 return self._record_generic(module, args, kwargs, output)
             if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
@@ -132,11 +137,6 @@ class Capture:
                     f"{type(module).__name__} owns a trainable parameter but is not called with "
                     "exactly one tensor argument; the vectorized engines cannot attribute its "
                     "gradient per unit: use engine 'loop'"
-                )
-            if not isinstance(output, torch.Tensor):
-                raise EngineError(
-                    f"{type(module).__name__} returns {type(output).__name__}, not a tensor; "
-                    "the vectorized engines need tensor outputs: use engine 'loop'"
                 )
             x = args[0]
             tokens = self.rows * self.length
@@ -158,11 +158,6 @@ class Capture:
         return hook
 
     def _record_generic(self, module, args, kwargs, output):
-        if not isinstance(output, torch.Tensor):
-            raise EngineError(
-                f"{type(module).__name__} returns {type(output).__name__}, not a tensor; "
-                "the vectorized engines need tensor outputs: use engine 'loop'"
-            )
         if output.shape[:1] == (1,) and self.rows > 1:
             output = output.expand(self.rows, *output.shape[1:])
         if output.shape[:1] != (self.rows,):

@@ -80,15 +80,10 @@ def deepspeed_config(
         if key in config:
             notes.append(f"{key} removed")
             del config[key]
-    bf16_user = (
-        config.get("bf16", {}).get("enabled") if isinstance(config.get("bf16"), dict) else None
-    )
-    if bf16_user is not None and bool(bf16_user) != bf16:
-        notes.append(f"bf16.enabled={bf16_user!r} -> {bf16!r} (model.dtype decides)")
-    config["bf16"] = {
-        **(config.get("bf16") if isinstance(config.get("bf16"), dict) else {}),
-        "enabled": bf16,
-    }
+    user_bf16 = config.get("bf16") if isinstance(config.get("bf16"), dict) else {}
+    if user_bf16.get("enabled") is not None and bool(user_bf16["enabled"]) != bf16:
+        notes.append(f"bf16.enabled={user_bf16['enabled']!r} -> {bf16!r} (model.dtype decides)")
+    config["bf16"] = {**user_bf16, "enabled": bf16}
     zero = dict(config.get("zero_optimization") or {})
     zero.setdefault("stage", zero_stage)
     config["zero_optimization"] = zero
@@ -120,8 +115,8 @@ def wrap_with_deepspeed(
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    phase("building DeepSpeed ops")
-    build_startup_ops(on_wait=lambda: phase("building DeepSpeed ops"))
+    phase("building DeepSpeed ops")  # the reporter repeats it while the build runs
+    build_startup_ops()
     phase("initializing DeepSpeed")
 
     if not torch.distributed.is_initialized():

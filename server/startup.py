@@ -8,15 +8,19 @@ has a ready holder), still waiting, or failed, with a one-line reason naming eac
 worker's phase. It fails when the overall bound ``worker_startup_s`` has passed, or when workers
 had started reporting and every one still starting has been silent for ``worker_stall_s`` (its
 process died or lost the coordinator; reports come from a background thread, so a worker hung
-inside a phase keeps reporting and only ``worker_startup_s`` ends that wait). Before any worker has reported only the overall bound applies: in a deployment the
-workers' pods may still be scheduled or pulling their image.
+inside a phase keeps reporting and only ``worker_startup_s`` ends that wait). Before any worker
+has reported only the overall bound applies: in a deployment the workers' pods may still be
+scheduled or pulling their image.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from userdp.server.service import StartupStatus, WorkerSession
 
@@ -114,3 +118,20 @@ class StartupWait:
 def summarize(starting: list[WorkerProgress]) -> str:
     """One short line for a progress bar: each starting worker's phase."""
     return ", ".join(f"{p.worker_id}: {p.phase} {p.phase_seconds:.0f}s" for p in starting)
+
+
+def progress_logger(
+    logger: logging.Logger, every_s: float = 30.0
+) -> Callable[[list[WorkerProgress]], None]:
+    """An ``on_progress`` for the wait for workers that logs the starting workers' phases when
+    they change, and at most every ``every_s`` otherwise."""
+    last: dict[str, Any] = {"phases": None, "at": -math.inf}
+
+    def show(starting: list[WorkerProgress]) -> None:
+        phases = [(p.worker_id, p.phase) for p in starting]
+        now = time.monotonic()
+        if starting and (phases != last["phases"] or now - last["at"] >= every_s):
+            logger.info("waiting for workers: %s", summarize(starting))
+            last.update(phases=phases, at=now)
+
+    return show

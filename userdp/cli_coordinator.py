@@ -16,7 +16,6 @@ import json
 import logging
 import signal
 from pathlib import Path
-from typing import Any
 
 
 def _interrupt(signum, frame):
@@ -25,6 +24,7 @@ def _interrupt(signum, frame):
 
 def _run(args: argparse.Namespace) -> int:
     from userdp.config import load_config
+    from userdp.server.startup import progress_logger
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -54,34 +54,15 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     finished = False
     try:
-        coordinator.wait_for_workers(on_progress=_log_progress())
+        coordinator.wait_for_workers(
+            on_progress=progress_logger(logging.getLogger("userdp.coordinator"))
+        )
         coordinator.run(config.strategy.steps)
         finished = True
     finally:
         coordinator.save()
         running.stop(finished)
     return 0
-
-
-def _log_progress(every_s: float = 30.0):
-    """An ``on_progress`` for the wait for workers: logs the starting workers' phases when they
-    change, and at most every ``every_s`` otherwise."""
-    import time
-
-    from userdp.server.startup import summarize
-
-    last: dict[str, Any] = {"phases": None, "at": -every_s}
-
-    def show(starting: list) -> None:
-        phases = [(p.worker_id, p.phase) for p in starting]
-        now = time.monotonic()
-        if starting and (phases != last["phases"] or now - last["at"] >= every_s):
-            logging.getLogger("userdp.coordinator").info(
-                "waiting for workers: %s", summarize(starting)
-            )
-            last.update(phases=phases, at=now)
-
-    return show
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

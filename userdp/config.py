@@ -286,7 +286,7 @@ class OutputConfig(_Section):
     sample_prompts: list[str] | None = None
     """Prompts whose continuations go to ``samples.jsonl`` and the report's appendix after the
     last evaluation; default: the first tokens of a few held-out users' first example (those
-    users are outside ε, and their text is shown verbatim: the report says so)."""
+    users are outside ε: their text stays in samples.jsonl, the report only counts them)."""
     sample_count: NonNegativeInt = 4
     """How many held-out users' prompts to use when ``sample_prompts`` is not set (0 = none)."""
     sample_max_new_tokens: PositiveInt = 32

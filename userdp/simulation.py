@@ -99,6 +99,7 @@ class RunLoop:
         self.epsilon: float | None = None
         self.eval_losses: dict[int, float] = {}
         self._bar: Any = None
+        self._log_progress: Any = None
         self._last_time = time.perf_counter()
 
     # -- components ------------------------------------------------------------------------------
@@ -189,20 +190,20 @@ class RunLoop:
     def abandon(self) -> None:
         """After an error: close the progress bar and end the trackers' runs (flushed)."""
         self.close_progress()
-        trackers = getattr(self, "trackers", None)
-        if trackers is not None:
-            trackers.finish(None, None)
+        self.trackers.finish(None, None)
 
     def on_worker_progress(self, starting: list[Any]) -> None:
         """While the coordinator waits for workers: each starting worker's phase on the progress
-        bar (or logged, when quiet); an empty list clears it."""
-        from userdp.server.startup import summarize
+        bar (or logged when quiet: on a change, else every 30 s); an empty list clears it."""
+        from userdp.server.startup import progress_logger, summarize
 
-        text = summarize(starting)
         if self._bar is not None:
+            text = summarize(starting)
             self._bar.set_description_str(f"workers: {text}" if text else "", refresh=True)
-        elif text:
-            log.info("waiting for workers: %s", text)
+            return
+        if self._log_progress is None:
+            self._log_progress = progress_logger(log)
+        self._log_progress(starting)
 
     def _spent(self) -> float | None:
         return self.ledger.spent(self.setup.delta) if self.ledger.records else None
