@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ from typing import Any
 import numpy as np
 from scipy import optimize, stats
 from userdp.accounting import monte_carlo as mc
+from userdp.accounting.correlation import Correlation, CorrelationError, from_spec
+from userdp.accounting.mechanisms import CorrelationSpec
 
 __all__ = [
     "BIN_SEMANTICS",
@@ -49,7 +52,6 @@ __all__ = [
     "UnsupportedBinSemanticsError",
     "VerificationFailedError",
     "VerificationResult",
-    "blt_correlation_matrix",
     "calibrate_noise_multiplier",
     "correlation_matrix",
     "delta_estimate",
@@ -82,58 +84,23 @@ class VerificationFailedError(BallsInBinsError):
 # the correlation matrix C
 
 
-def blt_correlation_matrix(buf_decay: Any, output_scale: Any, n: int) -> np.ndarray:
-    """Dense n×n BLT: lower-triangular Toeplitz, c₀ = 1, c_k = Σⱼ ωⱼ θⱼ^{k−1} (notes/004.md §2.5)."""
-    theta = np.asarray(buf_decay, dtype=np.float64).reshape(-1)
-    omega = np.asarray(output_scale, dtype=np.float64).reshape(-1)
-    if theta.shape != omega.shape:
-        raise BallsInBinsError(
-            f"buf_decay has {theta.size} entries but output_scale has {omega.size}; expected equal"
-        )
-    coefs = np.ones(n)
-    if n > 1 and theta.size:
-        k = np.arange(n - 1)
-        coefs[1:] = (omega[None, :] * theta[None, :] ** k[:, None]).sum(axis=1)
-    return _toeplitz(coefs)
-
-
-def _toeplitz(first_column: np.ndarray) -> np.ndarray:
-    n = len(first_column)
-    lag = np.subtract.outer(np.arange(n), np.arange(n))
-    return np.where(lag >= 0, first_column[np.clip(lag, 0, None)], 0.0)
-
-
 def correlation_matrix(correlation: Any, n: int) -> np.ndarray | None:
     """C as a dense n×n array, or None for the identity.
 
-    Accepts None; an (n, n) array; a callable ``f(n) -> array``; an object with
-    ``toeplitz_coefs(n)`` (e.g. ``strategies.blt.Blt``); or a ``CorrelationSpec`` / dict named
-    ``identity``, ``blt`` (``buf_decay``, ``output_scale``), ``banded`` or ``toeplitz``
-    (``coefs`` = first column, zero-padded to n).
+    Accepts None; an (n, n) array; a callable ``f(n) -> array``; a
+    :class:`~userdp.accounting.correlation.Correlation` (e.g. ``strategies.blt.Blt``); or a
+    ``CorrelationSpec`` or its dict form, turned into numbers by
+    :func:`userdp.accounting.correlation.from_spec`.
     """
     if correlation is None:
         return None
-    if isinstance(correlation, dict):
-        name, params = correlation.get("name"), dict(correlation.get("params", {}))
-    elif hasattr(correlation, "name") and hasattr(correlation, "params"):
-        name, params = correlation.name, dict(correlation.params)
-    else:
-        name, params = None, {}
-    if name is not None:
-        if name == "identity":
-            return None
-        if name == "blt":
-            return blt_correlation_matrix(params["buf_decay"], params["output_scale"], n)
-        if name in ("banded", "toeplitz"):
-            coefs = np.zeros(n)
-            given = np.asarray(params["coefs"], dtype=np.float64)[:n]
-            coefs[: len(given)] = given
-            return _toeplitz(coefs)
-        raise BallsInBinsError(
-            f"correlation name={name!r} is not allowed; expected identity, blt, banded or toeplitz"
-        )
-    if hasattr(correlation, "toeplitz_coefs"):
-        return _toeplitz(np.asarray(correlation.toeplitz_coefs(n), dtype=np.float64))
+    if isinstance(correlation, CorrelationSpec | Mapping):
+        try:
+            correlation = from_spec(correlation)
+        except CorrelationError as exc:
+            raise BallsInBinsError(str(exc)) from None
+    if isinstance(correlation, Correlation):
+        return None if correlation.is_identity else correlation.matrix(n)
     matrix = correlation(n) if callable(correlation) else correlation
     return np.asarray(matrix, dtype=np.float64)
 

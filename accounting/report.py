@@ -1,8 +1,9 @@
 """The privacy report: what ε(δ) a run spent, and every assumption that number rests on.
 
-DESIGN.md, "The report states the assumptions": sampling scheme, adjacency (add/remove vs
-zero-out) and whether the implemented sampling matches the accountant. Which sampling implies
-which adjacency and caveats lives in one table, :data:`SAMPLING_SCHEMES`.
+The report states the assumptions: sampling scheme (:class:`~userdp.accounting.facts.Sampling`,
+the same names as the config and the samplers), adjacency (add/remove vs zero-out) and whether
+the implemented sampling matches the accountant. Which sampling implies which adjacency and
+caveats lives in one table, :data:`SAMPLING_SCHEMES`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from userdp.accounting.api import ACCOUNTANT_VERSION, compose_epsilon
+from userdp.accounting.facts import Sampling, Unit
 from userdp.accounting.ledger import group_phases, read_ledger
 
 ADD_REMOVE = "add/remove one {unit}"
@@ -62,12 +64,12 @@ class SamplingScheme:
     caveats: tuple[str, ...]
 
 
-SAMPLING_SCHEMES: dict[str, SamplingScheme] = {
-    "poisson": SamplingScheme(ADD_REMOVE, True, ()),
-    "balls-in-bins-fixed": SamplingScheme(ADD_REMOVE, True, (BIB_FIXED_CAVEAT,)),
-    "balls-in-bins-per-epoch": SamplingScheme(ADD_REMOVE, True, (BIB_PER_EPOCH_CAVEAT,)),
-    "padding": SamplingScheme(ZERO_OUT, True, (ZERO_OUT_CAVEAT,)),
-    "shuffle": SamplingScheme(ADD_REMOVE, False, (SHUFFLE_CAVEAT,)),
+SAMPLING_SCHEMES: dict[Sampling, SamplingScheme] = {
+    Sampling.POISSON: SamplingScheme(ADD_REMOVE, True, ()),
+    Sampling.BALLS_IN_BINS_FIXED: SamplingScheme(ADD_REMOVE, True, (BIB_FIXED_CAVEAT,)),
+    Sampling.BALLS_IN_BINS_EPOCH: SamplingScheme(ADD_REMOVE, True, (BIB_PER_EPOCH_CAVEAT,)),
+    Sampling.PADDING: SamplingScheme(ZERO_OUT, True, (ZERO_OUT_CAVEAT,)),
+    Sampling.SHUFFLE: SamplingScheme(ADD_REMOVE, False, (SHUFFLE_CAVEAT,)),
 }
 
 # Mechanism kinds whose ε carries a caveat of its own, whatever the sampling.
@@ -76,7 +78,7 @@ MECHANISM_CAVEATS: dict[str, tuple[str, ...]] = {
     "balls-in-bins": (MONTE_CARLO_CAVEAT,),
 }
 
-UNITS = ("user", "example")
+UNITS = tuple(u.value for u in Unit)
 
 
 @dataclass(frozen=True)
@@ -162,16 +164,22 @@ def assumptions(unit: str, sampling: str, mechanism_kinds: list[str]) -> tuple[s
     """(adjacency, accounting_matches_sampling, caveats) from the table, for a run."""
     if unit not in UNITS:
         raise ValueError(f"unit={unit!r} is not allowed; expected one of {UNITS}")
-    if sampling not in SAMPLING_SCHEMES:
-        raise ValueError(
-            f"sampling={sampling!r} is not allowed; expected one of {tuple(SAMPLING_SCHEMES)}"
-        )
-    scheme = SAMPLING_SCHEMES[sampling]
+    scheme = SAMPLING_SCHEMES[_sampling(sampling)]
     caveats = [c.format(unit=unit) for c in scheme.caveats]
     for kind in dict.fromkeys(mechanism_kinds):
         caveats += list(MECHANISM_CAVEATS.get(kind, ()))
     caveats.append(NON_PRIVATE_HYPERPARAMETERS_CAVEAT)
     return scheme.adjacency.format(unit=unit), scheme.accounting_matches_sampling, caveats
+
+
+def _sampling(sampling: str) -> Sampling:
+    try:
+        return Sampling(sampling)
+    except ValueError:
+        allowed = tuple(s.value for s in SAMPLING_SCHEMES)
+        raise ValueError(
+            f"sampling={sampling!r} is not allowed; expected one of {allowed}"
+        ) from None
 
 
 def delta_caveat(delta: float, training_users: int | None) -> str | None:
@@ -228,7 +236,7 @@ def build_report(
         mechanism=last.to_dict(),
         phases=[{"mechanism": m.to_dict(), "steps": c} for m, c in phases],
         unit=unit,
-        sampling=sampling,
+        sampling=Sampling(sampling).value,
         adjacency=adjacency,
         noise_multiplier=float(last.noise_multiplier),
         steps=len(records),
@@ -246,14 +254,15 @@ def build_report(
 
 
 def _check_sampling_matches_mechanisms(sampling: str, mechanisms: list[dict[str, Any]]) -> None:
-    """Balls-in-bins sampling and its accountant must agree on the bin semantics (DESIGN.md)."""
-    bib = {"balls-in-bins-fixed": "fixed", "balls-in-bins-per-epoch": "per-epoch"}
+    """Balls-in-bins sampling and its accountant must agree on the bin semantics: bins fixed for
+    the run and bins redrawn every epoch are different mechanisms."""
+    semantics = _sampling(sampling).bin_semantics
     for d in mechanisms:
-        if d["kind"] == "balls-in-bins" and bib.get(sampling) != d.get("bin_semantics"):
+        if d["kind"] == "balls-in-bins" and semantics != d.get("bin_semantics"):
+            expected = Sampling.of_bin_semantics(d.get("bin_semantics")).value
             raise ValueError(
                 f"sampling={sampling!r} does not match the ledger's balls-in-bins accountant "
-                f"(bin_semantics={d.get('bin_semantics')!r}); expected "
-                f"sampling='balls-in-bins-{d.get('bin_semantics')}'"
+                f"(bin_semantics={d.get('bin_semantics')!r}); expected sampling={expected!r}"
             )
 
 

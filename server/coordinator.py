@@ -1,7 +1,10 @@
-"""The coordinator's step loop: sample → plan → gather exactly once → noise → ledger → update →
-checkpoint → broadcast (steps 1–10 of DESIGN.md), correct under worker and coordinator failure.
+"""The coordinator: the step of :mod:`userdp.strategies.step` over gRPC workers, then checkpoint
+and broadcast, correct under worker and coordinator failure.
 
-One step, as :meth:`Coordinator.run_step` performs it:
+The step contract (sample → task → gather → noise → ledger → update) is
+:func:`userdp.strategies.step.run_step`; the coordinator supplies its gather (plan, dispatch,
+exactly-once acceptance) and keeps the transport, the fault handling and resume around it. One
+step, as :meth:`Coordinator.run_step` performs it:
 
 0. ``sync``: handle joins/acks, resync workers that missed a model version, and give workers a
    moment to acknowledge the current version so the work spreads over all of them.
@@ -75,6 +78,8 @@ from userdp.server.service import (
 )
 from userdp.server.startup import StartupWait, WorkerProgress
 from userdp.strategies.base import ClipStatistics, TaskSpec
+from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep
+from userdp.strategies.step import run_step as run_strategy_step
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +187,12 @@ class Coordinator:
         checkpoint_dir: str | Path,
         settings: CoordinatorSettings = CoordinatorSettings(),
         frozen: Mapping[str, torch.Tensor] | None = None,
+        options: ExecutionOptions | None = None,
         fault_hook: Callable[[str, int], None] | None = None,
         test_only_disable_noise: bool = False,
     ) -> None:
         self.strategy = strategy
+        self.options = options
         self.ledger = ledger
         self.params = params
         self.frozen = dict(frozen or {})
@@ -275,61 +282,63 @@ class Coordinator:
         step = self.step
         times: dict[str, float] = {}
         started = [time.perf_counter()]
-        self._phase("sync", step, times, started)
+
+        def phase(name: str) -> None:
+            self._phase(name, step, times, started)
+
+        phase("sync")
         self.pump_events()
         for session in self.registry.sessions():
             if session.sent_version != self.model_version:
                 self._resync(session)  # missed an update (e.g. joined mid-broadcast)
         self._await_acks(self.settings.ack_wait_s)
-        mechanism = self.strategy.mechanism()  # the budget is checked by ledger.append
+        state: dict[str, Any] = {}
 
-        self._phase("sample", step, times, started)
-        cohort = self.strategy.sample_cohort(step, self.population)
-        spec: TaskSpec = self.strategy.task_for(step, cohort)
+        def gather(planned: PlannedStep) -> Gathered:
+            phase("plan")
+            groups = plan_groups(step, list(planned.cohort.unit_ids), self.population.shard_of_unit)
+            spec = planned.task
+            collect = StepGather(
+                step,
+                self.model_version,
+                groups,
+                self.template,
+                spec.clip_norm,
+                estimate_probes=spec.probes if spec.engine == "randomized" else 0,
+            )
+            phase("gather")
+            self._gather(collect, spec)
+            gathered = collect.result()
+            state.update(gathered=gathered, groups=len(groups))
+            summed = {  # noise is added in at least fp32, even for bf16/fp16 parameters
+                name: t.to(torch.promote_types(self.params[name].dtype, torch.float32))
+                for name, t in gathered.sums.items()
+            }
+            return Gathered(summed, ClipStatistics(gathered.count, gathered.clipped))
 
-        self._phase("plan", step, times, started)
-        groups = plan_groups(step, list(cohort.unit_ids), self.population.shard_of_unit)
-        gather = StepGather(
+        replay = self._charged_unreleased == step  # charged before a crash, never released
+        planned, _, _ = run_strategy_step(
+            self.strategy,
             step,
-            self.model_version,
-            groups,
-            self.template,
-            spec.clip_norm,
-            estimate_probes=spec.probes if spec.engine == "randomized" else 0,
+            self.population,
+            self.params,
+            gather,
+            self.ledger,
+            options=self.options,
+            charge=not replay,
+            on_phase=phase,
+            test_only_disable_noise=self._no_noise,
         )
-
-        self._phase("gather", step, times, started)
-        self._gather(gather, spec)
-        gathered = gather.result()
-
-        self._phase("noise", step, times, started)
-        summed = {  # noise is added in at least fp32, even for bf16/fp16 parameters
-            name: t.to(torch.promote_types(self.params[name].dtype, torch.float32))
-            for name, t in gathered.sums.items()
-        }
-        if self._no_noise:
-            log.warning("step %d: NOT PRIVATE: noise disabled (test-only mode)", step)
-            noisy = summed
-        else:
-            stats = ClipStatistics(units=gathered.count, clipped=gathered.clipped)
-            noisy = self.strategy.add_noise(step, summed, stats)
-
-        self._phase("ledger", step, times, started)
-        if self._charged_unreleased == step:
-            self._charged_unreleased = None  # charged before a crash, never released
-        else:
-            self.ledger.append(step, mechanism)  # fsync'd; refuses a step over the budget
-
-        self._phase("update", step, times, started)
-        self.strategy.server_update(self.params, noisy, cohort)
+        if replay:
+            self._charged_unreleased = None
         self.model_version += 1
         self.step = step + 1
 
-        self._phase("checkpoint", step, times, started)
+        phase("checkpoint")
         if self.step % self.settings.checkpoint_every == 0:
             self.save()
 
-        self._phase("broadcast", step, times, started)
+        phase("broadcast")
         append_release_journal(self.checkpoint_dir, step, self.model_version)
         targets = [s for s in self.registry.sessions() if s.sent_version == self.model_version - 1]
         for session in targets:
@@ -340,9 +349,11 @@ class Coordinator:
                 session.send(message)
 
         self.publisher.publish(self.model_version, self.params, sink=send)
-        self._phase("done", step, times, started)
+        phase("done")
         times.pop("done")
-        report = _report(step, self.model_version, gathered, len(groups), cohort, times)
+        report = _report(
+            step, self.model_version, state["gathered"], state["groups"], planned.cohort, times
+        )
         log.info(
             "step %d: %d units, loss %.4f, %d attempts, %.3fs",
             step,

@@ -25,6 +25,20 @@ class Population:
         """All user ids, in manifest order (computed once)."""
         return tuple(self.shard_of_user)
 
+    @functools.cached_property
+    def population_counts(self) -> Any:
+        """The strategies' view (:class:`~userdp.strategies.base.PopulationCounts`): user ids in
+        manifest order and, when known, example counts (converted once)."""
+        import numpy as np
+        from userdp.strategies.base import PopulationCounts
+
+        counts = None
+        if self.examples_of_user:
+            counts = np.fromiter(
+                (int(self.examples_of_user[u]) for u in self.users), np.int64, len(self.users)
+            )
+        return PopulationCounts(self.users, counts)
+
     def shard_of_unit(self, unit_id: str) -> str:
         """Shard of a unit: a user id, or ``<user id>/<example index>`` for example units."""
         shard = self.shard_of_user.get(unit_id)

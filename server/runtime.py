@@ -62,9 +62,11 @@ def start_coordinator(
     checkpoint_dir: str | Path,
     frozen: Mapping[str, torch.Tensor] | None = None,
     allowed_workers: Iterable[str] | None = None,
+    options: Any = None,
     test_only_disable_noise: bool = False,
 ) -> RunningCoordinator:
     """Serve ``config.coordinator`` and return the resumed coordinator (see the module docstring).
+    ``options``: the run's :class:`~userdp.strategies.step.ExecutionOptions`.
 
     ``test_only_disable_noise`` (test-only, NOT PRIVATE): see
     :class:`~userdp.server.coordinator.Coordinator`; no config key or CLI flag reaches it."""
@@ -103,6 +105,7 @@ def start_coordinator(
             worker_startup_s=config.coordinator.worker_startup_s,
             worker_stall_s=config.coordinator.worker_stall_s,
         ),
+        options=options,
         test_only_disable_noise=test_only_disable_noise,
     )
     try:

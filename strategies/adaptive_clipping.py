@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from userdp.strategies.base import ClipStatistics, Cohort, StrategyError
+from userdp.strategies.base import ClipStatistics, Cohort, NoisyStatistic, Release, StrategyError
 from userdp.strategies.builtins import UserLevelSampling
 
 __all__ = ["AdaptiveClipping", "update_noise_multiplier"]
@@ -45,7 +45,9 @@ class AdaptiveClipping(UserLevelSampling):
 
     ``noise_multiplier`` is the accounted z of the whole step (sum AND count);
     ``count_stddev`` σ_b is the std of the noise on the clipped count; ``clip_lr`` is η_C.
-    ``add_noise`` needs the workers' :class:`ClipStatistics` (``clipped`` = units with norm > C).
+    :meth:`privatize` releases the noisy fraction in ``Release.statistics`` and
+    :meth:`server_update` moves C from it (the workers' :class:`ClipStatistics` ``clipped`` =
+    units with norm > C).
     """
 
     def __init__(
@@ -58,8 +60,7 @@ class AdaptiveClipping(UserLevelSampling):
         **uls: Any,
     ) -> None:
         super().__init__(clip_norm=initial_clip_norm, **uls)
-        if self.sampling != "poisson":
-            raise StrategyError("AdaptiveClipping supports sampling='poisson' only")
+        self._require_poisson()
         if not 0.0 < target_quantile < 1.0:
             raise StrategyError(
                 f"target_quantile={target_quantile} is out of range; expected (0, 1)"
@@ -68,30 +69,33 @@ class AdaptiveClipping(UserLevelSampling):
         self.clip_lr = float(clip_lr)
         self.count_stddev = float(count_stddev)
         self.update_noise_multiplier = update_noise_multiplier(self.noise_multiplier, count_stddev)
-        self._pending_fraction: float | None = None
         self.history: list[tuple[int, float, float]] = []
         """(step, clip norm used, noisy unclipped fraction) per released step."""
 
     def add_noise(
         self, step: int, summed: Mapping[str, Any], stats: ClipStatistics | None = None
     ) -> dict[str, Any]:
-        if stats is None:
-            raise StrategyError("AdaptiveClipping.add_noise needs the step's ClipStatistics")
-        unclipped = stats.units - stats.clipped
-        expected = self.expected_cohort_size
-        centered = unclipped - 0.5 * stats.units
-        noisy = centered + self.count_stddev * self.noise.rng.standard_normal()
-        self._pending_fraction = noisy / expected + 0.5
+        """The sum's noise: σ_Δ·C (the count takes the rest of the step's budget)."""
         return self.noise.add(step, summed, std=self.update_noise_multiplier * self.clip_norm)
 
-    def server_update(
-        self, params: Mapping[str, Any], noisy_sum: Mapping[str, Any], cohort: Cohort
-    ):
-        super().server_update(params, noisy_sum, cohort)
-        if self._pending_fraction is None:
-            raise StrategyError("server_update before add_noise: no noisy count for this step")
-        fraction, self._pending_fraction = self._pending_fraction, None
-        self.history.append((cohort.step, self.clip_norm, fraction))
+    def privatize(
+        self, step: int, summed: Mapping[str, Any], stats: ClipStatistics, cohort: Cohort
+    ) -> Release:
+        """The noisy sum and the noisy unclipped fraction b̃ = (Σ(b_u − ½) + N(0, σ_b²))/M + ½
+        (M the EXPECTED cohort); one unit moves b̃ by at most ½/M."""
+        expected = cohort.expected_size
+        centered = (stats.units - stats.clipped) - 0.5 * stats.units
+        noisy = centered + self.count_stddev * self.noise.rng.standard_normal()
+        fraction = NoisyStatistic(noisy / expected + 0.5, sensitivity=0.5 / expected)
+        return Release(
+            step, cohort, self.add_noise(step, summed, stats), {"unclipped_fraction": fraction}
+        )
+
+    def server_update(self, params: Mapping[str, Any], release: Release) -> None:
+        """The inherited update, then C ← C·exp(−η_C(b̃ − γ)) from the released fraction."""
+        super().server_update(params, release)
+        fraction = release.statistics["unclipped_fraction"].value
+        self.history.append((release.step, self.clip_norm, fraction))
         self.clip_norm *= math.exp(-self.clip_lr * (fraction - self.target_quantile))
 
     def state_dict(self) -> dict[str, Any]:
@@ -100,4 +104,3 @@ class AdaptiveClipping(UserLevelSampling):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.history = [tuple(h) for h in state["history"]]  # type: ignore[misc]
-        self._pending_fraction = None

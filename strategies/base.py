@@ -1,25 +1,24 @@
 """The strategy plugin API: one DP training mechanism as one object with a few hooks.
 
 A :class:`Strategy` is the whole mechanism of one step, seen from the coordinator: which units
-contribute (the sampler), what the workers are told (clip norm, engine, local steps), how partial
-sums are combined, which noise is added, how the server applies the noisy sum, and the frozen
-:mod:`userdp.accounting.mechanisms` value that tells the accountant what was released. The
-accountant therefore never guesses from flags: what the strategy samples and what it reports are
-written next to each other, and :meth:`Strategy.facts` says when they do not match.
+contribute (its :class:`~userdp.strategies.samplers.Sampler`), what the workers are told (clip
+norm, engine, local steps), how partial sums are combined, which noise is added, how the server
+applies the noisy release, and the frozen :mod:`userdp.accounting.mechanisms` value that tells
+the accountant what was released. The accountant therefore never guesses from flags: what the
+strategy samples and what it reports are written next to each other, and :meth:`Strategy.facts`
+says when they do not match.
 
-The coordinator (or :func:`userdp.strategies.inprocess.run_steps`, or the Flower adapter) calls
-the hooks in this order, once per step::
+The step itself is written once, in :mod:`userdp.strategies.step`; the coordinator, the
+in-process loop and the Flower adapter call it, and it calls the hooks in this order::
 
-    mechanism()                          # checked against the budget before any work
-    sample_cohort(step, population)  -> Cohort        (unit ids; never rows)
-    configure_task(step, cohort)     -> TaskSpec      (what every worker task carries; callers
-                                                       use task_for, which adds run options)
-    ... workers return partial sums of CLIPPED unit updates ...
-    aggregate(partials)              -> summed tensors   (only when the caller does not sum itself)
-    add_noise(step, summed, stats)   -> noisy sum        (fresh noise, never replayable)
+    mechanism()                              # checked against the budget before any work
+    sample_cohort(step, population) -> Cohort     (unit ids; never rows)
+    configure_task(step, cohort)    -> TaskSpec   (what every worker task carries)
+    ... workers return partial sums of CLIPPED unit updates; the caller sums them ...
+    privatize(step, summed, stats, cohort) -> Release   (fresh noise, never replayable)
     ... ledger.append(step, mechanism()) BEFORE anything is released ...
-    server_update(params, noisy, cohort)                 (÷ EXPECTED cohort size, optimizer step)
-    state_dict() / load_state_dict(state)                (checkpoint; noise RNG is not in it)
+    server_update(params, release)                  (÷ EXPECTED cohort size, optimizer step)
+    state_dict() / load_state_dict(state)           (checkpoint; noise RNG is not in it)
 
 Tensors: a "tensor dict" maps parameter names to float tensors, either numpy arrays or torch
 tensors (the coordinator passes torch). Strategies never import torch at module level; the few
@@ -27,42 +26,45 @@ operations that must work on both go through :mod:`userdp.strategies.tensors`.
 
 Units: ``unit="user"`` (ULS family: one clipped update per sampled user) or ``unit="example"``
 (ELS family: one clipped gradient per sampled example of the capped subset D_sub; an example unit
-id is ``"<user id>/<example index>"``, the form ``userdp.server.coordinator.Population`` parses).
+id is ``"<user id>/<example index>"``, the form ``userdp.server.population.Population`` parses).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from userdp.accounting.facts import Adjacency, PrivacyFacts, Sampling, Unit
 from userdp.accounting.mechanisms import Mechanism
 from userdp.strategies import tensors as T
 from userdp.strategies.noise import GaussianNoise, NoiseMechanism
 from userdp.strategies.optimizers import ServerOptimizer, Sgd
+from userdp.strategies.samplers import Sampler
 
 __all__ = [
-    "ADJACENCIES",
     "UNITS",
+    "Adjacency",
     "ClipStatistics",
     "Cohort",
+    "NoisyStatistic",
     "PopulationCounts",
     "PrivacyFacts",
+    "Release",
+    "Sampling",
     "Strategy",
     "StrategyError",
     "TaskSpec",
+    "Unit",
     "as_population",
     "example_unit_id",
     "parse_example_unit_id",
 ]
 
-Unit = Literal["user", "example"]
-UNITS: tuple[str, ...] = ("user", "example")
-ADJACENCIES: tuple[str, ...] = ("add-remove", "zero-out")
+UNITS: tuple[str, ...] = tuple(u.value for u in Unit)
 
 
 class StrategyError(ValueError):
@@ -97,39 +99,24 @@ class PopulationCounts:
         return self.examples_per_user
 
 
-_POPULATION_CACHE: dict[int, tuple[Any, PopulationCounts]] = {}
-
-
 def as_population(population: Any) -> PopulationCounts:
     """Accept what callers have: a PopulationCounts, a sequence of user ids, a mapping
-    ``user id -> n_examples``, or an object with ``users`` and ``examples_of_user``
-    (``userdp.server.coordinator.Population``)."""
+    ``user id -> n_examples``, or an object with a ``population_counts`` attribute
+    (``userdp.server.population.Population``, which converts itself once)."""
     if isinstance(population, PopulationCounts):
         return population
+    counts = getattr(population, "population_counts", None)
+    if isinstance(counts, PopulationCounts):
+        return counts
     if isinstance(population, Mapping):
         users = tuple(population)
-        counts = np.fromiter((int(population[u]) for u in users), dtype=np.int64, count=len(users))
-        return PopulationCounts(users, counts)
-    if hasattr(population, "users"):
-        cached = _POPULATION_CACHE.get(id(population))
-        if cached is not None and cached[0]() is population:
-            return cached[1]
-        users = population.users
-        examples = getattr(population, "examples_of_user", None) or None
-        counts = None
-        if examples:
-            counts = np.fromiter((int(examples[u]) for u in users), np.int64, count=len(users))
-        result = PopulationCounts(users, counts)
-        try:  # the coordinator's Population is immutable: convert it once, not every step
-            _POPULATION_CACHE[id(population)] = (weakref.ref(population), result)
-        except TypeError:
-            pass
-        return result
+        values = np.fromiter((int(population[u]) for u in users), dtype=np.int64, count=len(users))
+        return PopulationCounts(users, values)
     if isinstance(population, Sequence) and not isinstance(population, str | bytes):
         return PopulationCounts(population)
     raise StrategyError(
         f"population={type(population).__name__} is not allowed; expected user ids, a mapping "
-        "user id -> n_examples, or an object with .users and .examples_of_user"
+        "user id -> n_examples, or a userdp.server.population.Population"
     )
 
 
@@ -164,11 +151,6 @@ class Cohort:
 
     def __len__(self) -> int:
         return len(self.unit_ids)
-
-
-EXACT_ENGINES = ("loop", "vectorized", "ghost")
-"""Engines that compute every unit's exact norm: interchangeable without changing the mechanism."""
-EXECUTION_OPTIONS = ("engine", "token_budget", "selection", "seq_len")
 
 
 @dataclass(frozen=True)
@@ -227,30 +209,28 @@ class ClipStatistics:
 
 
 @dataclass(frozen=True)
-class PrivacyFacts:
-    """What the privacy report must state about a strategy besides its mechanism.
+class NoisyStatistic:
+    """A scalar released next to the noisy sum (adaptive clipping's clipped fraction).
 
-    sampling: the sampler's name (``poisson-users``, ``poisson-examples``, ``balls-in-bins``,
-        ``shuffle``, ...). adjacency: ``add-remove`` one user, or ``zero-out`` (padding and
-        truncation). sampling_matches_accounting: False when the accountant's assumption does not
-        hold for the sampler (fixed-size shuffle): the reported ε is then NOT a guarantee.
-    caveats: one line each, printed verbatim in the report.
-    """
+    ``sensitivity``: how much one unit can move the value before noise; the conformance checks
+    (:func:`userdp.testing.check_strategy`) measure the noise on it and require the whole step to
+    be a Gaussian mechanism with at least the accounted noise multiplier."""
 
-    unit: str
-    sampling: str
-    adjacency: str
-    sampling_matches_accounting: bool
-    caveats: tuple[str, ...] = ()
+    value: float
+    sensitivity: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "unit": self.unit,
-            "sampling": self.sampling,
-            "adjacency": self.adjacency,
-            "sampling_matches_accounting": self.sampling_matches_accounting,
-            "caveats": list(self.caveats),
-        }
+
+@dataclass(frozen=True)
+class Release:
+    """What one step releases: the noisy sum of clipped updates and any noisy statistics.
+
+    Everything in it is covered by the step's mechanism; everything computed from it (the server
+    update, clip-norm schedules) is post-processing."""
+
+    step: int
+    cohort: Cohort
+    noisy_sum: dict[str, Any]
+    statistics: Mapping[str, NoisyStatistic] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,21 +241,24 @@ class Strategy(ABC):
     """Base class of every DP strategy: subclasses pass the attributes to ``__init__`` and fill
     the abstract hooks.
 
-    Attributes (set in ``__init__``): ``unit`` ("user" | "example"), ``group_size`` (examples
-    per user: per step for ULS, in D_sub for ELS), ``clip_norm`` (C), ``noise`` (a
+    Attributes (set in ``__init__``): ``sampler`` (a :class:`~userdp.strategies.samplers.Sampler`;
+    checkpointed here), ``unit`` ("user" | "example": what the sampler draws), ``group_size``
+    (examples per user: per step for ULS, in D_sub for ELS), ``clip_norm`` (C), ``noise`` (a
     :class:`~userdp.strategies.noise.NoiseMechanism`; iid Gaussian by default), ``optimizer``
     (a :class:`~userdp.strategies.optimizers.ServerOptimizer`; SGD with learning rate 1 by
     default, i.e. params −= noisy mean).
 
-    Must implement: :meth:`sample_cohort`, :attr:`expected_cohort_size`, :meth:`mechanism`,
-    :meth:`facts`.
-    Usually inherited: :meth:`configure_task`, :meth:`aggregate`, :meth:`add_noise`,
-    :meth:`server_update`, :meth:`state_dict`, :meth:`load_state_dict`.
+    Must implement: :meth:`mechanism`. Usually inherited: :meth:`sample_cohort` (users at the
+    sampler's positions), :meth:`expected_cohort_size`, :meth:`configure_task`,
+    :meth:`aggregate`, :meth:`add_noise`, :meth:`privatize`, :meth:`server_update`,
+    :meth:`facts` (from the sampler and :meth:`caveats`), :meth:`state_dict`,
+    :meth:`load_state_dict`.
     """
 
     unit: str = "user"
     group_size: int = 0
     clip_norm: float = 1.0
+    sampler: Sampler
     noise: NoiseMechanism
     optimizer: ServerOptimizer
 
@@ -284,6 +267,7 @@ class Strategy(ABC):
         *,
         clip_norm: float,
         noise_multiplier: float,
+        sampler: Sampler,
         unit: str = "user",
         group_size: int = 0,
         noise: NoiseMechanism | None = None,
@@ -297,66 +281,50 @@ class Strategy(ABC):
             raise StrategyError(
                 f"noise_multiplier={noise_multiplier!r} is out of range; expected > 0"
             )
+        if not isinstance(sampler, Sampler):
+            raise StrategyError(
+                f"sampler={type(sampler).__name__} is not a userdp.strategies.samplers.Sampler"
+            )
+        self.sampler = sampler
         self.unit = unit
         self.group_size = int(group_size)
         self.clip_norm = float(clip_norm)
         self.noise_multiplier = float(noise_multiplier)
         self.noise = noise if noise is not None else GaussianNoise()
         self.optimizer = optimizer if optimizer is not None else Sgd(learning_rate=1.0)
-        self._execution_options: dict[str, Any] = {}
 
     # ---- sampling ------------------------------------------------------------------------------
 
-    @abstractmethod
     def sample_cohort(self, step: int, population: Any) -> Cohort:
         """Pick this step's units. ``population``: see :func:`as_population` (ids and counts only).
 
-        Returns a :class:`Cohort` whose ``expected_size`` is fixed in advance. Deterministic given
-        the strategy's sampler seed and ``step`` (a retried step index gets the same cohort), never
-        dependent on data values.
+        Default: the users at the sampler's positions. Returns a :class:`Cohort` whose
+        ``expected_size`` is fixed in advance. Deterministic given the sampler seed and ``step``
+        (a retried step index gets the same cohort), never dependent on data values.
         """
+        users = as_population(population).user_ids
+        positions = self.sampler.sample(step, len(users))
+        return Cohort(
+            step=step,
+            unit_ids=tuple(users[i] for i in positions.tolist()),
+            expected_size=self.expected_cohort_size(population),
+            unit=self.unit,
+            padded_size=self.sampler.padded_size,
+        )
 
-    @property
-    @abstractmethod
-    def expected_cohort_size(self) -> float:
-        """The normalizer of :meth:`server_update`: expected units per step (qN, p|D_sub|, N/b).
-
-        Raises StrategyError before the first :meth:`sample_cohort` if it depends on N."""
+    def expected_cohort_size(self, population: Any) -> float:
+        """The normalizer of :meth:`server_update`: expected units per step (qN, p|D_sub|, N/b)
+        for this population. Default: the sampler's expected size over the users."""
+        return self.sampler.expected_size(len(as_population(population)))
 
     # ---- the worker's task ----------------------------------------------------------------------
 
     def configure_task(self, step: int, cohort: Cohort) -> TaskSpec:
         """What every task of this step tells its worker. Default: clip to ``clip_norm``, this
-        strategy's unit and group size, one gradient per unit."""
+        strategy's unit and group size, one gradient per unit. Run-level options that do not
+        change the mechanism (engine, token budget, ...) are applied by the caller
+        (:class:`userdp.strategies.step.ExecutionOptions`)."""
         return TaskSpec(clip_norm=self.clip_norm, unit=self.unit, group_size=self.group_size)
-
-    def set_execution_options(self, **options: Any) -> None:
-        """Run-level options of every task that do not change the mechanism: ``engine`` (an
-        EXACT engine, ``"loop"`` or ``"vectorized"``), ``token_budget``, ``selection``,
-        ``seq_len``. Callers use :meth:`task_for`, which applies them."""
-        unknown = set(options) - set(EXECUTION_OPTIONS)
-        if unknown:
-            raise StrategyError(
-                f"not execution options: {sorted(unknown)}; allowed: {list(EXECUTION_OPTIONS)}"
-            )
-        engine = options.get("engine")
-        if engine is not None and engine not in EXACT_ENGINES:
-            raise StrategyError(
-                f"engine={engine!r} changes the mechanism (estimated norms need their own "
-                "accountant): use the randomized-clipping strategy instead of a run option"
-            )
-        self._execution_options = dict(options)
-
-    def task_for(self, step: int, cohort: Cohort) -> TaskSpec:
-        """:meth:`configure_task` with the run's execution options applied: what callers send.
-
-        The engine option replaces only an exact engine; a strategy that chose a randomized
-        engine keeps it, since its accountant depends on it."""
-        spec = self.configure_task(step, cohort)
-        options = dict(self._execution_options)
-        if spec.engine not in EXACT_ENGINES:
-            options.pop("engine", None)
-        return replace(spec, **options) if options else spec
 
     # ---- combining and privatizing --------------------------------------------------------------
 
@@ -373,21 +341,27 @@ class Strategy(ABC):
     ) -> dict[str, Any]:
         """Return ``summed + σ·C·noise`` (iid: z; BLT: (C⁻¹z)_step), a new dict; ``summed`` is
         not modified. The noise generator is seeded from ``os.urandom``; calling this twice for
-        one step (a retry) draws different noise. ``stats`` is used only by strategies that
-        release a statistic with the sum (adaptive clipping)."""
+        one step (a retry) draws different noise."""
         return self.noise.add(step, summed, std=self.noise_multiplier * self.clip_norm)
 
-    def server_update(
-        self, params: Mapping[str, Any], noisy_sum: Mapping[str, Any], cohort: Cohort
-    ):
+    def privatize(
+        self, step: int, summed: Mapping[str, Any], stats: ClipStatistics, cohort: Cohort
+    ) -> Release:
+        """Everything this step releases, noised. Default: :meth:`add_noise` on the sum and no
+        statistics. A strategy that releases a statistic next to the sum (adaptive clipping's
+        clipped count) returns it here, noised, and accounts for it in :meth:`mechanism`."""
+        return Release(step, cohort, self.add_noise(step, summed, stats))
+
+    def server_update(self, params: Mapping[str, Any], release: Release) -> None:
         """Apply the step in place: ``params ← optimizer(params, noisy_sum / expected_size)``.
 
-        Divides by ``cohort.expected_size`` (fixed in advance), never by ``len(cohort)``. The
-        optimizer is post-processing of the noisy sum, so any optimizer is allowed."""
-        if not cohort.expected_size > 0:
-            raise StrategyError(f"cohort.expected_size={cohort.expected_size!r}; expected > 0")
-        scale = 1.0 / cohort.expected_size
-        gradient = {name: value * scale for name, value in noisy_sum.items()}
+        Divides by ``release.cohort.expected_size`` (fixed in advance), never by the realized
+        cohort size. Reads only the release, so any optimizer or schedule is post-processing."""
+        expected = release.cohort.expected_size
+        if not expected > 0:
+            raise StrategyError(f"cohort.expected_size={expected!r}; expected > 0")
+        scale = 1.0 / expected
+        gradient = {name: value * scale for name, value in release.noisy_sum.items()}
         self.optimizer.step(params, gradient)
 
     # ---- privacy description ------------------------------------------------------------------
@@ -397,9 +371,21 @@ class Strategy(ABC):
         """The frozen description of ONE step for the ledger (:mod:`userdp.accounting.mechanisms`).
         Stable across the run unless the strategy documents why (it is appended per step)."""
 
-    @abstractmethod
+    def caveats(self) -> tuple[str, ...]:
+        """Report lines about this strategy; default: the sampler's (seed given, shuffle, ...)."""
+        return self.sampler.caveats()
+
     def facts(self) -> PrivacyFacts:
-        """Sampling name, adjacency, whether sampling matches the accountant, and caveats."""
+        """Sampling scheme, adjacency and whether an accountant matches it (all stated by the
+        sampler), which units are sampled, and :meth:`caveats`. The privacy unit is the user."""
+        return PrivacyFacts(
+            unit=Unit.USER,
+            sampling=self.sampler.sampling,
+            adjacency=self.sampler.adjacency,
+            sampling_matches_accounting=self.sampler.accounted,
+            caveats=self.caveats(),
+            sampled=Unit(self.unit),
+        )
 
     def sampling_matches_accounting(self) -> bool:
         return self.facts().sampling_matches_accounting
@@ -407,10 +393,11 @@ class Strategy(ABC):
     # ---- checkpoint -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-safe values plus numpy/torch arrays; never pickle. Contains sampler state (seeds,
-        fixed bins), optimizer state, correlated-noise buffers; NEVER the noise RNG."""
+        """JSON-safe values plus numpy/torch arrays; never pickle. Holds the sampler (its secret
+        seed), clip norm, optimizer state and correlated-noise buffers; NEVER the noise RNG."""
         return {
             "clip_norm": self.clip_norm,
+            "sampler": self.sampler.state_dict(),
             "noise": self.noise.state_dict(),
             "optimizer": self.optimizer.state_dict(),
         }
@@ -419,5 +406,6 @@ class Strategy(ABC):
         """Restore :meth:`state_dict`. The noise RNG is re-seeded from ``os.urandom``, so a resumed
         run never replays noise."""
         self.clip_norm = float(state["clip_norm"])
+        self.sampler.load_state_dict(state["sampler"])
         self.noise.load_state_dict(state["noise"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -1,22 +1,22 @@
 """Correlated noise for DP-FTRL / matrix mechanisms: buffered linear Toeplitz (BLT) and banded C.
 
 A matrix mechanism releases x_t + σ·(C⁻¹Z)_t for a lower-triangular Toeplitz strategy matrix C
-(seed 004 §2; notes/anchors_dp.md §2.3). All releases together are post-processing of CX + σZ,
-one Gaussian mechanism whose sensitivity is the norm of C's participating columns.
+(Near Exact Privacy Amplification for Matrix Mechanisms, §2). All releases together are
+post-processing of CX + σZ, one Gaussian mechanism whose sensitivity is the norm of C's
+participating columns.
 
-BLT (arXiv 2404.16706, 2408.08868): c_0 = 1, c_k = Σ_j ω_j θ_j^{k−1} (k ≥ 1), θ ∈ (0,1)^d,
-ω > 0. C⁻¹Z is generated in streaming form with d model-sized buffers S_j (start at 0)::
-
-    x_t = z_t − Σ_j ω_j S_j ;   S_j ← θ_j S_j + x_t            (x = C⁻¹ z, exactly)
-
-Banded: c_k = 0 for k ≥ bands; C⁻¹Z by forward substitution over the last bands − 1 outputs;
-:func:`optimize_banded` fits the coefficients to the same objective.
+C itself (its coefficients, inverse and dense form, and the parameters the streams below run on)
+comes from :mod:`userdp.accounting.correlation`, the module the accountant builds C with:
+:class:`Blt` is its :class:`~userdp.accounting.correlation.BltCorrelation`, :class:`BandedNoise`
+holds a :class:`~userdp.accounting.correlation.BandedCorrelation`. This module streams C⁻¹Z
+(:class:`BltNoise`, :class:`BandedNoise`) and optimizes C.
 
 Optimization (:func:`optimize_blt`) minimizes jax_privacy's objective
 loss(C) = sens²(C; b, k) · max_t ‖row_t(A C⁻¹)‖², A the prefix-sum matrix, over the
 ``buf_decay_pair`` parameterization (θ, θ̂) → (ω, ω̂) in closed form (Lemma 5.2 of 2404.16706),
 with numpy/scipy instead of JAX. Pinned against jax_privacy 2.0.0: n=1000 single participation,
-3 buffers → 10.692; n=1000, min_sep=100, k=10, 2 buffers → 223.591.
+3 buffers → 10.692; n=1000, min_sep=100, k=10, 2 buffers → 223.591. :func:`optimize_banded` fits
+banded coefficients to the same objective.
 
 The buffers are checkpointed (a resumed run must continue the SAME correlated stream); they are
 secret like the noise itself, so checkpoints must be protected like the model's noise.
@@ -31,7 +31,12 @@ from typing import Any
 
 import numpy as np
 from scipy import optimize as sopt
-from scipy import signal
+from userdp.accounting.correlation import (
+    BandedCorrelation,
+    BltCorrelation,
+    CorrelationError,
+    toeplitz_matrix,
+)
 from userdp.accounting.mechanisms import CorrelationSpec
 from userdp.strategies import tensors as T
 from userdp.strategies.noise import NoiseMechanism, NoiseRng
@@ -50,66 +55,31 @@ __all__ = [
 ]
 
 
-class BltError(ValueError):
-    """Invalid BLT / banded parameters or state."""
+class BltError(CorrelationError):
+    """Invalid BLT / banded parameters or noise-stream state."""
 
 
 @dataclass(frozen=True)
-class Blt:
-    """A BLT strategy matrix: ``buf_decay`` θ and ``output_scale`` ω (c_0 = 1)."""
+class Blt(BltCorrelation):
+    """A BLT strategy matrix: ``buf_decay`` θ and ``output_scale`` ω (c_0 = 1).
 
-    buf_decay: tuple[float, ...]
-    output_scale: tuple[float, ...]
+    ``toeplitz_coefs(n)``, ``inverse_coefs(n)`` and ``matrix(n)`` are the accountant's
+    (:class:`~userdp.accounting.correlation.BltCorrelation`); :class:`BltNoise` streams with
+    these same (θ, ω)."""
 
     def __post_init__(self) -> None:
-        theta = tuple(float(t) for t in self.buf_decay)
-        omega = tuple(float(w) for w in self.output_scale)
-        if len(theta) != len(omega):
-            raise BltError(f"buf_decay has {len(theta)} entries but output_scale {len(omega)}")
-        if not all(0.0 < t < 1.0 for t in theta):
-            raise BltError(f"buf_decay={theta} is out of range; expected values in (0, 1)")
-        object.__setattr__(self, "buf_decay", theta)
-        object.__setattr__(self, "output_scale", omega)
+        try:
+            super().__post_init__()
+        except CorrelationError as exc:
+            raise BltError(str(exc)) from None
 
     @property
     def buffers(self) -> int:
         return len(self.buf_decay)
 
-    def toeplitz_coefs(self, n: int) -> np.ndarray:
-        """c_0..c_{n−1} of C."""
-        return _blt_coefs(np.asarray(self.buf_decay), np.asarray(self.output_scale), n)
-
-    def inverse_coefs(self, n: int) -> np.ndarray:
-        """ĉ_0..ĉ_{n−1} of C⁻¹ (the streaming recurrence applied to the impulse)."""
-        theta, omega = np.asarray(self.buf_decay), np.asarray(self.output_scale)
-        out = np.empty(n)
-        state = np.zeros(len(theta))
-        for t in range(n):
-            x = (1.0 if t == 0 else 0.0) - float(omega @ state)
-            out[t] = x
-            state = theta * state + x
-        return out
-
     def correlation(self) -> CorrelationSpec:
         """The accountant's description of C (``userdp.accounting.mechanisms.CorrelationSpec``)."""
-        return CorrelationSpec.of(
-            "blt", buf_decay=list(self.buf_decay), output_scale=list(self.output_scale)
-        )
-
-
-def _blt_coefs(theta: np.ndarray, omega: np.ndarray, n: int) -> np.ndarray:
-    k = np.arange(max(n - 1, 0))
-    coefs = np.ones(n)
-    if n > 1:
-        coefs[1:] = (omega[None, :] * theta[None, :] ** k[:, None]).sum(axis=1) if len(theta) else 0
-    return coefs
-
-
-def toeplitz_matrix(coefs: np.ndarray) -> np.ndarray:
-    """Dense lower-triangular Toeplitz matrix with first column ``coefs``."""
-    n = len(coefs)
-    idx = np.subtract.outer(np.arange(n), np.arange(n))
-    return np.where(idx >= 0, np.asarray(coefs)[np.clip(idx, 0, None)], 0.0)
+        return self.spec()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,10 +128,10 @@ def _pair_loss(
         return math.inf, None, None
     omega = omega_from_theta_pair(theta, theta_hat)
     omega_hat = omega_from_theta_pair(theta_hat, theta)
-    if (omega <= 0).any() or (omega_hat >= 0).any():
+    if not ((omega > 0).all() and (omega_hat < 0).all()):  # NaN fails too
         return math.inf, None, None
-    coefs = _blt_coefs(theta, omega, n)
-    inverse = _blt_coefs(theta_hat, omega_hat, n)
+    coefs = BltCorrelation(theta, omega).toeplitz_coefs(n)
+    inverse = BltCorrelation(theta_hat, omega_hat).toeplitz_coefs(n)  # C⁻¹ is the BLT (θ̂, ω̂)
     loss = min_sep_sensitivity_squared(coefs, min_sep, participations) * max_error(inverse)
     return (loss if math.isfinite(loss) else math.inf), theta, omega
 
@@ -263,7 +233,8 @@ class _StreamingNoise(NoiseMechanism):
 
 
 class BltNoise(_StreamingNoise):
-    """Streaming (C⁻¹Z)_t for a BLT C, d model-sized buffers per tensor.
+    """Streaming (C⁻¹Z)_t for a BLT C, d model-sized buffers per tensor: the recurrence of
+    :mod:`userdp.accounting.correlation` on ``blt``'s own (θ, ω).
 
     Each step must be noised exactly once and in order (a retried or aborted step that drew noise
     would desynchronize the stream: the coordinator draws noise only after gathering succeeded).
@@ -298,15 +269,21 @@ class BltNoise(_StreamingNoise):
 
 class BandedNoise(_StreamingNoise):
     """Streaming (C⁻¹Z)_t for a banded Toeplitz C with ``coefs`` c_0..c_{b−1} (c_0 > 0):
-    x_t = (z_t − Σ_{k=1}^{b−1} c_k x_{t−k}) / c_0, keeping the last b − 1 outputs."""
+    x_t = (z_t − Σ_{k=1}^{b−1} c_k x_{t−k}) / c_0, keeping the last b − 1 outputs. ``banded`` is
+    the accountant's :class:`~userdp.accounting.correlation.BandedCorrelation` of these coefs."""
 
     kind = "banded"
 
     def __init__(self, coefs: Sequence[float], rng: NoiseRng | None = None) -> None:
         super().__init__(rng)
-        self.coefs = tuple(float(c) for c in coefs)
-        if not self.coefs or self.coefs[0] <= 0:
-            raise BltError(f"banded coefs={self.coefs} need c_0 > 0")
+        try:
+            self.banded = BandedCorrelation(coefs)
+        except CorrelationError as exc:
+            raise BltError(str(exc)) from None
+
+    @property
+    def coefs(self) -> tuple[float, ...]:
+        return self.banded.coefs
 
     def sample(self, step: int, like: Mapping[str, Any]) -> dict[str, Any]:
         self._advance(step)
@@ -324,11 +301,14 @@ class BandedNoise(_StreamingNoise):
 
 
 def banded_inverse_coefs(coefs: Sequence[float], n: int) -> np.ndarray:
-    """First column of C⁻¹ for a banded Toeplitz C: the impulse response of the recursive
-    filter c_0 y_t = x_t − Σ_{k≥1} c_k y_{t−k}."""
-    impulse = np.zeros(n)
-    impulse[0] = 1.0
-    return signal.lfilter([1.0], np.asarray(coefs, dtype=float), impulse)
+    """First column of C⁻¹ for the banded Toeplitz C with first column ``coefs``."""
+    return BandedCorrelation(coefs).inverse_coefs(n)
+
+
+def _banded_loss(coefs: Sequence[float], n: int, min_sep: int, participations: int) -> float:
+    banded = BandedCorrelation(coefs)
+    sens2 = min_sep_sensitivity_squared(banded.toeplitz_coefs(n), min_sep, participations)
+    return sens2 * max_error(banded.inverse_coefs(n))
 
 
 def optimize_banded(
@@ -339,26 +319,16 @@ def optimize_banded(
     never share a band, so the min-sep sensitivity is exact."""
     if bands < 1:
         raise BltError(f"bands={bands} is out of range; expected >= 1")
-    if bands == 1:
-        coefs = np.ones(1)
-    else:
+    coefs = np.ones(1)
+    if bands > 1:
 
         def objective(free: np.ndarray) -> float:
-            c = np.concatenate([[1.0], free])
-            padded = np.zeros(n)
-            padded[: min(bands, n)] = c[:n]
-            sens2 = min_sep_sensitivity_squared(padded, min_sep, participations)
-            return sens2 * max_error(banded_inverse_coefs(c, n))
+            return _banded_loss(np.concatenate([[1.0], free]), n, min_sep, participations)
 
         start = 0.5 ** np.arange(1, bands)
         res = sopt.minimize(objective, start, method="L-BFGS-B", bounds=[(0.0, 1.0)] * (bands - 1))
         coefs = np.concatenate([[1.0], res.x])
-    padded = np.zeros(n)
-    padded[: min(bands, n)] = coefs[:n]
-    loss = min_sep_sensitivity_squared(padded, min_sep, participations) * max_error(
-        banded_inverse_coefs(coefs, n)
-    )
-    return coefs, float(loss)
+    return coefs, float(_banded_loss(coefs, n, min_sep, participations))
 
 
 def _axpy(y: Any, a: float, x: Any) -> None:

@@ -1,21 +1,24 @@
 """BLT-DP-FTRL: balls-in-bins users (bins fixed for the run) + BLT (or banded) correlated noise.
 
-Step t: cohort = users of bin t mod b (assigned once, seed 004 Def. 3.1); release
-Σ clip(g_u) + σ·C_clip·(C⁻¹Z)_t; the server divides by the expected cohort N/b and steps its
-optimizer. Accounted as :class:`~userdp.accounting.mechanisms.BallsInBinsMechanism` with
-``bin_semantics="fixed"`` and the strategy matrix C in ``correlation`` (Monte Carlo accountant
-on the b-mode mixture dominating pair, seed 004 Lemma 3.2). σ is the multiplier of Z BEFORE C⁻¹,
+Step t: cohort = users of bin t mod b (assigned once; "Near Exact Privacy Amplification for
+Matrix Mechanisms", Def. 3.1); release Σ clip(g_u) + σ·C_clip·(C⁻¹Z)_t; the server divides by the
+expected cohort N/b and steps its optimizer. Accounted as
+:class:`~userdp.accounting.mechanisms.BallsInBinsMechanism` with ``bin_semantics="fixed"`` and the
+strategy matrix C in ``correlation`` (Monte Carlo accountant on the b-mode mixture dominating
+pair, same paper, Lemma 3.2). σ is the multiplier of Z BEFORE C⁻¹,
 as that mechanism defines it; the sensitivity of C is the accountant's business.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from userdp.accounting.facts import Sampling
 from userdp.accounting.mechanisms import BallsInBinsMechanism, CorrelationSpec, Mechanism
-from userdp.strategies.base import Cohort, PrivacyFacts, Strategy, StrategyError, as_population
+from userdp.strategies.base import Cohort, Strategy, StrategyError
 from userdp.strategies.blt import BandedNoise, Blt, BltNoise, optimize_banded, optimize_blt
+from userdp.strategies.builtins import N_CAVEAT
 from userdp.strategies.noise import NoiseRng
 from userdp.strategies.optimizers import ServerOptimizer
 from userdp.strategies.samplers import BallsInBinsSampler
@@ -67,55 +70,33 @@ class BltDpFtrl(Strategy):
         super().__init__(
             clip_norm=clip_norm,
             noise_multiplier=noise_multiplier,
+            sampler=BallsInBinsSampler(bins, Sampling.BALLS_IN_BINS_FIXED, seed),
             unit="user",
             noise=noise,
             optimizer=optimizer,
         )
         self.blt = blt
         self.bins, self.epochs = int(bins), int(epochs)
-        self.sampler = BallsInBinsSampler(bins, "fixed", seed)
-        self._seed_given = seed is not None
-        self._population_size: int | None = None
 
     def sample_cohort(self, step: int, population: Any) -> Cohort:
         if step >= self.bins * self.epochs:
             raise StrategyError(
                 f"step {step} is past bins × epochs = {self.bins * self.epochs} (the declared run)"
             )
-        users = as_population(population).user_ids
-        self._population_size = len(users)
-        positions = self.sampler.sample(step, len(users))
-        return Cohort(
-            step, tuple(users[i] for i in positions.tolist()), self.expected_cohort_size, "user"
-        )
-
-    @property
-    def expected_cohort_size(self) -> float:
-        if self._population_size is None:
-            raise StrategyError("expected_cohort_size is known after the first sample_cohort")
-        return self._population_size / self.bins
+        return super().sample_cohort(step, population)
 
     def mechanism(self) -> Mechanism:
         return BallsInBinsMechanism(
             noise_multiplier=self.noise_multiplier,
             bins=self.bins,
             epochs=self.epochs,
-            bin_semantics="fixed",
+            bin_semantics=self.sampler.sampling.bin_semantics,
             correlation=self.correlation,
         )
 
-    def facts(self) -> PrivacyFacts:
-        caveats = [
+    def caveats(self) -> tuple[str, ...]:
+        return (
+            *super().caveats(),
             "correlated-noise buffers are checkpointed: protect checkpoints like noise",
-            "the normalizer N/b uses the number of users N, treated as public",
-        ]
-        if self._seed_given:
-            caveats.append("the sampler seed was given explicitly; amplification assumes it secret")
-        return PrivacyFacts("user", "balls-in-bins-fixed", "add-remove", True, tuple(caveats))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "sampler": self.sampler.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.sampler.load_state_dict(state["sampler"])
+            N_CAVEAT,
+        )

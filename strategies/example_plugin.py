@@ -1,10 +1,12 @@
 """A complete user-level DP strategy in one short file: the tutorial's example (docs/strategies.md).
 
 ``WarmupUls`` is DP-FedSGD (Poisson users, per-user clipping, Gaussian noise) whose server
-learning rate warms up linearly. Everything a strategy must say is here: the unit, how the
-cohort is sampled, the normalizer, the noise, the update, the ledger's mechanism, the report's
-facts and the checkpoint. The warm-up is post-processing of the noisy sum, so it costs no privacy
-and the mechanism is the plain ULS one.
+learning rate warms up linearly. What a strategy must say is here: its sampler (which also
+states the sampling scheme, adjacency and whether an accountant matches it, and is checkpointed
+by the base class), the ledger's mechanism, and the update. The warm-up is post-processing of the
+noisy release, so it costs no privacy and the mechanism is the plain ULS one.
+
+Run it from a config with ``[strategy] name = "userdp.strategies.example_plugin:WarmupUls"``.
 """
 
 from __future__ import annotations
@@ -16,11 +18,9 @@ import numpy as np
 from userdp.accounting.mechanisms import UlsMechanism
 from userdp.strategies.base import (
     ClipStatistics,
-    Cohort,
-    PrivacyFacts,
+    Release,
     Strategy,
     TaskSpec,
-    as_population,
     parse_example_unit_id,
 )
 from userdp.strategies.optimizers import Sgd
@@ -35,9 +35,9 @@ class WarmupUls(Strategy):
     def __init__(
         self,
         *,
-        sampling_prob: float,
         noise_multiplier: float,
         clip_norm: float,
+        sampling_prob: float,
         learning_rate: float,
         warmup_steps: int = 10,
         seed: int | None = None,  # None: a secret seed from os.urandom (production)
@@ -45,49 +45,23 @@ class WarmupUls(Strategy):
         super().__init__(
             clip_norm=clip_norm,
             noise_multiplier=noise_multiplier,
-            unit="user",
+            sampler=PoissonSampler(sampling_prob, seed),  # 1. who contributes: users w.p. q
             optimizer=Sgd(learning_rate),
         )
-        self.sampler = PoissonSampler(sampling_prob, seed)
         self.peak_lr = learning_rate
         self.warmup_steps = warmup_steps
-        self.population_size = 0
 
-    # 1. who contributes this step: users, each independently with probability q
-    def sample_cohort(self, step: int, population: Any) -> Cohort:
-        users = as_population(population).user_ids
-        self.population_size = len(users)
-        chosen = self.sampler.sample(step, len(users))  # positions, sorted
-        return Cohort(step, tuple(users[i] for i in chosen), self.expected_cohort_size)
-
-    # 2. the normalizer: the EXPECTED cohort qN, fixed before the step
-    @property
-    def expected_cohort_size(self) -> float:
-        return self.sampler.expected_size(self.population_size)
-
-    # 3. the update: warm the learning rate up, then the inherited ÷ qN + SGD step
-    def server_update(self, params: Mapping[str, Any], noisy_sum: Mapping[str, Any], cohort):
-        fraction = min(1.0, (cohort.step + 1) / self.warmup_steps)
-        self.optimizer.learning_rate = self.peak_lr * fraction
-        super().server_update(params, noisy_sum, cohort)
-
-    # 4. what the ledger records for every step
+    # 2. what the ledger records for every step
     def mechanism(self) -> UlsMechanism:
         return UlsMechanism(
             noise_multiplier=self.noise_multiplier, sampling_prob=self.sampler.sampling_prob
         )
 
-    # 5. what the privacy report states besides ε
-    def facts(self) -> PrivacyFacts:
-        return PrivacyFacts("user", "poisson-users", "add-remove", True)
-
-    # 6. checkpoint: the inherited state (clip norm, optimizer, noise) plus the sampler's seed
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "sampler": self.sampler.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.sampler.load_state_dict(state["sampler"])
+    # 3. the update: warm the learning rate up, then the inherited ÷ qN + SGD step
+    def server_update(self, params: Mapping[str, Any], release: Release) -> None:
+        fraction = min(1.0, (release.step + 1) / self.warmup_steps)
+        self.optimizer.learning_rate = self.peak_lr * fraction
+        super().server_update(params, release)
 
 
 class ToyMeanEstimation:

@@ -9,8 +9,9 @@ Semantics, stated plainly:
   one-off QUERY census, then the userdp strategy samples users (Poisson, ELS, balls-in-bins…),
   not nodes. Nodes with no sampled user get no message; a step with an empty cohort still
   releases (and charges) pure noise.
-- Noise is added once, on the server, by the strategy; the ledger entry is appended BEFORE the
-  new arrays are returned to Flower. If any node that was sent units fails, the step is NOT
+- The step is :mod:`userdp.strategies.step`'s: ``configure_train`` is :func:`begin_step` (budget
+  check, cohort, task) and ``aggregate_train`` is :func:`finish_step` (noise once, on the server;
+  the ledger entry appended BEFORE the new arrays are returned to Flower). If any node that was sent units fails, the step is NOT
   released (nothing noised or charged) and the same step index — hence the same cohort — is
   retried in the next Flower round, as the userdp coordinator does.
 - Transport is Flower's (polling, no exactly-once beyond one reply per message). Evaluation
@@ -49,6 +50,7 @@ from userdp.strategies.base import (
     TaskSpec,
     parse_example_unit_id,
 )
+from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep, begin_step, finish_step
 
 __all__ = ["UserDpFlowerStrategy", "make_client_app"]
 
@@ -83,9 +85,16 @@ class UserDpFlowerStrategy(FlowerStrategy):
     """
 
     def __init__(
-        self, strategy: Strategy, ledger: Any, *, min_nodes: int = 1, timeout: float = 600.0
+        self,
+        strategy: Strategy,
+        ledger: Any,
+        *,
+        min_nodes: int = 1,
+        timeout: float = 600.0,
+        options: ExecutionOptions | None = None,
     ) -> None:
         self.strategy = strategy
+        self.options = options
         self.min_nodes = int(min_nodes)
         self.ledger = ledger
         self.timeout = timeout
@@ -93,7 +102,7 @@ class UserDpFlowerStrategy(FlowerStrategy):
         self.node_of_user: dict[str, int] = {}
         self.population: PopulationCounts | None = None
         self.params: dict[str, np.ndarray] | None = None
-        self._pending: tuple[Any, dict[int, list[str]]] | None = None
+        self._pending: tuple[PlannedStep, dict[int, list[str]]] | None = None
         self.released_steps: list[int] = []
 
     # -- census ------------------------------------------------------------------------------
@@ -143,15 +152,14 @@ class UserDpFlowerStrategy(FlowerStrategy):
             self._census(grid)
         if self.params is None:
             self.params = {k: np.array(v.numpy(), copy=True) for k, v in arrays.items()}
-        mechanism = self.strategy.mechanism()
-        if hasattr(self.ledger, "check_budget"):
-            self.ledger.check_budget(mechanism)
-        cohort = self.strategy.sample_cohort(self.step, self.population)
-        task = self.strategy.task_for(self.step, cohort)
+        planned = begin_step(
+            self.strategy, self.step, self.population, self.ledger, options=self.options
+        )
+        cohort, task = planned.cohort, planned.task
         by_node: dict[int, list[str]] = {}
         for unit in cohort.unit_ids:
             by_node.setdefault(self.node_of_user[_user_of(unit, cohort.unit)], []).append(unit)
-        self._pending = (cohort, by_node)
+        self._pending = (planned, by_node)
         model = ArrayRecord({k: _array(v) for k, v in self.params.items()})
         return [
             Message(
@@ -167,7 +175,7 @@ class UserDpFlowerStrategy(FlowerStrategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if self._pending is None:
             raise StrategyError("aggregate_train called before configure_train")
-        cohort, by_node = self._pending
+        planned, by_node = self._pending
         self._pending = None
         partials, units, clipped = [], 0, 0
         answered: set[int] = set()
@@ -199,9 +207,13 @@ class UserDpFlowerStrategy(FlowerStrategy):
             summed = self.strategy.aggregate(partials)
         else:  # empty cohort: the release is pure noise
             summed = {k: np.zeros_like(v, dtype=np.float64) for k, v in self.params.items()}
-        noisy = self.strategy.add_noise(self.step, summed, ClipStatistics(units, clipped))
-        self.ledger.append(self.step, self.strategy.mechanism())
-        self.strategy.server_update(self.params, noisy, cohort)
+        finish_step(
+            self.strategy,
+            planned,
+            Gathered(summed, ClipStatistics(units, clipped)),
+            self.params,
+            self.ledger,
+        )
         self.released_steps.append(self.step)
         self.step += 1
         record = ArrayRecord({k: _array(v) for k, v in self.params.items()})

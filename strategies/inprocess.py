@@ -1,9 +1,9 @@
 """Run a strategy's hooks in one process against a compute function: the reference step loop.
 
-This is the smallest faithful version of the coordinator's step (DESIGN.md steps 1–9): sample,
-configure, compute partial sums on "workers", aggregate, noise, ledger FIRST, update. It has no
-network, retries or checkpoints; tests, tutorials and the Flower adapter use it, and the
-coordinator must behave the same way on the same hooks.
+The step is :func:`userdp.strategies.step.run_step`; this module only supplies its gather: the
+cohort's units dealt round-robin to ``workers`` calls of ``compute`` and summed with
+:meth:`Strategy.aggregate`. No network, retries or checkpoints; tests, tutorials and ``userdp
+simulate --in-process`` use it.
 
 ``compute(task, unit_ids, params) -> (partial_sum, ClipStatistics)`` plays one worker: for each
 unit it computes the update at ``params``, clips it to ``task.clip_norm`` and returns the sum.
@@ -15,7 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from userdp.strategies.base import ClipStatistics, Cohort, Strategy, TaskSpec, as_population
+from userdp.strategies.base import ClipStatistics, Release, Strategy, TaskSpec, as_population
+from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep
+from userdp.strategies.step import run_step as run_one_step
 from userdp.strategies.tensors import zeros_like
 
 __all__ = ["StepRecord", "run_step", "run_steps"]
@@ -43,36 +45,43 @@ def run_step(
     *,
     ledger: Any = None,
     workers: int = 2,
+    options: ExecutionOptions | None = None,
+    on_release: Callable[[Release], None] | None = None,
     test_only_disable_noise: bool = False,
 ) -> StepRecord:
-    """One step; ``params`` is updated in place. ``ledger`` needs ``append(step, mechanism)``.
+    """One step; ``params`` is updated in place. ``ledger`` needs ``append(step, mechanism)``
+    (and ``check_budget(mechanism)`` when it has a budget).
 
     ``test_only_disable_noise`` skips the noise (NOT PRIVATE) so tests can compare with the
     coordinator's noiseless mode; no config key or CLI flag reaches it."""
-    population = as_population(population)
-    mechanism = strategy.mechanism()
-    if ledger is not None and hasattr(ledger, "check_budget"):
-        ledger.check_budget(mechanism)
-    cohort: Cohort = strategy.sample_cohort(step, population)
-    task = strategy.task_for(step, cohort)
-    units = list(cohort.unit_ids)
-    shares = [units[i::workers] for i in range(workers)]
-    partials, stats = [], []
-    for share in shares:
-        if share:
-            partial, stat = compute(task, share, params)
-        else:
-            partial = {name: zeros_like(value) for name, value in params.items()}
-            stat = ClipStatistics(0, 0)
-        partials.append(partial)
-        stats.append(stat)
-    summed = strategy.aggregate(partials)
-    total = ClipStatistics(sum(s.units for s in stats), sum(s.clipped for s in stats))
-    noisy = summed if test_only_disable_noise else strategy.add_noise(step, summed, total)
-    if ledger is not None:
-        ledger.append(step, mechanism)  # before anything derived from `noisy` is released
-    strategy.server_update(params, noisy, cohort)
-    return StepRecord(step, len(units), cohort.expected_size, total.clipped, task.clip_norm)
+
+    def gather(planned: PlannedStep) -> Gathered:
+        units = list(planned.cohort.unit_ids)
+        partials, units_done, clipped = [], 0, 0
+        for share in (units[i::workers] for i in range(workers)):
+            if share:
+                partial, stat = compute(planned.task, share, params)
+                units_done, clipped = units_done + stat.units, clipped + stat.clipped
+            else:
+                partial = {name: zeros_like(value) for name, value in params.items()}
+            partials.append(partial)
+        return Gathered(strategy.aggregate(partials), ClipStatistics(units_done, clipped))
+
+    planned, gathered, _ = run_one_step(
+        strategy,
+        step,
+        population,
+        params,
+        gather,
+        ledger,
+        options=options,
+        on_release=on_release,
+        test_only_disable_noise=test_only_disable_noise,
+    )
+    cohort = planned.cohort
+    return StepRecord(
+        step, len(cohort), cohort.expected_size, gathered.stats.clipped, planned.task.clip_norm
+    )
 
 
 def run_steps(

@@ -11,16 +11,21 @@ sampled. By default it is drawn from ``os.urandom`` and lives only in the (prote
 checkpoint. An explicit seed is for tests and reproducibility studies; strategies add a caveat
 to the privacy report when one was given.
 
-Samplers (paper in brackets):
+Every sampler is a :class:`Sampler`: it names its scheme (:class:`~userdp.accounting.facts.Sampling`),
+its adjacency and whether an accountant matches it, so strategies and the report take them from
+the sampler that ran. Samplers (paper in brackets):
+
 - :class:`PoissonSampler`: each unit independently with probability q (ULS users; ELS examples
-  of D_sub) [seed 000, Alg. 1/2]. Exact Bernoulli(q) inclusion via geometric gaps, O(qN).
-- :class:`ExampleSubset`: D_sub, at most G examples per user, uniformly chosen ONCE [Alg. 1].
+  of D_sub) ["Fine-Tuning Large Language Models with User-Level Differential Privacy",
+  Alg. 1/2]. Exact Bernoulli(q) inclusion via geometric gaps, O(qN).
+- :class:`ExampleSubset`: D_sub, at most G examples per user, uniformly chosen ONCE [same, Alg. 1].
 - :class:`BallsInBinsSampler`: each unit in exactly one of b bins; bins fixed for the run
-  (``"fixed"``, seed 004, for matrix mechanisms) or redrawn every epoch (``"per-epoch"``).
-- :class:`ShuffleSampler`: fixed-size cohorts in shuffled order (what the seed-000 experiments
-  ran); NO accountant matches it — reports must say so.
-- :class:`TruncatedSampler`: pad/truncate any sampler's cohort to a fixed size; the guarantee is
-  then under zero-out adjacency.
+  (``balls-in-bins-fixed``, for matrix mechanisms ["Near Exact Privacy Amplification for Matrix
+  Mechanisms"]) or redrawn every epoch (``balls-in-bins-epoch``).
+- :class:`ShuffleSampler`: fixed-size cohorts in shuffled order (what most published
+  experiments run); NO accountant matches it — reports say so.
+- :class:`TruncatedSampler`: pad/truncate any sampler's cohort to a fixed size (``padding``); the
+  guarantee is then under zero-out adjacency.
 """
 
 from __future__ import annotations
@@ -28,18 +33,23 @@ from __future__ import annotations
 import logging
 import math
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from userdp.accounting.facts import Adjacency, Sampling
 
 __all__ = [
+    "SEED_CAVEAT",
     "BallsInBinsSampler",
     "ExampleSubset",
     "PoissonSampler",
+    "Sampler",
     "SamplerError",
     "ShuffleSampler",
     "TruncatedSampler",
+    "make_sampler",
     "poisson_positions",
     "secret_seed",
 ]
@@ -101,29 +111,63 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-class _SeededSampler:
-    name = ""
+SEED_CAVEAT = (
+    "the sampler seed was given explicitly; amplification by sampling assumes it is secret"
+)
+
+
+class Sampler(ABC):
+    """Which units contribute to step t, as sorted positions into a population of n units.
+
+    A sampler states what it is (:attr:`sampling`, :attr:`adjacency`, :attr:`accounted`: whether
+    an accountant matches it), draws from (seed, step, n) only, and is checkpointed through
+    :meth:`state_dict` (the base :class:`~userdp.strategies.base.Strategy` does this for its
+    ``sampler``). The seed is secret: ``None`` draws one from ``os.urandom``.
+    """
+
+    sampling: Sampling
+    adjacency: Adjacency = Adjacency.ADD_REMOVE
+    accounted: bool = True
+    padded_size: int | None = None
+    """Fixed-size schemes: the number of slots a cohort is padded to (zero contributions)."""
 
     def __init__(self, seed: int | None) -> None:
         self.seed_was_given = seed is not None
         self.seed = int(seed) if seed is not None else secret_seed()
 
+    @abstractmethod
+    def sample(self, step: int, n: int) -> np.ndarray:
+        """Sorted positions in [0, n) of step ``step``'s units."""
+
+    @abstractmethod
+    def expected_size(self, n: int) -> float:
+        """The expected number of units per step out of n (the server's normalizer)."""
+
+    def caveats(self) -> tuple[str, ...]:
+        """What the privacy report must say about this sampler."""
+        return (SEED_CAVEAT,) if self.seed_was_given else ()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "seed": self.seed, "seed_was_given": self.seed_was_given}
+        return {
+            "name": self.sampling.value,
+            "seed": self.seed,
+            "seed_was_given": self.seed_was_given,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("name") != self.name:
+        if state.get("name") != self.sampling.value:
             raise SamplerError(
-                f"sampler state is for {state.get('name')!r}; this sampler is {self.name!r}"
+                f"sampler state is for {state.get('name')!r}; this sampler is "
+                f"{self.sampling.value!r}"
             )
         self.seed = int(state["seed"])
         self.seed_was_given = bool(state["seed_was_given"])
 
 
-class PoissonSampler(_SeededSampler):
+class PoissonSampler(Sampler):
     """Each of n units independently with probability q, fresh every step."""
 
-    name = "poisson"
+    sampling = Sampling.POISSON
 
     def __init__(self, sampling_prob: float, seed: int | None = None) -> None:
         super().__init__(seed)
@@ -137,7 +181,7 @@ class PoissonSampler(_SeededSampler):
 
 
 class ExampleSubset:
-    """D_sub of seed 000 Alg. 1: for each user, at most G of its examples, chosen uniformly at
+    """D_sub of "Fine-Tuning Large Language Models with User-Level Differential Privacy", Alg. 1: for each user, at most G of its examples, chosen uniformly at
     random ONCE, independently of other users. Stored as CSR: ``offsets`` (users + 1) and the
     chosen example indices (sorted within a user); position i of D_sub belongs to user
     ``searchsorted(offsets, i, 'right') − 1``.
@@ -230,29 +274,41 @@ def _distinct_draws(
     return owner_all[order], value_all[order]
 
 
-class BallsInBinsSampler(_SeededSampler):
+class BallsInBinsSampler(Sampler):
     """Each unit in exactly one of ``bins`` bins; step t uses bin t mod b of epoch ⌊t/b⌋.
 
-    ``bin_semantics="fixed"``: one assignment for the whole run (seed 004, Def. 3.1; the
-    b-min-sep structure matrix mechanisms need). ``"per-epoch"``: a fresh assignment every epoch
-    (random allocation; much better for plain DP-SGD). The assignment is a uniform permutation
-    cut by Multinomial(N; 1/b, …) counts, which is the same law as iid uniform bins.
+    ``sampling=Sampling.BALLS_IN_BINS_FIXED``: one assignment for the whole run (the b-min-sep
+    participation structure matrix mechanisms need; "Near Exact Privacy Amplification for Matrix
+    Mechanisms", Def. 3.1). ``BALLS_IN_BINS_EPOCH``: a fresh assignment every epoch (random
+    allocation; much better for plain DP-SGD). The assignment is a uniform permutation cut by
+    Multinomial(N; 1/b, …) counts, which is the same law as iid uniform bins.
     """
 
-    name = "balls-in-bins"
-
-    def __init__(self, bins: int, bin_semantics: str = "per-epoch", seed: int | None = None):
+    def __init__(
+        self,
+        bins: int,
+        sampling: Sampling | str = Sampling.BALLS_IN_BINS_EPOCH,
+        seed: int | None = None,
+    ) -> None:
         super().__init__(seed)
         self.bins = _check_positive_int("bins", bins)
-        if bin_semantics not in ("fixed", "per-epoch"):
+        try:
+            self.sampling = Sampling(sampling)
+        except ValueError:
+            self.sampling = None  # type: ignore[assignment]
+        if self.sampling not in (Sampling.BALLS_IN_BINS_FIXED, Sampling.BALLS_IN_BINS_EPOCH):
             raise SamplerError(
-                f"bin_semantics={bin_semantics!r} is not allowed; expected 'fixed' or 'per-epoch'"
+                f"sampling={sampling!r} is not allowed; expected 'balls-in-bins-fixed' or "
+                "'balls-in-bins-epoch'"
             )
-        self.bin_semantics = bin_semantics
         self._cache: tuple[int, int, np.ndarray, np.ndarray] | None = None
 
+    @property
+    def fixed(self) -> bool:
+        return self.sampling is Sampling.BALLS_IN_BINS_FIXED
+
     def _assignment(self, epoch: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        key = 0 if self.bin_semantics == "fixed" else epoch
+        key = 0 if self.fixed else epoch
         if self._cache is None or self._cache[:2] != (key, n):
             rng = _rng(self.seed, _BINS, key)
             counts = rng.multinomial(n, np.full(self.bins, 1.0 / self.bins))
@@ -278,52 +334,69 @@ class BallsInBinsSampler(_SeededSampler):
         return n / self.bins
 
 
-class ShuffleSampler(_SeededSampler):
-    """Fixed-size cohorts: shuffle the units each epoch, take consecutive blocks of
-    ``cohort_size`` (the remainder of an epoch is dropped). ACCOUNTING DOES NOT MATCH THIS
-    SAMPLING: no accountant here bounds shuffling; the ε reported for it is a Poisson stand-in,
-    acceptable for comparing algorithms, never as a guarantee (seed 000 §2.4, footnote 2)."""
+SHUFFLE_CAVEAT = (
+    "ACCOUNTING DOES NOT MATCH SAMPLING: fixed-size shuffled cohorts are accounted as Poisson "
+    "sampling; the reported epsilon is not a privacy guarantee"
+)
 
-    name = "shuffle"
 
-    def __init__(self, cohort_size: int, seed: int | None = None) -> None:
+class ShuffleSampler(Sampler):
+    """Fixed-size cohorts of round(q·n) units: shuffle the units each epoch, take consecutive
+    blocks (the remainder of an epoch is dropped). ACCOUNTING DOES NOT MATCH THIS SAMPLING: no
+    accountant here bounds shuffling; the ε reported for it is a Poisson stand-in, acceptable for
+    comparing algorithms, never as a guarantee ("Scalable DP-SGD: Shuffling vs. Poisson
+    Subsampling", Chua et al. 2024)."""
+
+    sampling = Sampling.SHUFFLE
+    accounted = False
+
+    def __init__(self, sampling_prob: float, seed: int | None = None) -> None:
         super().__init__(seed)
-        self.cohort_size = _check_positive_int("cohort_size", cohort_size)
+        self.sampling_prob = _check_probability("sampling_prob", sampling_prob)
         log.warning(
             "ShuffleSampler: fixed-size shuffled cohorts; the privacy accounting does NOT match "
             "this sampling and the reported epsilon is not a guarantee"
         )
         self._cache: tuple[int, int, np.ndarray] | None = None
 
+    def cohort_size(self, n: int) -> int:
+        return max(1, round(self.sampling_prob * n))
+
     def steps_per_epoch(self, n: int) -> int:
-        if n < self.cohort_size:
-            raise SamplerError(f"cohort_size={self.cohort_size} exceeds the population ({n})")
-        return n // self.cohort_size
+        size = self.cohort_size(n)
+        if n < size:
+            raise SamplerError(f"cohort size {size} exceeds the population ({n})")
+        return n // size
 
     def sample(self, step: int, n: int) -> np.ndarray:
+        size = self.cohort_size(n)
         epoch, slot = divmod(step, self.steps_per_epoch(n))
         if self._cache is None or self._cache[:2] != (epoch, n):
             self._cache = (epoch, n, _rng(self.seed, _SHUFFLE, epoch).permutation(n))
-        block = self._cache[2][slot * self.cohort_size : (slot + 1) * self.cohort_size]
-        return np.sort(block)
+        return np.sort(self._cache[2][slot * size : (slot + 1) * size])
 
     def expected_size(self, n: int) -> float:
-        return float(self.cohort_size)
+        return float(self.cohort_size(n))
+
+    def caveats(self) -> tuple[str, ...]:
+        return (*super().caveats(), SHUFFLE_CAVEAT)
 
 
-class TruncatedSampler(_SeededSampler):
+class TruncatedSampler(Sampler):
     """Fixed-size cohorts from any sampler: keep a uniformly random ``size`` of its units when it
     drew more (the choice depends only on the count, never on data); the caller pads smaller
     cohorts to ``size`` with zero contributions. Valid under ZERO-OUT adjacency (a neighbour
     keeps the user's slot with a zero update); under add/remove, truncation can evict another
-    user and the guarantee does not transfer (notes/004.md §1.4)."""
+    user and the guarantee does not transfer."""
 
-    name = "truncated"
+    sampling = Sampling.PADDING
+    adjacency = Adjacency.ZERO_OUT
 
-    def __init__(self, base: Any, size: int, seed: int | None = None) -> None:
+    def __init__(self, base: Sampler, size: int, seed: int | None = None) -> None:
         super().__init__(seed)
         self.base = base
         self.size = _check_positive_int("size", size)
+        self.padded_size = self.size
 
     def sample(self, step: int, n: int) -> np.ndarray:
         drawn = self.base.sample(step, n)
@@ -335,9 +408,50 @@ class TruncatedSampler(_SeededSampler):
     def expected_size(self, n: int) -> float:
         return self.base.expected_size(n)
 
+    def caveats(self) -> tuple[str, ...]:
+        return (
+            *super().caveats(),
+            f"cohorts truncated/padded to {self.size} units: the guarantee holds under "
+            "zero-out adjacency (a unit's update replaced by zero), not add/remove",
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "base": self.base.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.base.load_state_dict(state["base"])
+
+
+def make_sampler(
+    sampling: Sampling | str,
+    *,
+    sampling_prob: float | None = None,
+    bins: int | None = None,
+    cohort_cap: int | None = None,
+    seed: int | None = None,
+) -> Sampler:
+    """The sampler of a scheme (:class:`~userdp.accounting.facts.Sampling`): ``poisson`` and
+    ``shuffle`` need ``sampling_prob``; ``padding`` needs ``sampling_prob`` and ``cohort_cap``;
+    the balls-in-bins schemes need ``bins``. ``seed=None``: a secret seed."""
+    try:
+        scheme = Sampling(sampling)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in Sampling)
+        raise SamplerError(
+            f"sampling={sampling!r} is not allowed; expected one of {allowed}"
+        ) from None
+
+    def need(name: str, value: Any) -> Any:
+        if value is None:
+            raise SamplerError(f"sampling={scheme.value!r} needs {name}=")
+        return value
+
+    if scheme in (Sampling.BALLS_IN_BINS_FIXED, Sampling.BALLS_IN_BINS_EPOCH):
+        return BallsInBinsSampler(need("bins", bins), scheme, seed)
+    q = need("sampling_prob", sampling_prob)
+    if scheme is Sampling.SHUFFLE:
+        return ShuffleSampler(q, seed)
+    if scheme is Sampling.PADDING:
+        return TruncatedSampler(PoissonSampler(q, seed), need("cohort_cap", cohort_cap), seed)
+    return PoissonSampler(q, seed)

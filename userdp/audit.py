@@ -24,15 +24,16 @@ says nothing about a claimed ε far above that ceiling. δ is treated as 0 (the 
 theorem adds a δ term we do not subtract), which can only make the lower bound LARGER: a false
 alarm, never a false assurance; keep δ small (≤ 1e-6) for audits.
 
-``test_only_disable_clipping`` (test-only, NOT PRIVATE) makes every clip factor 1 (engine and canaries alike) so the test
-suite can show the audit flags a broken run; no config key or CLI flag reaches it.
+The auditor's view is the step's ``on_release`` callback (:mod:`userdp.strategies.step`): it sees
+exactly the releases the ledger charges. ``test_only_disable_clipping`` (test-only, NOT PRIVATE)
+hands the workers and the canaries a clip norm no gradient reaches, so the test suite can show
+the audit flags a broken run; no config key or CLI flag reaches it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ import torch
 from scipy import stats
 
 GUESS_COUNTS = (10, 20, 50, 100, 200, 500)
+UNREACHABLE_CLIP_NORM = 1e30
+"""The clip norm of ``test_only_disable_clipping``: no gradient reaches it, so nothing is clipped."""
 CANARY_SHARD = "__canaries__"
 
 
@@ -100,19 +103,6 @@ def _canary_parameter(params: dict[str, torch.Tensor], canaries: int) -> str:
     return candidates[0][1]
 
 
-@contextlib.contextmanager
-def _clipping_disabled(enabled: bool):
-    from userdp.clients import clipping
-
-    original = clipping.clip_factor
-    if enabled:
-        clipping.clip_factor = lambda norm, clip_norm: 1.0
-    try:
-        yield
-    finally:
-        clipping.clip_factor = original
-
-
 def run_audit(
     config: Any,
     *,
@@ -157,6 +147,8 @@ def run_audit(
     current_step = [0]
 
     def worker(spec: Any, unit_ids: Any, current: dict[str, torch.Tensor]) -> tuple[dict, Any]:
+        if test_only_disable_clipping:
+            spec = replace(spec, clip_norm=UNREACHABLE_CLIP_NORM)
         real = [u for u in unit_ids if u not in coordinate]
         fake = [u for u in unit_ids if u in coordinate]
         sums = {
@@ -179,21 +171,24 @@ def run_audit(
 
     scores = np.zeros(canaries)
     index = torch.as_tensor(flat)
-    add_noise = strategy.add_noise
 
-    def observed_add_noise(step: int, summed: Any, clip_stats: Any) -> Any:
-        noisy = add_noise(step, summed, clip_stats)  # what the coordinator releases
-        scores[:] += noisy[parameter].reshape(-1)[index].double().numpy()
-        return noisy
+    def observe(release: Any) -> None:  # the auditor's view: what the coordinator releases
+        scores[:] += release.noisy_sum[parameter].reshape(-1)[index].double().numpy()
 
-    strategy.add_noise = observed_add_noise  # the auditor's view of the release
     try:
-        with _clipping_disabled(test_only_disable_clipping):
-            for step in range(config.strategy.steps):
-                current_step[0] = step
-                run_step(strategy, step, params, population, worker, workers=config.workers.count)
+        for step in range(config.strategy.steps):
+            current_step[0] = step
+            run_step(
+                strategy,
+                step,
+                params,
+                population,
+                worker,
+                workers=config.workers.count,
+                options=setup.options,
+                on_release=observe,
+            )
     finally:
-        strategy.add_noise = add_noise
         compute.close()
 
     beta = 1.0 - confidence

@@ -47,6 +47,7 @@ def _run(args: argparse.Namespace) -> int:
         population=setup.population,
         checkpoint_dir=out / "checkpoints",
         allowed_workers=[w for w in (args.allow_workers or "").split(",") if w] or None,
+        options=setup.options,
     )
     coordinator = running.coordinator
     address = f"{config.coordinator.host}:{running.server.port}"

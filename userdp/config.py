@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -67,7 +68,8 @@ class DataConfig(_Section):
 
 def check_local_files(config: Config) -> None:
     """The files a config names on THIS machine: ``model.path`` must be a folder with
-    ``config.json`` and ``model.deepspeed_config`` a JSON object whose ZeRO stage is 0-2.
+    ``config.json``, ``model.deepspeed_config`` a JSON object whose ZeRO stage is 0-2, and a
+    plugin strategy must import and accept ``strategy.params``.
     Checked by :func:`load_config` (``config check``, ``simulate``, ``train``, ``coordinator``,
     ``worker``), not by :func:`parse_config` nor ``deploy render``, whose config names paths
     that exist only inside the pods."""
@@ -86,6 +88,13 @@ def check_local_files(config: Config) -> None:
     if model.deepspeed_config is not None:
         try:
             read_deepspeed_json(model.deepspeed_config)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if config.strategy.name not in BUILTIN_STRATEGIES:
+        from userdp.plugins import check_plugin
+
+        try:
+            check_plugin(config)
         except ValueError as exc:
             problems.append(str(exc))
     if problems:
@@ -191,18 +200,38 @@ class ModelConfig(_Section):
     """Must be 0 (see the error for why)."""
 
 
+BUILTIN_STRATEGIES: tuple[str, ...] = (
+    "uls",
+    "els",
+    "group-privacy",
+    "dp-fedavg",
+    "adaptive-clipping",
+    "randomized-clipping",
+    "blt-dp-ftrl",
+)
+PLUGIN_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+
+
+def _strategy_name(value: str) -> str:
+    if value in BUILTIN_STRATEGIES or PLUGIN_NAME.match(value):
+        return value
+    raise ValueError(
+        f"must be a built-in strategy ({', '.join(BUILTIN_STRATEGIES)}) or a plugin "
+        f"'package.module:ClassName', got {value!r}"
+    )
+
+
 class StrategyConfig(_Section):
     """The DP mechanism: privacy unit, sampling, clipping, server update."""
 
-    name: Literal[
-        "uls",
-        "els",
-        "group-privacy",
-        "dp-fedavg",
-        "adaptive-clipping",
-        "randomized-clipping",
-        "blt-dp-ftrl",
-    ] = "uls"
+    name: Annotated[str, AfterValidator(_strategy_name)] = "uls"
+    """A built-in strategy, or a plugin ``"package.module:ClassName"`` (a subclass of
+    ``userdp.strategies.Strategy``, importable from ``plugin_path`` or ``PYTHONPATH``)."""
+    params: dict[str, Any] = {}
+    """Plugins only: keyword arguments of the plugin's constructor (docs/strategies.md)."""
+    plugin_path: str | None = None
+    """Plugins only: the folder the plugin module is imported from (before ``PYTHONPATH``);
+    default: the config file's folder."""
     sampling: Literal[
         "poisson", "balls-in-bins-fixed", "balls-in-bins-epoch", "shuffle", "padding"
     ] = "poisson"
@@ -326,6 +355,13 @@ def parse_config(raw: dict[str, Any]) -> Config:
     except ValidationError as exc:
         lines = [_format_error(err) for err in exc.errors()]
         raise ConfigError("; ".join(lines)) from None
+    strategy = config.strategy
+    if strategy.name in BUILTIN_STRATEGIES and (strategy.params or strategy.plugin_path):
+        key = "params" if strategy.params else "plugin_path"
+        raise ConfigError(
+            f"strategy.{key} is for plugin strategies (name = 'package.module:ClassName'); the "
+            f"built-in {strategy.name!r} takes the [strategy] keys"
+        )
     if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
         raise ConfigError(
             "strategy.sampling = 'shuffle' has no tight accountant: set "
@@ -347,6 +383,13 @@ def load_config(path: str | Path, *, local_files: bool = True) -> Config:
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not UTF-8 text") from None
     config = parse_config(raw)
+    strategy = config.strategy
+    if strategy.name not in BUILTIN_STRATEGIES:
+        folder = Path(strategy.plugin_path or ".").expanduser()
+        folder = folder if folder.is_absolute() else path.resolve().parent / folder
+        config = config.model_copy(
+            update={"strategy": strategy.model_copy(update={"plugin_path": str(folder)})}
+        )
     if local_files:
         check_local_files(config)
     return config

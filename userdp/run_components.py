@@ -43,6 +43,8 @@ class RunSetup:
     population: Any
     delta: float
     strategy: Any
+    options: Any
+    """The run's :class:`~userdp.strategies.step.ExecutionOptions` (engine, token budget, ...)."""
     trainable: dict[str, torch.Tensor]
     frozen: dict[str, torch.Tensor]
 
@@ -114,7 +116,8 @@ def split_users(users: list[str], eval_fraction: float) -> tuple[list[str], list
 # ---- strategy ----------------------------------------------------------------------------------
 
 
-def _optimizer(config: Any) -> Any:
+def server_optimizer(config: Any) -> Any:
+    """The server optimizer of ``strategy.server_optimizer`` / ``server_lr`` / ``momentum``."""
     from userdp.strategies.optimizers import make_optimizer
 
     s = config.strategy
@@ -128,32 +131,52 @@ def _bins(q: float, steps: int) -> tuple[int, int]:
     return bins, max(1, math.ceil(steps / bins))
 
 
+def execution_options(config: Any) -> Any:
+    """The task options of the config that do not change the mechanism."""
+    from userdp.strategies.step import ExecutionOptions
+
+    return ExecutionOptions(
+        engine=None if config.strategy.engine == "randomized" else config.strategy.engine,
+        token_budget=config.workers.token_budget,
+        selection=config.data.selection,
+        seq_len=config.data.seq_len,
+    )
+
+
 def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
-    """The strategy of ``config.strategy`` with noise multiplier σ (see the module docstring)."""
+    """The strategy of ``config.strategy`` with noise multiplier σ (see the module docstring):
+    a built-in, or a plugin named ``"package.module:ClassName"`` (:mod:`userdp.plugins`)."""
+    from userdp.config import BUILTIN_STRATEGIES
     from userdp.strategies import builtins
     from userdp.strategies.adaptive_clipping import AdaptiveClipping
     from userdp.strategies.dpftrl import BltDpFtrl
 
     s = config.strategy
+    if s.engine == "randomized" and s.name != "randomized-clipping":
+        raise ValueError(
+            "strategy.engine = 'randomized' estimates norms, which needs its own accountant: "
+            "set strategy.name = 'randomized-clipping' (or use engine 'vectorized' / 'loop'; a "
+            "plugin that estimates norms sets engine='randomized' in its configure_task)"
+        )
+    if s.name not in BUILTIN_STRATEGIES:
+        from userdp.plugins import build_plugin
+
+        return build_plugin(config, num_users, noise_multiplier)
     common: dict[str, Any] = {
         "noise_multiplier": noise_multiplier,
         "clip_norm": s.clip_norm,
         "seed": s.sampler_seed,  # None: a secret seed (os.urandom), never output.seed
-        "optimizer": _optimizer(config),
+        "optimizer": server_optimizer(config),
     }
-    uls: dict[str, Any] = dict(common, group_size=s.group_size)
-    if s.sampling == "poisson":
-        uls.update(sampling="poisson", sampling_prob=s.sampling_prob)
-    elif s.sampling in ("balls-in-bins-fixed", "balls-in-bins-epoch"):
+    uls: dict[str, Any] = dict(common, group_size=s.group_size, sampling=s.sampling)
+    if s.sampling in ("balls-in-bins-fixed", "balls-in-bins-epoch"):
         bins, epochs = _bins(s.sampling_prob, s.steps)
-        semantics = "fixed" if s.sampling == "balls-in-bins-fixed" else "per-epoch"
-        uls.update(sampling="balls-in-bins", bins=bins, epochs=epochs, bin_semantics=semantics)
-    elif s.sampling == "shuffle":
-        uls.update(sampling="shuffle", sampling_prob=s.sampling_prob)
-    else:  # padding: Poisson, truncated/padded to a cap 4 standard deviations above qN
+        uls.update(bins=bins, epochs=epochs)
+    else:
+        uls.update(sampling_prob=s.sampling_prob)
+    if s.sampling == "padding":  # Poisson, truncated/padded to a cap 4 std above qN
         mean = s.sampling_prob * num_users
-        cap = max(1, math.ceil(mean + 4 * math.sqrt(mean * (1 - s.sampling_prob))))
-        uls.update(sampling="truncated", sampling_prob=s.sampling_prob, cohort_cap=cap)
+        uls.update(cohort_cap=max(1, math.ceil(mean + 4 * math.sqrt(mean * (1 - s.sampling_prob)))))
 
     def poisson_only(name: str) -> None:
         if s.sampling != "poisson":
@@ -162,11 +185,6 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
                 f"got {s.sampling!r}"
             )
 
-    if s.engine == "randomized" and s.name != "randomized-clipping":
-        raise ValueError(
-            "strategy.engine = 'randomized' estimates norms, which needs its own accountant: "
-            "set strategy.name = 'randomized-clipping' (or use engine 'vectorized' / 'loop')"
-        )
     if s.name == "uls":
         strategy = builtins.UserLevelSampling(**uls)
     elif s.name in ("els", "group-privacy"):
@@ -195,14 +213,6 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
         strategy = BltDpFtrl(bins=bins, epochs=epochs, **common)
     else:  # the config schema admits only the names above
         raise ValueError(f"unknown strategy.name {s.name!r}")
-    options: dict[str, Any] = {
-        "token_budget": config.workers.token_budget,
-        "selection": config.data.selection,
-        "seq_len": config.data.seq_len,
-    }
-    if s.engine != "randomized":
-        options["engine"] = s.engine
-    strategy.set_execution_options(**options)
     return strategy
 
 
@@ -256,6 +266,7 @@ def prepare_run(config: Any, quiet: bool = True) -> RunSetup:
     delta = config.privacy.delta or default_delta(len(train))
     sigma = resolve_noise_multiplier(config, len(train), delta)
     strategy = make_strategy(config, len(train), sigma)
+    options = execution_options(config)
     model = build_model(
         config.model, model_shape(manifest, config.data.seq_len), config.output.seed
     )
@@ -269,6 +280,7 @@ def prepare_run(config: Any, quiet: bool = True) -> RunSetup:
         population=population,
         delta=delta,
         strategy=strategy,
+        options=options,
         trainable=trainable,
         frozen=frozen,
     )

@@ -23,13 +23,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-REPORT_SAMPLING = {
-    "poisson": "poisson",
-    "balls-in-bins-fixed": "balls-in-bins-fixed",
-    "balls-in-bins-epoch": "balls-in-bins-per-epoch",
-    "padding": "padding",
-    "shuffle": "shuffle",
-}
 METRICS_CAVEAT = (
     "metrics.jsonl and plots/ hold statistics of the TRAINING users computed without noise "
     "(realized cohort sizes, sampled users' training loss, clip fractions): they are NOT covered "
@@ -81,13 +74,26 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
+def _toml_table(name: str, values: Mapping[str, Any]) -> list[str]:
+    """``[name]`` with its keys, then one sub-table per dict value (``[strategy.params]``)."""
+    lines = [f"[{name}]"]
+    lines += [
+        f"{json.dumps(key) if not key.isidentifier() else key} = {_toml_value(v)}"
+        for key, v in values.items()
+        if v is not None and not isinstance(v, Mapping)
+    ]
+    lines.append("")
+    for key, v in values.items():
+        if isinstance(v, Mapping) and v:
+            lines += _toml_table(f"{name}.{key}", v)
+    return lines
+
+
 def config_toml(config: Any) -> str:
     """The config as TOML (keys with value None are left out: None means 'the default')."""
     lines: list[str] = []
     for section, values in config.model_dump().items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml_value(v)}" for key, v in values.items() if v is not None]
-        lines.append("")
+        lines += _toml_table(section, values)
     return "\n".join(lines)
 
 
@@ -184,7 +190,7 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
         run_dir / "ledger.jsonl",
         delta,
         unit="user",
-        sampling=REPORT_SAMPLING[config.strategy.sampling],
+        sampling=facts.get("sampling", config.strategy.sampling),  # what the sampler ran
         clip_norm=config.strategy.clip_norm,
         expected_cohort_size=expected,
         curve_points=10,

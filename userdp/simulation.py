@@ -389,6 +389,7 @@ def _run_coordinator(loop: RunLoop, spawn: bool) -> tuple[dict[str, torch.Tensor
         frozen=setup.frozen,
         population=setup.population,
         checkpoint_dir=loop.out / "checkpoints",
+        options=setup.options,
         test_only_disable_noise=loop.no_noise,
     )
     coordinator = running.coordinator
@@ -511,6 +512,7 @@ def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
                     worker,
                     ledger=loop.ledger,
                     workers=config.workers.count,
+                    options=setup.options,
                     test_only_disable_noise=loop.no_noise,
                 )
             except BudgetExceededError as exc:

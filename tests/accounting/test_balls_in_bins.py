@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from userdp.accounting import balls_in_bins as bb
 from userdp.accounting import monte_carlo as mc
+from userdp.accounting.correlation import BltCorrelation
 from userdp.accounting.mechanisms import BallsInBinsMechanism, CorrelationSpec
 
 Z_TOL = 4.5  # two-sided false-alarm probability ~7e-6 per comparison if the code is right
@@ -91,13 +92,15 @@ def test_per_epoch_with_correlated_noise_is_refused() -> None:
 def test_blt_spec_equals_dense_matrix_and_is_below_the_unamplified_gaussian() -> None:
     theta, omega = [0.9, 0.5, 0.1], [0.3, 0.2, 0.1]
     spec = CorrelationSpec.of("blt", buf_decay=theta, output_scale=omega)
-    dense = bb.blt_correlation_matrix(theta, omega, 24)
+    blt = BltCorrelation(theta, omega)
+    dense = blt.matrix(24)
     assert dense[0, 0] == 1.0 and dense[1, 0] == pytest.approx(0.6) and dense[0, 1] == 0.0
     kwargs = dict(num_samples=2**15, seed=9)
     a = bb.delta_estimate(4.0, 6, 4, 1.0, correlation=spec, **kwargs)
     b = bb.delta_estimate(4.0, 6, 4, 1.0, correlation=dense, **kwargs)
     c = bb.delta_estimate(4.0, 6, 4, 1.0, correlation=lambda n: dense, **kwargs)
-    assert a == b == c
+    d = bb.delta_estimate(4.0, 6, 4, 1.0, correlation=blt, **kwargs)
+    assert a == b == c == d
     # H(P,Q) ≤ H(worst single mode, Q): the Gaussian with Δ = max‖mᵢ‖ (seed 004 §3.7).
     pair = bb.dominating_pair(6, 4, correlation=dense)
     bound = bb.gaussian_delta(1.0, pair.sensitivity, 4.0)

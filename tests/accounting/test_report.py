@@ -37,7 +37,7 @@ TABLE = [
     ("shuffle", "user", "add/remove one user", False, ["does NOT hold", "Poisson"]),
     ("padding", "user", "zero-out one user", True, ["zero-out", "add/remove"]),
     ("balls-in-bins-fixed", "user", "add/remove one user", True, ["fixed for the whole run"]),
-    ("balls-in-bins-per-epoch", "user", "add/remove one user", True, ["redrawn every epoch"]),
+    ("balls-in-bins-epoch", "user", "add/remove one user", True, ["redrawn every epoch"]),
 ]
 
 
@@ -120,7 +120,7 @@ def test_balls_in_bins_semantics_must_match_sampling(tmp_path):
     mech = BallsInBinsMechanism(noise_multiplier=2.0, bins=4, epochs=1, bin_semantics="fixed")
     with Ledger.create(path) as led:
         led.append(1, mech)
-    for sampling in ("poisson", "balls-in-bins-per-epoch"):
+    for sampling in ("poisson", "balls-in-bins-epoch"):
         with pytest.raises(ValueError, match="bin_semantics='fixed'"):
             build_report(path, 1e-5, unit="user", sampling=sampling)
 

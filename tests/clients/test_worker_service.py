@@ -31,6 +31,7 @@ from userdp.shard_writer import ShardOptions, write_shards
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.server.harness import make_loopback  # noqa: E402
 from tests.server.standins import uls_strategy  # noqa: E402
+from userdp.strategies.base import Release  # noqa: E402
 
 
 @dataclass
@@ -202,7 +203,7 @@ def test_end_to_end_over_grpc_with_the_real_engine(shard_dir, tmp_path):
     expected = {n: t.clone() for n, t in params.items()}
     replay = uls_strategy(q=0.5, clip_norm=0.5, lr=0.1)
     replay_cohort = replay.sample_cohort(0, population)
-    replay.server_update(expected, reference.sums, replay_cohort)
+    replay.server_update(expected, Release(0, replay_cohort, reference.sums))
     for name in params:
         assert torch.allclose(after[name], expected[name], rtol=1e-4, atol=1e-6), name
     assert not all(torch.equal(after[n], params[n]) for n in params)  # the step moved the model

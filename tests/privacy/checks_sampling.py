@@ -208,10 +208,10 @@ def check_unaccounted_sampling_is_flagged() -> None:
     expected = {  # sampling: (accounting matches, adjacency)
         "poisson": (True, "add-remove"),
         "shuffle": (False, "add-remove"),
-        "truncated": (True, "zero-out"),
+        "padding": (True, "zero-out"),
     }
     for sampling, (matches, adjacency) in expected.items():
-        extra = {"cohort_cap": 30} if sampling == "truncated" else {}
+        extra = {"cohort_cap": 30} if sampling == "padding" else {}
         strategy = UserLevelSampling(
             noise_multiplier=SIGMA,
             clip_norm=CLIP,

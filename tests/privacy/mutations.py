@@ -21,7 +21,7 @@ from userdp.server.aggregation import StepGather, Verdict
 from userdp.strategies import noise as noise_module
 from userdp.strategies import samplers
 from userdp.strategies import tensors as T
-from userdp.strategies.base import Strategy, as_population
+from userdp.strategies.base import NoisyStatistic, Release, Strategy, as_population
 from userdp.strategies.blt import BandedNoise
 from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
 from userdp.strategies.noise import GaussianNoise, NoiseMechanism, NoiseRng
@@ -51,14 +51,24 @@ def mutation_noise_std_sigma_squared(monkeypatch):
     )
 
 
+def _privatize_with_std(std_of):
+    """``privatize`` whose sum noise has std ``std_of(strategy, cohort)``."""
+
+    def privatize(self, step, summed, stats, cohort):
+        noisy = self.noise.add(step, summed, std=std_of(self, cohort))
+        return Release(step, cohort, noisy)
+
+    return privatize
+
+
 @pytest.fixture
 def mutation_noise_std_times_sqrt_cohort(monkeypatch):
     """std = σ·C·√B: noise added per unit and summed (per-example noise, √B too large)."""
     monkeypatch.setattr(
         Strategy,
-        "add_noise",
-        _add_noise_with_std(
-            lambda s: s.noise_multiplier * s.clip_norm * math.sqrt(s.expected_cohort_size)
+        "privatize",
+        _privatize_with_std(
+            lambda s, cohort: s.noise_multiplier * s.clip_norm * math.sqrt(cohort.expected_size)
         ),
     )
 
@@ -68,8 +78,10 @@ def mutation_noise_std_over_cohort(monkeypatch):
     """std = σ·C/B on the SUM: the noise is divided by B twice (1/B too small)."""
     monkeypatch.setattr(
         Strategy,
-        "add_noise",
-        _add_noise_with_std(lambda s: s.noise_multiplier * s.clip_norm / s.expected_cohort_size),
+        "privatize",
+        _privatize_with_std(
+            lambda s, cohort: s.noise_multiplier * s.clip_norm / cohort.expected_size
+        ),
     )
 
 
@@ -83,8 +95,9 @@ def mutation_no_noise(monkeypatch):
 def mutation_normalize_by_realized_cohort(monkeypatch):
     """The server divides the noisy sum by the REALIZED cohort size instead of the expected one."""
 
-    def server_update(self, params, noisy_sum, cohort):
-        scale = 1.0 / max(len(cohort), 1)
+    def server_update(self, params, release):
+        scale = 1.0 / max(len(release.cohort), 1)
+        noisy_sum = release.noisy_sum
         self.optimizer.step(params, {name: value * scale for name, value in noisy_sum.items()})
 
     monkeypatch.setattr(Strategy, "server_update", server_update)
@@ -441,12 +454,14 @@ def mutation_adaptive_count_without_noise(monkeypatch):
     """The clipped count is released exactly (no N(0, σ_b²))."""
     from userdp.strategies.adaptive_clipping import AdaptiveClipping
 
-    def add_noise(self, step, summed, stats=None):
+    def privatize(self, step, summed, stats, cohort):
         centered = (stats.units - stats.clipped) - 0.5 * stats.units
-        self._pending_fraction = centered / self.expected_cohort_size + 0.5
-        return self.noise.add(step, summed, std=self.update_noise_multiplier * self.clip_norm)
+        exact = NoisyStatistic(centered / cohort.expected_size + 0.5, 0.5 / cohort.expected_size)
+        return Release(
+            step, cohort, self.add_noise(step, summed, stats), {"unclipped_fraction": exact}
+        )
 
-    monkeypatch.setattr(AdaptiveClipping, "add_noise", add_noise)
+    monkeypatch.setattr(AdaptiveClipping, "privatize", privatize)
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ from userdp.server.grpc_server import RunningServer, serve
 from userdp.server.service import ModelPublisher, WorkerRegistry
 
 from . import toy
+from userdp.strategies.base import Release
+
 from .standins import open_ledger, uls_strategy
 
 TOY = Path(toy.__file__)
@@ -164,5 +166,6 @@ def reference_params(strategy, population, steps, start=None):
     for step in range(steps):
         cohort = strategy.sample_cohort(step, population.users)
         sums, _ = toy.clipped_sum(cohort.unit_ids, params, strategy.clip_norm)
-        strategy.server_update(params, {n: s.to(torch.float32) for n, s in sums.items()}, cohort)
+        noiseless = {n: s.to(torch.float32) for n, s in sums.items()}
+        strategy.server_update(params, Release(step, cohort, noiseless))
     return params

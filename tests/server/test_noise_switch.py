@@ -44,6 +44,7 @@ ALLOWED = {
         Path("server/coordinator.py"),
         Path("server/runtime.py"),
         Path("strategies/inprocess.py"),
+        Path("strategies/step.py"),
         Path("userdp/simulation.py"),
     },
     "test_only_disable_clipping": {Path("userdp/audit.py")},

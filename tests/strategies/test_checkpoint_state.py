@@ -18,8 +18,8 @@ def _drive(strategy, steps, params):
     for t in range(steps):
         cohort = strategy.sample_cohort(t, USERS)
         summed = {k: torch.ones_like(v) for k, v in params.items()}
-        noisy = strategy.add_noise(t, summed, ClipStatistics(len(cohort), 0))
-        strategy.server_update(params, noisy, cohort)
+        release = strategy.privatize(t, summed, ClipStatistics(len(cohort), 0), cohort)
+        strategy.server_update(params, release)
 
 
 def _round_trip(tmp_path, state):

@@ -105,7 +105,7 @@ def test_example_subset_large_population() -> None:
     assert len(subset) == int(np.minimum(counts, 16).sum())
 
 
-@pytest.mark.parametrize("semantics", ["fixed", "per-epoch"])
+@pytest.mark.parametrize("semantics", ["balls-in-bins-fixed", "balls-in-bins-epoch"])
 def test_balls_in_bins_each_unit_once_per_epoch(semantics):
     n, b = 101, 5
     sampler = BallsInBinsSampler(b, semantics, seed=4)
@@ -114,7 +114,7 @@ def test_balls_in_bins_each_unit_once_per_epoch(semantics):
         assert sorted(seen.tolist()) == list(range(n))
     first = sampler.bin_of(0, n)
     second = sampler.bin_of(1, n)
-    assert np.array_equal(first, second) == (semantics == "fixed")
+    assert np.array_equal(first, second) == (semantics == "balls-in-bins-fixed")
     # a unit's step in epoch e is e·b + its bin
     unit = 17
     step_of = [s for s in range(b) if unit in sampler.sample(s, n)]
@@ -126,7 +126,7 @@ def test_balls_in_bins_bins_are_uniform_and_independent():
     counts = np.zeros((n, b))
     same = 0
     for seed in range(trials):
-        bins = BallsInBinsSampler(b, "fixed", seed=seed).bin_of(0, n)
+        bins = BallsInBinsSampler(b, "balls-in-bins-fixed", seed=seed).bin_of(0, n)
         counts[np.arange(n), bins] += 1
         same += bins[0] == bins[1]
     chi2 = float(((counts - trials / b) ** 2 / (trials / b)).sum())
@@ -135,13 +135,14 @@ def test_balls_in_bins_bins_are_uniform_and_independent():
 
 
 def test_shuffle_fixed_size_each_unit_once_per_epoch():
-    sampler = ShuffleSampler(10, seed=2)
+    sampler = ShuffleSampler(10 / 35, seed=2)  # cohorts of round(q·n) = 10
     cohorts = [sampler.sample(s, 35) for s in range(3)]
     assert all(c.size == 10 for c in cohorts)
     assert len(set(np.concatenate(cohorts).tolist())) == 30
     assert sampler.expected_size(35) == 10
+    assert not sampler.accounted and sampler.sampling == "shuffle"
     with pytest.raises(SamplerError):
-        sampler.sample(0, 5)
+        ShuffleSampler(2.0)
 
 
 def test_truncated_caps_cohorts_and_keeps_uniform_subset():

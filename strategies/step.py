@@ -1,0 +1,200 @@
+"""The step contract, written once: sample → task → gather → privatize → ledger → update.
+
+The coordinator (:mod:`userdp.server.coordinator`), the in-process loop
+(:mod:`userdp.strategies.inprocess`), the Flower adapter (:mod:`userdp.strategies.flower`) and
+``userdp audit`` all run a step through this module; they differ only in how the clipped
+partial sums are gathered (gRPC tasks with retries, a local function, Flower messages), which
+they pass in. The order is the privacy contract:
+
+1. the step's mechanism is checked against the ledger's budget before any work;
+2. the strategy samples the cohort (data-independent) and configures the task;
+3. the caller gathers the sum of CLIPPED unit updates, exactly once per unit;
+4. the strategy privatizes it (fresh noise; a retried step draws new noise);
+5. the ledger records the mechanism — fsync'd — BEFORE anything derived from the release leaves
+   (a replayed step that was charged before a crash is not charged again);
+6. ``on_release`` observers see the release (an auditor sees exactly what is published);
+7. the strategy's server update applies it (post-processing).
+
+Transports whose gather is a callback chain (Flower's configure/aggregate) call
+:func:`begin_step` and :func:`finish_step`; the others call :func:`run_step`, which is the two
+around a gather function.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from userdp.accounting.mechanisms import Mechanism
+from userdp.strategies.base import (
+    ClipStatistics,
+    Cohort,
+    Release,
+    Strategy,
+    StrategyError,
+    TaskSpec,
+)
+
+__all__ = [
+    "EXACT_ENGINES",
+    "ExecutionOptions",
+    "Gathered",
+    "PlannedStep",
+    "begin_step",
+    "finish_step",
+    "run_step",
+]
+
+log = logging.getLogger(__name__)
+
+EXACT_ENGINES = ("loop", "vectorized", "ghost")
+"""Engines that compute every unit's exact norm: interchangeable without changing the mechanism."""
+
+
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """Run-level task options that do not change the mechanism (None = the strategy's value).
+
+    ``engine`` must be an EXACT engine and replaces only an exact engine: a strategy that chose
+    the randomized engine keeps it, since its accountant depends on it."""
+
+    engine: str | None = None
+    token_budget: int | None = None
+    selection: str | None = None
+    seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.engine is not None and self.engine not in EXACT_ENGINES:
+            raise StrategyError(
+                f"engine={self.engine!r} changes the mechanism (estimated norms need their own "
+                "accountant): use the randomized-clipping strategy instead of a run option"
+            )
+
+    def apply(self, spec: TaskSpec) -> TaskSpec:
+        """``spec`` with these options set."""
+        options = {f.name: getattr(self, f.name) for f in fields(self)}
+        options = {k: v for k, v in options.items() if v is not None}
+        if spec.engine not in EXACT_ENGINES:
+            options.pop("engine", None)
+        return replace(spec, **options) if options else spec
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """The clipped sum of one step's units, gathered exactly once, and the workers' counts."""
+
+    sums: Mapping[str, Any]
+    stats: ClipStatistics
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A step between :func:`begin_step` and :func:`finish_step`."""
+
+    step: int
+    mechanism: Mechanism
+    cohort: Cohort
+    task: TaskSpec
+
+
+Phase = Callable[[str], None]
+
+
+def _phase(on_phase: Phase | None, name: str) -> None:
+    if on_phase is not None:
+        on_phase(name)
+
+
+def begin_step(
+    strategy: Strategy,
+    step: int,
+    population: Any,
+    ledger: Any = None,
+    *,
+    options: ExecutionOptions | None = None,
+    charge: bool = True,
+    on_phase: Phase | None = None,
+) -> PlannedStep:
+    """Steps 1–2: the budget check (skipped for a replay, ``charge=False``), the cohort and the
+    task every worker of the step gets."""
+    mechanism = strategy.mechanism()
+    check = getattr(ledger, "check_budget", None)
+    if charge and check is not None and getattr(ledger, "budget", True) is not None:
+        check(mechanism)
+    _phase(on_phase, "sample")
+    cohort = strategy.sample_cohort(step, population)
+    task = strategy.configure_task(step, cohort)
+    if options is not None:
+        task = options.apply(task)
+    return PlannedStep(step, mechanism, cohort, task)
+
+
+def finish_step(
+    strategy: Strategy,
+    planned: PlannedStep,
+    gathered: Gathered,
+    params: dict[str, Any],
+    ledger: Any = None,
+    *,
+    charge: bool = True,
+    on_phase: Phase | None = None,
+    on_release: Callable[[Release], None] | None = None,
+    test_only_disable_noise: bool = False,
+) -> Release:
+    """Steps 4–7 on the gathered clipped sum; ``params`` is updated in place.
+
+    ``charge=False`` for a step the ledger already holds (charged before a crash, never
+    released). ``test_only_disable_noise`` (NOT PRIVATE) exists for tests that compare
+    transports with a noiseless reference; no config key or CLI flag reaches it."""
+    step, cohort = planned.step, planned.cohort
+    _phase(on_phase, "noise")
+    if test_only_disable_noise:
+        log.warning("step %d: NOT PRIVATE: noise disabled (test-only mode)", step)
+        release = Release(step, cohort, dict(gathered.sums))
+    else:
+        release = strategy.privatize(step, gathered.sums, gathered.stats, cohort)
+    _phase(on_phase, "ledger")
+    if charge and ledger is not None:
+        ledger.append(step, planned.mechanism)  # fsync'd; refuses a step over the budget
+    if on_release is not None:
+        on_release(release)
+    _phase(on_phase, "update")
+    strategy.server_update(params, release)
+    return release
+
+
+def run_step(
+    strategy: Strategy,
+    step: int,
+    population: Any,
+    params: dict[str, Any],
+    gather: Callable[[PlannedStep], Gathered],
+    ledger: Any = None,
+    *,
+    options: ExecutionOptions | None = None,
+    charge: bool = True,
+    on_phase: Phase | None = None,
+    on_release: Callable[[Release], None] | None = None,
+    test_only_disable_noise: bool = False,
+) -> tuple[PlannedStep, Gathered, Release]:
+    """One whole step (the module docstring): :func:`begin_step`, ``gather(planned)``,
+    :func:`finish_step`. An exception from ``gather`` (an aborted step) leaves nothing drawn,
+    charged or released."""
+    planned = begin_step(
+        strategy, step, population, ledger, options=options, charge=charge, on_phase=on_phase
+    )
+    gathered = gather(planned)
+    release = finish_step(
+        strategy,
+        planned,
+        gathered,
+        params,
+        ledger,
+        charge=charge,
+        on_phase=on_phase,
+        on_release=on_release,
+        test_only_disable_noise=test_only_disable_noise,
+    )
+    return planned, gathered, release
