@@ -41,7 +41,7 @@ def test_full_sections_parse(tmp_path) -> None:
         ("[strategy]\ngroup_size = 0\n", "strategy.group_size: input should be greater than"),
         ("[strategy]\nclipnorm = 1.0\n", "strategy.clipnorm: unknown key"),
         ("[nonsense]\nx = 1\n", "nonsense: unknown key"),
-        ("[strategy]\nname = 'magic'\n", "strategy.name: input should be"),
+        ("[strategy]\nname = 'magic'\n", "strategy.name must be a built-in strategy"),
         ("[strategy]\nsampling = 'shuffle'\n", "privacy.allow_unaccounted_sampling = true"),
     ],
 )
