@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from userdp.accounting.facts import Sampling
-from userdp.accounting.mechanisms import BallsInBinsMechanism, CorrelationSpec, Mechanism
+from userdp.accounting.mechanisms import BallsInBinsMechanism, Mechanism
 from userdp.strategies.base import Cohort, Strategy, StrategyError
 from userdp.strategies.blt import BandedNoise, Blt, BltNoise, optimize_banded, optimize_blt
 from userdp.strategies.builtins import N_CAVEAT
@@ -61,7 +61,7 @@ class BltDpFtrl(Strategy):
                     "would overlap the band and the min-sep accounting would not hold"
                 )
             noise: Any = BandedNoise(banded_coefs, rng)
-            self.correlation = CorrelationSpec.of("banded", coefs=list(noise.coefs))
+            self.correlation = noise.banded.spec()
         else:
             if blt is None:
                 blt, _ = optimize_blt(bins * epochs, buffers, min_sep=bins, participations=epochs)

@@ -104,6 +104,25 @@ class UserDpFlowerStrategy(FlowerStrategy):
         self.params: dict[str, np.ndarray] | None = None
         self._pending: tuple[PlannedStep, dict[int, list[str]]] | None = None
         self.released_steps: list[int] = []
+        self.expected_users: int | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: Any, ledger: Any, *, num_users: int, **kwargs: Any
+    ) -> UserDpFlowerStrategy:
+        """The strategy of a userdp config (a TOML path or a ``userdp.Config``; a built-in or a
+        plugin ``"package.module:ClassName"``) with its execution options. ``num_users`` is N,
+        the users the nodes hold: σ is calibrated for it when ``privacy.noise_multiplier`` is
+        unset, and the census must then find exactly N users."""
+        from userdp.config import Config, load_config
+        from userdp.run_components import strategy_from_config
+
+        if not isinstance(config, Config):
+            config = load_config(config)
+        strategy, options, _ = strategy_from_config(config, num_users)
+        adapter = cls(strategy, ledger, options=options, **kwargs)
+        adapter.expected_users = int(num_users)
+        return adapter
 
     # -- census ------------------------------------------------------------------------------
 
@@ -140,6 +159,11 @@ class UserDpFlowerStrategy(FlowerStrategy):
                 counts[user] = int(n)
         if not counts:
             raise StrategyError("the census found no users on any node")
+        if self.expected_users is not None and len(counts) != self.expected_users:
+            raise StrategyError(
+                f"the census found {len(counts)} users but the strategy was calibrated for "
+                f"num_users={self.expected_users}"
+            )
         users = tuple(sorted(counts))
         self.population = PopulationCounts(users, np.array([counts[u] for u in users], np.int64))
 

@@ -238,6 +238,14 @@ def resolve_noise_multiplier(config: Any, num_users: int, delta: float) -> float
 # ---- setup -------------------------------------------------------------------------------------
 
 
+def strategy_from_config(config: Any, num_users: int) -> tuple[Any, Any, float]:
+    """(strategy, execution options, δ) of ``config`` for ``num_users`` training users: δ =
+    ``privacy.delta`` or 1/N^1.1, σ = ``privacy.noise_multiplier`` or calibrated to ε."""
+    delta = config.privacy.delta or default_delta(num_users)
+    sigma = resolve_noise_multiplier(config, num_users, delta)
+    return make_strategy(config, num_users, sigma), execution_options(config), delta
+
+
 def default_delta(num_users: int) -> float:
     """δ = 1/N^1.1 (N training users): below 1/N, so no single user can be revealed outright."""
     return 1.0 / num_users**1.1
@@ -263,10 +271,7 @@ def prepare_run(config: Any, quiet: bool = True) -> RunSetup:
         shard_sha256=full.shard_sha256,
         examples_of_user={u: counts[u].n_examples for u in train},
     )
-    delta = config.privacy.delta or default_delta(len(train))
-    sigma = resolve_noise_multiplier(config, len(train), delta)
-    strategy = make_strategy(config, len(train), sigma)
-    options = execution_options(config)
+    strategy, options, delta = strategy_from_config(config, len(train))
     model = build_model(
         config.model, model_shape(manifest, config.data.seq_len), config.output.seed
     )

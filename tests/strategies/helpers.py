@@ -1,10 +1,21 @@
-"""Test helpers: the toy mean-estimation worker, a zero noise, a list ledger."""
+"""Test helpers: the toy mean-estimation worker, a zero noise, a list ledger, the example plugin."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
-from userdp.strategies.example_plugin import ToyMeanEstimation
 from userdp.strategies.noise import NoiseMechanism
+from userdp.strategies.toy import ToyMeanEstimation
+
+from userdp.plugins import plugin_class
+
+EXAMPLE_PLUGIN_DIR = Path(__file__).resolve().parents[2] / "examples" / "plugin"
+
+
+def example_plugin() -> type:
+    """``WarmupUls`` of examples/plugin/warmup_uls.py, imported as a config names it."""
+    return plugin_class("warmup_uls:WarmupUls", str(EXAMPLE_PLUGIN_DIR))
 
 
 class ZeroNoise(NoiseMechanism):

@@ -19,11 +19,14 @@ from userdp.strategies import (
 )
 from userdp.strategies.base import NoisyStatistic, Release
 from userdp.strategies.dpftrl import BltDpFtrl
-from userdp.strategies.example_plugin import WarmupUls
 from userdp.strategies.noise import GaussianNoise
 from userdp.strategies.samplers import PoissonSampler
 
 from userdp.testing import CHECKS, StrategyCheckError, check_strategy
+
+from .helpers import example_plugin
+
+WarmupUls = example_plugin()
 
 SIGMA, CLIP, Q = 1.3, 0.7, 0.05
 

@@ -8,9 +8,9 @@ import pytest
 from flwr.app import Array, ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from userdp.strategies import NoiseRng, Sgd, UserLevelSampling
-from userdp.strategies.example_plugin import PartitionedUsers, ToyMeanEstimation
 from userdp.strategies.flower import UserDpFlowerStrategy, make_client_app
 from userdp.strategies.noise import GaussianNoise
+from userdp.strategies.toy import PartitionedUsers, ToyMeanEstimation
 
 from .helpers import ListLedger
 

@@ -9,11 +9,12 @@ from userdp.accounting import epsilon
 from userdp.strategies import ExampleLevelSampling, NoiseRng, Sgd, UserLevelSampling
 from userdp.strategies.blt import Blt
 from userdp.strategies.dpftrl import BltDpFtrl
-from userdp.strategies.example_plugin import WarmupUls
 from userdp.strategies.inprocess import run_steps
 from userdp.strategies.noise import GaussianNoise
 
-from .helpers import ListLedger, MeanEstimationWorker
+from .helpers import ListLedger, MeanEstimationWorker, example_plugin
+
+WarmupUls = example_plugin()
 
 
 def _error(params, worker):

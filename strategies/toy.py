@@ -1,12 +1,9 @@
-"""A complete user-level DP strategy in one short file: the tutorial's example (docs/strategies.md).
+"""Toy workers for tutorials and tests: per-user clipped mean estimation, and a Flower node
+partition of its users.
 
-``WarmupUls`` is DP-FedSGD (Poisson users, per-user clipping, Gaussian noise) whose server
-learning rate warms up linearly. What a strategy must say is here: its sampler (which also
-states the sampling scheme, adjacency and whether an accountant matches it, and is checkpointed
-by the base class), the ledger's mechanism, and the update. The warm-up is post-processing of the
-noisy release, so it costs no privacy and the mechanism is the plain ULS one.
-
-Run it from a config with ``[strategy] name = "userdp.strategies.example_plugin:WarmupUls"``.
+``ToyMeanEstimation`` plays the worker compute of :mod:`userdp.strategies.inprocess` (and of the
+Flower ClientApp) without a model: each user holds points in R^d and a unit's update is the
+gradient of ½‖θ − x‖², clipped exactly as a real worker clips.
 """
 
 from __future__ import annotations
@@ -15,53 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from userdp.accounting.mechanisms import UlsMechanism
-from userdp.strategies.base import (
-    ClipStatistics,
-    Release,
-    Strategy,
-    TaskSpec,
-    parse_example_unit_id,
-)
-from userdp.strategies.optimizers import Sgd
-from userdp.strategies.samplers import PoissonSampler
+from userdp.strategies.base import ClipStatistics, TaskSpec, parse_example_unit_id
 from userdp.strategies.tensors import is_torch, to_numpy
 
-
-class WarmupUls(Strategy):
-    """Poisson users with probability q, clip C, noise σ·C, SGD with lr warmed up over
-    ``warmup_steps``."""
-
-    def __init__(
-        self,
-        *,
-        noise_multiplier: float,
-        clip_norm: float,
-        sampling_prob: float,
-        learning_rate: float,
-        warmup_steps: int = 10,
-        seed: int | None = None,  # None: a secret seed from os.urandom (production)
-    ) -> None:
-        super().__init__(
-            clip_norm=clip_norm,
-            noise_multiplier=noise_multiplier,
-            sampler=PoissonSampler(sampling_prob, seed),  # 1. who contributes: users w.p. q
-            optimizer=Sgd(learning_rate),
-        )
-        self.peak_lr = learning_rate
-        self.warmup_steps = warmup_steps
-
-    # 2. what the ledger records for every step
-    def mechanism(self) -> UlsMechanism:
-        return UlsMechanism(
-            noise_multiplier=self.noise_multiplier, sampling_prob=self.sampler.sampling_prob
-        )
-
-    # 3. the update: warm the learning rate up, then the inherited ÷ qN + SGD step
-    def server_update(self, params: Mapping[str, Any], release: Release) -> None:
-        fraction = min(1.0, (release.step + 1) / self.warmup_steps)
-        self.optimizer.learning_rate = self.peak_lr * fraction
-        super().server_update(params, release)
+__all__ = ["PartitionedUsers", "ToyMeanEstimation"]
 
 
 class ToyMeanEstimation:
