@@ -1,4 +1,4 @@
-"""The wheel maps every root folder into the ``userdp`` namespace (DESIGN.md, layout table)."""
+"""The wheel maps every root folder into the ``userdp`` namespace (README's layout table)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ FOLDERS = {
     "clients": "userdp/clients",
     "strategies": "userdp/strategies",
     "accounting": "userdp/accounting",
+    "userdp/testing": "userdp/testing",
 }
 
 
@@ -65,7 +66,7 @@ def test_wheel_contains_every_module_and_imports_from_it(tmp_path: Path) -> None
         check=True,
         capture_output=True,
     )
-    modules = ["userdp"] + [f"userdp.{name}" for name in FOLDERS if name != "userdp"]
+    modules = ["userdp"] + [target.replace("/", ".") for target in FOLDERS.values()][1:]
     probe = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"

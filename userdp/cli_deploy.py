@@ -30,6 +30,7 @@ COORDINATOR_CERT_NAME = "coordinator"
 
 # Where the chart mounts things inside the pods (deploy/helm/userdp/templates/_helpers.tpl).
 DEPLOY_PATHS: dict[str, str] = {
+    "config_dir": "/etc/userdp/config",
     "config_file": "/etc/userdp/config/userdp.toml",
     "tls_dir": "/etc/userdp/tls",
     "token_file": "/etc/userdp/token/token",
@@ -115,12 +116,63 @@ def render_values(
     values["workers"] = {"replicas": config.workers.count, "gpus": gpus}
     values["tls"] = {"enabled": auth == "mtls"}
     values["authToken"] = {"enabled": auth == "token"}
+    plugin_files, plugin_notes = _plugin_files(config, kept)
+    if plugin_files:
+        values["plugin"] = {"files": plugin_files}
+    notes += plugin_notes
     if config.data.shards is None:
         notes.append(
             "data.shards is not set: in the cluster the shard Job writes the demo corpus by "
             "default (shardJob.demo=false and shardJob.input.* select a real dataset)"
         )
     return values, notes
+
+
+PLUGIN_MAX_BYTES = 512 << 10  # a ConfigMap holds at most 1 MiB in all
+
+
+def _plugin_files(config: Any, kept: dict[str, dict[str, Any]]) -> tuple[dict[str, str], list]:
+    """The plugin module the chart ships in its ConfigMap (a single file next to the config, or
+    in ``strategy.plugin_path``), or nothing for a built-in or a plugin installed as a package
+    (which the image must then hold). ValueError when the chart cannot reach the plugin."""
+    import importlib.util
+
+    from userdp.config import BUILTIN_STRATEGIES
+
+    name = config.strategy.name
+    if name in BUILTIN_STRATEGIES:
+        return {}, []
+    kept.get("strategy", {}).pop("plugin_path", None)  # the chart sets it to the mount
+    module = name.partition(":")[0]
+    folder = Path(config.strategy.plugin_path or ".")
+    top = module.split(".")[0]
+    if (folder / f"{top}.py").is_file() or (folder / top).is_dir():
+        if "." in module or (folder / top).is_dir():
+            raise ValueError(
+                f"strategy.name = {name!r}: {module!r} is a package in {folder}; the chart ships "
+                "one module file next to the config, so make the plugin a single .py file or "
+                "install its package in the image (docs/kubernetes.md)"
+            )
+        source = (folder / f"{module}.py").read_text(encoding="utf-8")
+        if len(source.encode()) > PLUGIN_MAX_BYTES:
+            raise ValueError(
+                f"strategy.name = {name!r}: {folder / module}.py is over "
+                f"{PLUGIN_MAX_BYTES >> 10} KiB, too large for the chart's ConfigMap; install it "
+                "in the image instead (docs/kubernetes.md)"
+            )
+        return {f"{module}.py": source}, [
+            f"strategy plugin {folder / module}.py is shipped in the chart's ConfigMap and "
+            f"imported from {DEPLOY_PATHS['config_dir']} in the pods"
+        ]
+    if importlib.util.find_spec(top) is None:
+        raise ValueError(
+            f"strategy.name = {name!r}: no {module}.py in {folder} and no installed module "
+            f"{top!r}; the chart cannot reach the plugin (put the file next to the config)"
+        )
+    return {}, [
+        f"strategy plugin {module!r} is imported from the installed package: the image must "
+        "have it installed (docs/kubernetes.md)"
+    ]
 
 
 def _has_tag(image: str) -> bool:
@@ -148,6 +200,10 @@ def effective_config(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     section["count"] = workers.get("replicas", 2)
     section["device"] = "cuda" if workers.get("gpus", 1) > 0 else "cpu"
     config.setdefault("output", {})["dir"] = DEPLOY_PATHS["output_dir"]
+    strategy = config.setdefault("strategy", {})
+    strategy.pop("plugin_path", None)
+    if values.get("plugin", {}).get("files"):
+        strategy["plugin_path"] = DEPLOY_PATHS["config_dir"]
     return config
 
 

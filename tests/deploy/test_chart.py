@@ -361,7 +361,9 @@ def test_config_changes_restart_the_pods(render_chart) -> None:
         ({"workers": {"antiAffinity": "sometimes"}}, "value must be one of 'none', 'soft', 'hard'"),
         ({"workers": {"gpus": -1}}, "/workers/gpus"),
         ({"config": {"strategy": 3}}, "/config/strategy"),
-        ({"config": {"strategy": {"steps": [1, 2]}}}, "/config/strategy/steps"),
+        ({"config": {"strategy": {"steps": [[1], 2]}}}, "/config/strategy/steps"),
+        ({"config": {"strategy": {"params": {"x": {"y": 1}}}}}, "/config/strategy/params/x"),
+        ({"plugin": {"files": {"../evil.sh": "x"}}}, "invalid propertyName '../evil.sh'"),
         # the templates' own checks
         ({"shardJob": {"demo": False}}, "shardJob: set shardJob.demo=true"),
         (

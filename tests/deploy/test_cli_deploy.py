@@ -266,3 +266,45 @@ def test_probe_without_an_address_has_nothing_to_check(monkeypatch, capsys) -> N
     assert "nothing to check" in capsys.readouterr().out
     monkeypatch.setenv("USERDP_HEALTH_ADDRESS", "127.0.0.1:1")
     assert main(["deploy", "probe", "--timeout", "0.5"]) == 1
+
+
+PLUGIN = Path(__file__).resolve().parents[2] / "examples" / "plugin"
+
+
+def test_render_ships_a_plugin_file_with_the_config(render_chart, validate_k8s, tmp_path) -> None:
+    from userdp.config import parse_config
+
+    (tmp_path / "warmup_uls.py").write_text((PLUGIN / "warmup_uls.py").read_text())
+    run = tmp_path / "run.toml"
+    run.write_text((PLUGIN / "run.toml").read_text() + '\n[output]\nreport_to = ["tensorboard"]\n')
+    values, notes = render_values(run)
+    assert values["plugin"]["files"] == {"warmup_uls.py": (PLUGIN / "warmup_uls.py").read_text()}
+    assert any("shipped in the chart's ConfigMap" in n for n in notes)
+    objects = render_chart(values)
+    for obj in objects:
+        validate_k8s(obj)
+    data = objects.find("ConfigMap", "-config")["data"]
+    assert data["warmup_uls.py"] == (PLUGIN / "warmup_uls.py").read_text()
+    rendered = tomllib.loads(data["userdp.toml"])
+    assert rendered == effective_config(values)
+    assert rendered["strategy"]["plugin_path"] == DEPLOY_PATHS["config_dir"]
+    assert rendered["strategy"]["params"] == {"learning_rate": 0.5, "warmup_steps": 2}
+    assert rendered["output"]["report_to"] == ["tensorboard"]
+    assert parse_config(rendered).strategy.name == "warmup_uls:WarmupUls"
+    coordinator = objects.find("Deployment", "-coordinator")
+    mounts = {
+        m["name"]: m["mountPath"]
+        for m in coordinator["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    }
+    assert mounts["config"] == DEPLOY_PATHS["config_dir"]  # the plugin file sits next to the config
+
+
+def test_render_refuses_a_plugin_it_cannot_reach(tmp_path, capsys) -> None:
+    run = tmp_path / "run.toml"
+    run.write_text('[strategy]\nname = "nowhere_to_be_found:X"\n')
+    assert main(["deploy", "render", "--config", str(run), "--values", "-"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot reach the plugin" in err and len(err.splitlines()) == 1
+    run.write_text('[strategy]\nname = "json:JSONDecoder"\n')  # installed: the image must hold it
+    values, notes = render_values(run)
+    assert "plugin" not in values and any("must have it installed" in n for n in notes)

@@ -129,6 +129,13 @@ The effective userdp config: .Values.config with the keys the deployment decides
 {{- $output := default dict (get $config "output") -}}
 {{- $_ := set $output "dir" (include "userdp.path.outputDir" .) -}}
 {{- $_ := set $config "output" $output -}}
+{{- $strategy := default dict (get $config "strategy") -}}
+{{- if .Values.plugin.files -}}
+{{- $_ := set $strategy "plugin_path" (include "userdp.path.configDir" .) -}}
+{{- else -}}
+{{- $_ := unset $strategy "plugin_path" -}}
+{{- end -}}
+{{- $_ := set $config "strategy" $strategy -}}
 {{- toYaml $config -}}
 {{- end -}}
 
@@ -143,12 +150,15 @@ The effective userdp config: .Values.config with the keys the deployment decides
 {{- if eq $v (float64 (int64 $v)) -}}{{- int64 $v -}}{{- else -}}{{- $v -}}{{- end -}}
 {{- else if or (kindIs "int" $v) (kindIs "int64" $v) -}}
 {{- $v -}}
+{{- else if kindIs "slice" $v -}}
+[{{- range $i, $item := $v -}}{{- if $i -}}, {{ end -}}{{- include "userdp.tomlValue" $item -}}{{- end -}}]
 {{- else -}}
-{{- fail (printf "config: a TOML value must be a string, number or boolean, got %v" $v) -}}
+{{- fail (printf "config: a TOML value must be a string, number, boolean or a list of those, got %v" $v) -}}
 {{- end -}}
 {{- end -}}
 
-{{/* The effective config as TOML: one [section] per map, keys sorted; null keys are left out. */}}
+{{/* The effective config as TOML: one [section] per map, keys sorted; null keys are left out; a
+map-valued key (strategy.params) is the sub-table [section.key] after its section's keys. */}}
 {{- define "userdp.configToml" -}}
 {{- $config := fromYaml (include "userdp.effectiveConfig" .) -}}
 # userdp config rendered by the Helm chart {{ .Chart.Name }}-{{ .Chart.Version }} (release {{ .Release.Name }}).
@@ -158,8 +168,19 @@ The effective userdp config: .Values.config with the keys the deployment decides
 
 [{{ $section }}]
 {{- range $key, $value := $keys }}
-{{- if not (kindIs "invalid" $value) }}
+{{- if not (or (kindIs "invalid" $value) (kindIs "map" $value)) }}
 {{ $key }} = {{ include "userdp.tomlValue" $value }}
+{{- end }}
+{{- end }}
+{{- range $key, $table := $keys }}
+{{- if and (kindIs "map" $table) $table }}
+
+[{{ $section }}.{{ $key }}]
+{{- range $name, $value := $table }}
+{{- if not (kindIs "invalid" $value) }}
+{{ $name }} = {{ include "userdp.tomlValue" $value }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
