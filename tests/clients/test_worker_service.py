@@ -29,9 +29,10 @@ from userdp.shard_input import InputSource
 from userdp.shard_writer import ShardOptions, write_shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from userdp.strategies.base import Release  # noqa: E402
+
 from tests.server.harness import make_loopback  # noqa: E402
 from tests.server.standins import uls_strategy  # noqa: E402
-from userdp.strategies.base import Release  # noqa: E402
 
 
 @dataclass

@@ -17,10 +17,9 @@ from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings
 from userdp.server.grpc_server import RunningServer, serve
 from userdp.server.service import ModelPublisher, WorkerRegistry
-
-from . import toy
 from userdp.strategies.base import Release
 
+from . import toy
 from .standins import open_ledger, uls_strategy
 
 TOY = Path(toy.__file__)
