@@ -1,7 +1,14 @@
 """The privacy ledger: an append-only, fsync'd JSON-lines file of released steps.
 
-Contract (DESIGN.md, "Ledger first"): a step's mechanism is durably appended *before* its noisy
-update leaves the coordinator, and the ε spent is recomputed from this file alone.
+Contract ("ledger first"): a step's mechanism is durably appended *before* its noisy update
+leaves the coordinator, and the ε spent is recomputed from this file alone.
+
+Durability, like a database's write-ahead log: an append either completes (written, fsync'd) or
+leaves the file exactly as it was — a failed write is truncated back to the previous end, and the
+ledger object then refuses further appends until the file is reopened (which re-verifies it). A
+process killed mid-write can leave a partial last line (no trailing newline): opening such a file
+raises :class:`LedgerTruncatedError`, and ``userdp ledger repair RUN_DIR`` drops exactly that
+partial line (never a complete record). ``userdp ledger verify RUN_DIR`` checks a run's ledger.
 
 File format (one JSON object per line, canonical JSON: sorted keys, no spaces):
 
@@ -37,12 +44,17 @@ class LedgerError(RuntimeError):
     """Base class for ledger problems."""
 
 
-class LedgerCorruptError(LedgerError):
+class LedgerCorruptError(LedgerError, ValueError):
     """A line of the ledger is not what was written (bad JSON, broken hash chain, bad record)."""
 
 
-class LedgerTruncatedError(LedgerError):
+class LedgerTruncatedError(LedgerError, ValueError):
     """The last line is partial (a crash mid-write); nothing is dropped without the caller's say."""
+
+
+class LedgerWriteError(LedgerError):
+    """An append failed (disk full, I/O error); the file was left as it was before the append,
+    or — if even that failed — the ledger must be reopened (and maybe repaired) to continue."""
 
 
 class LedgerLockedError(LedgerError):
@@ -91,6 +103,7 @@ class Ledger:
         self.header = header
         self._records = records
         self._lock_fd: int | None = None
+        self._write_failed: str | None = None  # why appends are refused until reopened
         # key of (earlier phases, mechanism, options) -> (largest verified count, its ε bound)
         self._certificates: dict[str, tuple[int, float]] = {}
 
@@ -131,7 +144,12 @@ class Ledger:
             header["hash"] = record_hash(header)
             ledger = cls(path, header, [])
             ledger._lock_fd = lock_fd
-            ledger._write_line(header, mode="x")
+            try:
+                ledger._write_line(header, mode="x")
+            except LedgerWriteError:
+                if path.exists() and path.stat().st_size == 0:
+                    path.unlink()  # no header was written: leave no ledger at all
+                raise
             _fsync_dir(path.parent)
             return ledger
         except BaseException:
@@ -324,6 +342,11 @@ class Ledger:
         """
         if self._lock_fd is None:
             raise LedgerError(f"ledger {self.path} is closed")
+        if self._write_failed is not None:
+            raise LedgerWriteError(
+                f"ledger {self.path}: an earlier append failed ({self._write_failed}); reopen the "
+                "ledger (a resumed run does) before appending again"
+            )
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} is not allowed; expected an integer >= 0")
         if self.last_step is not None and step <= self.last_step:
@@ -353,11 +376,36 @@ class Ledger:
         return "after " + str(self.last_step) if self._records else "1"
 
     def _write_line(self, record: dict[str, Any], mode: str) -> None:
+        """Write one line durably, or leave the file as it was (module docstring)."""
         line = (canonical_json(record) + "\n").encode("utf-8")
         with open(self.path, mode + "b") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+            end = f.tell()
+            try:
+                _write_all(f.fileno(), line)
+                os.fsync(f.fileno())
+            except OSError as exc:
+                self._write_failed = f"{exc.strerror or exc} writing {self.path}"
+                try:
+                    os.ftruncate(f.fileno(), end)
+                    os.fsync(f.fileno())
+                except OSError as undo:
+                    raise LedgerWriteError(
+                        f"ledger {self.path}: writing step record failed ({exc.strerror or exc}) "
+                        f"and undoing the partial line failed too ({undo.strerror or undo}); "
+                        "nothing of this step was released. Free space, then run `userdp "
+                        "ledger repair RUN_DIR` to drop the partial line"
+                    ) from exc
+                raise LedgerWriteError(
+                    f"ledger {self.path}: writing a record failed ({exc.strerror or exc}); the "
+                    "file is as it was before this record, and nothing of it was released"
+                ) from exc
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
 
 
 def group_phases(records: Sequence[dict[str, Any]]) -> list[tuple[Mechanism, int]]:
@@ -403,6 +451,52 @@ def read_ledger(
     return header, records
 
 
+def ledger_state(records: Sequence[dict[str, Any]], header: dict[str, Any]) -> dict[str, Any]:
+    """What a report computed from these records is bound to: the step count and the hash of the
+    last record (the header's for an empty ledger); any later append changes both."""
+    last = records[-1] if records else header
+    return {"steps": len(records), "last_hash": last["hash"]}
+
+
+def repair_ledger(
+    path: str | os.PathLike[str], released_steps: Sequence[int] = ()
+) -> dict[str, Any] | None:
+    """Drop a partial last line of the ledger at ``path`` (a crash mid-write) and return what was
+    dropped (``{"line", "bytes", "text"}``), or None when there was nothing to drop.
+
+    Only an incomplete trailing record (no newline) is ever dropped; a complete record that does
+    not verify raises :class:`LedgerCorruptError` untouched. ``released_steps`` (the release
+    journal's steps) must all be in the complete records: a released step whose record is the
+    partial one would mean a release without a durable charge, so the repair refuses."""
+    path = Path(path)
+    lock_fd = _acquire_lock(path)
+    try:
+        data = path.read_bytes() if path.exists() else b""
+        partial = data.rsplit(b"\n", 1)[-1] if data else b""
+        header, records, tail = _read_and_verify(path, repair_truncated_tail=True)
+        charged = {r["step"] for r in records}
+        missing = sorted(set(released_steps) - charged)
+        if missing:
+            raise LedgerCorruptError(
+                f"ledger {path}: the release journal shows step(s) {missing[:5]} released but the "
+                "ledger's complete records do not hold them; not repairing (a release was never "
+                "charged): keep the run folder and report it"
+            )
+        if tail is None:
+            return None
+        with open(path, "r+b") as f:
+            f.truncate(tail)
+            f.flush()
+            os.fsync(f.fileno())
+        return {
+            "line": len(records) + 2,
+            "bytes": len(partial),
+            "text": partial[:120].decode("utf-8", "replace"),
+        }
+    finally:
+        _release_lock(lock_fd)
+
+
 def _read_and_verify(
     path: Path, repair_truncated_tail: bool
 ) -> tuple[dict[str, Any], list[dict[str, Any]], int | None]:
@@ -419,8 +513,9 @@ def _read_and_verify(
         if not repair_truncated_tail:
             raise LedgerTruncatedError(
                 f"ledger {path} line {len(lines) + 1} is incomplete (no trailing newline: a crash "
-                "while writing it). That step was never fsync'd and so never released. Reopen "
-                "with repair_truncated_tail=True (CLI: --repair-ledger) to drop only that line"
+                "while writing it); that step was never fsync'd and so never released. Run "
+                "`userdp ledger repair RUN_DIR` (Python: Ledger.open(path, "
+                "repair_truncated_tail=True)) to drop only that line"
             )
         truncate_at = len(data) - len(partial)
     if not lines:

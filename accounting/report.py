@@ -18,7 +18,7 @@ from typing import Any
 
 from userdp.accounting.api import ACCOUNTANT_VERSION, compose_epsilon
 from userdp.accounting.facts import Sampling, Unit
-from userdp.accounting.ledger import group_phases, read_ledger
+from userdp.accounting.ledger import group_phases, ledger_state, read_ledger
 
 ADD_REMOVE = "add/remove one {unit}"
 ZERO_OUT = "zero-out one {unit}"
@@ -104,6 +104,9 @@ class PrivacyReport:
     epsilon_curve: list[tuple[int, float]] = field(default_factory=list)
     training_users: int | None = None
     """N, the users the run could sample (held-out users excluded); δ is read against 1/N."""
+    ledger: dict[str, Any] = field(default_factory=dict)
+    """The ledger state this report was computed from (``steps``, ``last_hash``): a reader
+    compares it with the ledger (:func:`check_report_current`) and refuses a stale report."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -149,6 +152,13 @@ class PrivacyReport:
             ("run id", self.run_id),
         ]
         lines += [f"| {k} | {v} |" for k, v in rows]
+        if self.ledger:
+            lines += [
+                "",
+                f"Computed from the ledger's {self.ledger['steps']} step record(s), last record "
+                f"hash `{self.ledger['last_hash'][:16]}…`; `userdp ledger verify RUN_DIR` checks "
+                "that the ledger has not moved on since.",
+            ]
         lines += ["", "## Phases", "", "| steps | mechanism |", "|---|---|"]
         lines += [
             f"| {p['steps']} | `{json.dumps(p['mechanism'], sort_keys=True)}` |"
@@ -250,7 +260,31 @@ def build_report(
         budget_epsilon=header["budget_epsilon"],
         training_users=training_users,
         epsilon_curve=curve,
+        ledger=ledger_state(records, header),
     )
+
+
+class ReportStaleError(ValueError):
+    """A privacy report does not match the ledger it claims to be computed from."""
+
+
+def check_report_current(
+    report_path: str | os.PathLike[str], ledger_path: str | os.PathLike[str]
+) -> dict[str, Any]:
+    """The report at ``report_path`` (JSON) if it was computed from the ledger as it is now;
+    :class:`ReportStaleError` naming the fix otherwise (e.g. a crash after more steps were
+    charged than the report covers)."""
+    report = json.loads(Path(report_path).read_text(encoding="utf-8"))
+    header, records = read_ledger(ledger_path)
+    now = ledger_state(records, header)
+    if report.get("ledger") != now:
+        covered = (report.get("ledger") or {}).get("steps", "an unknown number of")
+        raise ReportStaleError(
+            f"{report_path} covers {covered} step(s) but the ledger {ledger_path} now holds "
+            f"{now['steps']}: the report is stale; run `userdp report "
+            f"{Path(ledger_path).parent}` to recompute it from the ledger"
+        )
+    return report
 
 
 def _check_sampling_matches_mechanisms(sampling: str, mechanisms: list[dict[str, Any]]) -> None:

@@ -128,21 +128,31 @@ def save_checkpoint(
         "state": tree,
     }
     name = f"ckpt-{step:09d}"
-    tmp = directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    save_file(tensors, str(tmp / "tensors.safetensors"))
-    with open(tmp / "tensors.safetensors", "rb+") as handle:
-        os.fsync(handle.fileno())
-    _write_synced(tmp / "state.json", json.dumps(meta, allow_nan=True))
-    _fsync_dir(tmp)
     final = directory / name
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    tmp = directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     latest_tmp = directory / f".{LATEST}.tmp"
-    _write_synced(latest_tmp, name + "\n")
-    os.replace(latest_tmp, directory / LATEST)
-    _fsync_dir(directory)
+    try:
+        tmp.mkdir()
+        save_file(tensors, str(tmp / "tensors.safetensors"))
+        with open(tmp / "tensors.safetensors", "rb+") as handle:
+            os.fsync(handle.fileno())
+        _write_synced(tmp / "state.json", json.dumps(meta, allow_nan=True))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_synced(latest_tmp, name + "\n")
+        os.replace(latest_tmp, directory / LATEST)
+        _fsync_dir(directory)
+    except OSError as exc:  # disk full, I/O error: LATEST still names the previous checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest_tmp.unlink(missing_ok=True)
+        raise OSError(
+            exc.errno,
+            f"{exc.strerror or exc} while writing checkpoint {name} (the previous checkpoint "
+            "stays the latest)",
+            str(directory),
+        ) from exc
     checkpoints = sorted(p for p in directory.glob("ckpt-*") if p.is_dir())
     for old in checkpoints[:-keep] if keep > 0 else []:
         if old != final:
@@ -197,11 +207,26 @@ def restore_latest(
 def append_release_journal(directory: str | Path, step: int, model_version: int) -> None:
     """Record (fsync'd) that ``step``'s update is about to leave the coordinator."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / RELEASE_JOURNAL, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps({"step": step, "model_version": model_version}) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    path = directory / RELEASE_JOURNAL
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        line = (json.dumps({"step": step, "model_version": model_version}) + "\n").encode()
+        with open(path, "ab", buffering=0) as handle:
+            end = handle.tell()
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[handle.write(view) :]
+                os.fsync(handle.fileno())
+            except OSError:
+                os.ftruncate(handle.fileno(), end)  # no torn line: the step is not recorded
+                raise
+    except OSError as exc:  # nothing of the step has left: it is not broadcast
+        raise OSError(
+            exc.errno,
+            f"{exc.strerror or exc} while recording the release of step {step}",
+            str(path),
+        ) from exc
 
 
 def read_release_journal(directory: str | Path) -> list[int]:

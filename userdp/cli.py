@@ -29,6 +29,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "userdp.cli_simulate",
     "userdp.cli_audit",
     "userdp.accounting.cli",
+    "userdp.cli_ledger",
     "userdp.cli_deploy",
     "userdp.cli_certs",
     "userdp.cli_coordinator",

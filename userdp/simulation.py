@@ -117,7 +117,9 @@ class RunLoop:
             self.run_config.output.report_to, self.out, self.run_config.model_dump()
         )
         self.model, self.evaluator = self._model_and_evaluator()
-        done = {r["step"] for r in read_metrics(self.metrics.path) if r.get("kind") == "eval"}
+        earlier = [r for r in read_metrics(self.metrics.path) if r.get("kind") == "eval"]
+        self.eval_losses.update({r["step"]: r["eval_loss"] for r in earlier})  # a resumed run's
+        done = {r["step"] for r in earlier}
         if 0 not in done and not self.ledger.records:
             self.evaluate(0)  # the no-fine-tuning baseline, before any privacy is spent
         self.epsilon = self._spent()
@@ -188,9 +190,10 @@ class RunLoop:
             self._bar = None
 
     def abandon(self) -> None:
-        """After an error: close the progress bar and end the trackers' runs (flushed)."""
+        """After an error: close the progress bar and end the trackers' runs (flushed); a
+        failure here (e.g. the same full disk) is logged, never raised over the run's error."""
         self.close_progress()
-        self.trackers.finish(None, None)
+        _shut_down(("end the trackers' runs", lambda: self.trackers.finish(None, None)))
 
     def on_worker_progress(self, starting: list[Any]) -> None:
         """While the coordinator waits for workers: each starting worker's phase on the progress
@@ -394,11 +397,21 @@ def _run_coordinator(loop: RunLoop, spawn: bool) -> tuple[dict[str, torch.Tensor
     )
     coordinator = running.coordinator
     address = f"{loop.run_config.coordinator.host}:{running.server.port}"
-    procs = _spawn_workers(loop, address) if spawn else []
-    if not spawn:
-        print(f"userdp train: coordinator listening on {address}", file=sys.stderr, flush=True)
+    procs: list[subprocess.Popen] = []
     finished, stopped = False, "interrupted"
+
+    def shutdown() -> list[BaseException]:
+        return _shut_down(
+            ("save the last checkpoint", coordinator.save),
+            ("stop the coordinator", lambda: running.stop(finished)),
+            ("stop the worker processes", lambda: _stop_workers(procs)),
+        )
+
     try:
+        if spawn:
+            procs += _spawn_workers(loop, address)
+        else:
+            print(f"userdp train: coordinator listening on {address}", file=sys.stderr, flush=True)
         coordinator.wait_for_workers(
             on_progress=loop.on_worker_progress, check=lambda: _check_workers_alive(procs)
         )
@@ -419,11 +432,27 @@ def _run_coordinator(loop: RunLoop, spawn: bool) -> tuple[dict[str, torch.Tensor
         coordinator.run(loop.steps, on_step=on_step)
         finished = True
         stopped = "budget" if coordinator.budget_exhausted else "finished"
-    finally:
-        coordinator.save()
-        running.stop(finished)
-        _stop_workers(procs)
+    except BaseException:
+        shutdown()  # its own failures are logged; the run's error is the one raised
+        raise
+    errors = shutdown()
+    if errors:
+        raise errors[0]
     return setup.trainable, stopped
+
+
+def _shut_down(*actions: tuple[str, Any]) -> list[BaseException]:
+    """Run every shutdown action even when one fails (a full disk must not leave the gRPC server
+    or the worker processes running, which would keep the process alive): each failure is
+    logged in one line and returned."""
+    errors: list[BaseException] = []
+    for what, action in actions:
+        try:
+            action()
+        except Exception as exc:
+            log.error("could not %s: %s", what, " ".join(str(exc).split()) or type(exc).__name__)
+            errors.append(exc)
+    return errors
 
 
 class InProcessWorker:
@@ -582,5 +611,8 @@ def run(
     except Exception:
         loop.abandon()
         raise
-    result = loop.finish(params, stopped)
-    return result
+    try:
+        return loop.finish(params, stopped)
+    except Exception:
+        loop.abandon()
+        raise

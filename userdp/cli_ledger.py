@@ -1,0 +1,102 @@
+"""``userdp ledger verify RUN_DIR`` and ``userdp ledger repair RUN_DIR``.
+
+``verify`` reads the run's ``ledger.jsonl``: every line parses, every hash matches, the chain
+is unbroken, steps increase, every step the release journal (``checkpoints/released.jsonl``)
+shows released is charged, and ``privacy_report.json``, when present, was computed from this
+ledger. ``repair`` drops only a partial last line left by a crash mid-write (never a complete
+record) and says what it dropped. Problems are one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+UNREADABLE_STEP = 10**18  # what read_release_journal returns for a torn line
+
+
+def ledger_path(target: str) -> Path:
+    path = Path(target)
+    path = path / "ledger.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"{target} is not a run folder with ledger.jsonl (nor a ledger file)")
+    return path
+
+
+def _released(run_dir: Path) -> list[int]:
+    from userdp.server.checkpoint import read_release_journal
+
+    # an unreadable (torn) journal line reads as "released" for resume; it names no step here
+    return [s for s in read_release_journal(run_dir / "checkpoints") if s < UNREADABLE_STEP]
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from userdp.accounting.ledger import ledger_state, read_ledger
+    from userdp.accounting.report import ReportStaleError, check_report_current
+
+    path = ledger_path(args.run_dir)
+    header, records = read_ledger(path)
+    steps = [r["step"] for r in records]
+    missing = sorted(set(_released(path.parent)) - set(steps))
+    if missing:
+        raise ValueError(
+            f"{path}: the release journal shows step(s) {missing[:5]} released but the ledger "
+            "does not charge them"
+        )
+    report = path.parent / "privacy_report.json"
+    stale = None
+    if report.is_file():
+        try:
+            check_report_current(report, path)
+        except ReportStaleError as exc:
+            stale = str(exc)
+    state = ledger_state(records, header)
+    print(
+        json.dumps(
+            {
+                "ledger": str(path),
+                "run_id": header["run_id"],
+                "steps": len(records),
+                "last_step": steps[-1] if steps else None,
+                "last_hash": state["last_hash"],
+                "budget_epsilon": header["budget_epsilon"],
+                "report": "missing" if not report.is_file() else ("stale" if stale else "current"),
+            }
+        )
+    )
+    if stale:
+        raise ValueError(stale)
+    return 0
+
+
+def _repair(args: argparse.Namespace) -> int:
+    from userdp.accounting.ledger import repair_ledger
+
+    path = ledger_path(args.run_dir)
+    dropped = repair_ledger(path, _released(path.parent))
+    if dropped is None:
+        print(f"{path}: nothing to repair (every line is complete)")
+    else:
+        print(
+            f"{path}: dropped the partial line {dropped['line']} ({dropped['bytes']} bytes, "
+            f"never fsync'd, so never released): {dropped['text']!r}"
+        )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("ledger", help="verify or repair a run's privacy ledger")
+    sub = parser.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
+    verify = sub.add_parser(
+        "verify",
+        help="check the hash chain, step order, release journal and report of RUN_DIR's ledger",
+    )
+    verify.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (or a ledger file)")
+    verify.set_defaults(handler=_verify)
+    repair = sub.add_parser(
+        "repair",
+        help="drop a partial last line left by a crash mid-write (never a complete record)",
+    )
+    repair.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (or a ledger file)")
+    repair.set_defaults(handler=_repair)
