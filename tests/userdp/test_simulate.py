@@ -284,6 +284,7 @@ def test_in_process_resume_continues_from_its_checkpoint(tmp_path, monkeypatch) 
         config, tmp_path / "split", mode="in-process", quiet=True, test_only_disable_noise=True
     )
     assert second.steps_done == 4
+    assert second.baseline_eval_loss == first.baseline_eval_loss is not None  # kept on resume
     for name, value in whole.params.items():
         torch.testing.assert_close(second.params[name], value, rtol=1e-5, atol=1e-6, msg=name)
     ledger = (tmp_path / "split" / "ledger.jsonl").read_text().splitlines()
