@@ -2,8 +2,8 @@
 
 ``verify`` reads the run's ``ledger.jsonl``: every line parses, every hash matches, the chain
 is unbroken, steps increase, every step the release journal (``checkpoints/released.jsonl``)
-shows released is charged, and ``privacy_report.json``, when present, was computed from this
-ledger. ``repair`` drops only a partial last line left by a crash mid-write (never a complete
+shows released is charged, and ``privacy_report.json`` and the exported ``model/``, when
+present, match this ledger. ``repair`` drops only a partial last line left by a crash mid-write (never a complete
 record) and says what it dropped. Problems are one line and exit status 2.
 """
 
@@ -45,13 +45,25 @@ def _verify(args: argparse.Namespace) -> int:
             "does not charge them"
         )
     report = path.parent / "privacy_report.json"
-    stale = None
+    stale, report_state = None, "missing"
     if report.is_file():
         try:
             check_report_current(report, path)
+            report_state = "current"
         except ReportStaleError as exc:
-            stale = str(exc)
+            stale, report_state = str(exc), "stale"
     state = ledger_state(records, header)
+    model = path.parent / "model" / "userdp_release.json"
+    model_state = "missing"
+    if model.is_file():
+        exported = json.loads(model.read_text())["ledger"]
+        model_state = "current" if exported == state else "stale"
+        if model_state == "stale":
+            stale = stale or (
+                f"{model.parent} was exported after {exported['steps']} step(s) but the ledger "
+                f"holds {len(records)}: resume the run (the same command) to export the current "
+                "model"
+            )
     print(
         json.dumps(
             {
@@ -61,7 +73,8 @@ def _verify(args: argparse.Namespace) -> int:
                 "last_step": steps[-1] if steps else None,
                 "last_hash": state["last_hash"],
                 "budget_epsilon": header["budget_epsilon"],
-                "report": "missing" if not report.is_file() else ("stale" if stale else "current"),
+                "report": report_state,
+                "model": model_state,
             }
         )
     )

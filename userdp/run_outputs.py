@@ -9,7 +9,8 @@
       privacy_report.json    ε(δ) recomputed from the ledger, mechanism, assumptions, caveats,
       privacy_report.md        and the held-out evaluation
       plots/*.png            loss (train, held-out, no-fine-tuning baseline), ε by step, clip fraction
-      model/                 safetensors weights + config.json (transformers format)
+      model/                 safetensors weights + config.json (transformers format), and
+                             userdp_release.json: the ledger state and ε the weights match
       checkpoints/           resumable coordinator state
 """
 
@@ -138,6 +139,22 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 # ---- report ------------------------------------------------------------------------------------
+
+
+RELEASE_STATE = "userdp_release.json"
+
+
+def write_release_state(model_dir: Path, ledger_path: Path, epsilon: Any, delta: float) -> Path:
+    """``model/userdp_release.json``: the ledger state (step count, last record hash) and ε, δ
+    of the exported weights, so a reader can tell exported weights from a ledger that moved on
+    (``userdp ledger verify`` compares them)."""
+    from userdp.accounting.ledger import ledger_state, read_ledger
+
+    header, records = read_ledger(ledger_path)
+    state = {"ledger": ledger_state(records, header), "epsilon": epsilon, "delta": delta}
+    path = model_dir / RELEASE_STATE
+    _atomic_write_text(path, json.dumps(state, indent=2, sort_keys=True) + "\n")
+    return path
 
 
 def write_facts(strategy_facts: Any, run_dir: Path, training_users: int | None = None) -> None:

@@ -255,7 +255,12 @@ class RunLoop:
     def finish(self, params: dict[str, torch.Tensor], stopped: str) -> RunResult:
         from userdp.clients.model import load_parameters
         from userdp.export import export_model
-        from userdp.run_outputs import render_plots, render_report, write_facts
+        from userdp.run_outputs import (
+            render_plots,
+            render_report,
+            write_facts,
+            write_release_state,
+        )
 
         self.close_progress()
         steps_done = len(self.ledger.records)
@@ -265,7 +270,10 @@ class RunLoop:
         self.ledger.close()
         write_facts(self.setup.strategy.facts(), self.out, len(self.setup.population.users))
         load_parameters(self.model, params)
-        export_model(self.model, self.out, self.setup.manifest.tokenizer, self.setup.shard_dir)
+        model_dir = export_model(
+            self.model, self.out, self.setup.manifest.tokenizer, self.setup.shard_dir
+        )
+        write_release_state(model_dir, self.out / "ledger.jsonl", self.epsilon, self.setup.delta)
         if stopped != "interrupted":
             self._write_samples()
         report = render_report(self.out, self.run_config, self.setup.delta) if steps_done else None

@@ -27,7 +27,7 @@ from userdp.accounting.report import (
 
 from userdp.cli import main
 from userdp.config import parse_config
-from userdp.run_outputs import config_toml
+from userdp.run_outputs import config_toml, write_release_state
 
 ULS = UlsMechanism(noise_multiplier=2.0, sampling_prob=0.05)
 
@@ -143,11 +143,17 @@ def test_a_report_is_bound_to_the_ledger_it_was_computed_from(tmp_path, capsys):
     json_path, md_path = write_report(report, run)
     assert report.ledger["last_hash"][:16] in md_path.read_text()
     check_report_current(json_path, run / "ledger.jsonl")
+    (run / "model").mkdir()
+    write_release_state(run / "model", run / "ledger.jsonl", report.epsilon, 1e-5)
     code, out, _ = _cli(["ledger", "verify", str(run)], capsys)
-    assert code == 0 and json.loads(out)["report"] == "current"
+    assert code == 0 and json.loads(out)["report"] == json.loads(out)["model"] == "current"
     with Ledger.open(run / "ledger.jsonl") as led:  # a crash after one more released step
         led.append(3, ULS)
     with pytest.raises(ReportStaleError, match="covers 3 step.*now holds 4.*userdp report"):
         check_report_current(json_path, run / "ledger.jsonl")
     code, out, err = _cli(["ledger", "verify", str(run)], capsys)
     assert code == 2 and json.loads(out)["report"] == "stale" and "userdp report" in err
+    assert json.loads(out)["model"] == "stale"
+    (run / "privacy_report.json").unlink()
+    code, out, err = _cli(["ledger", "verify", str(run)], capsys)
+    assert code == 2 and "exported after 3 step(s)" in err and "resume the run" in err

@@ -85,7 +85,7 @@ def run_full_disk_case(tmp_path, disk, point, call):
     verify = _userdp(["ledger", "verify", str(run)])
     assert verify.returncode == 0, verify.stderr
     state = json.loads(verify.stdout)
-    assert state["steps"] == 3 and state["report"] == "current"
+    assert state["steps"] == 3 and state["report"] == state["model"] == "current"
     assert tomllib.loads((run / "config.toml").read_text())["strategy"]["steps"] == 3
     shutil.rmtree(run)
 
