@@ -1,0 +1,421 @@
+"""The conformance checks themselves (:mod:`userdp.testing` runs them): one method of
+:class:`Kit` per check, each driving the real step with known contributions and asserting
+against the strategy's mechanism. One idea — the six checks share the population, the zero-
+contribution step and the mechanism-derived expectations — hence one module over 400 lines."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from userdp.testing import stats
+
+SHAPES = {"w": (400, 256), "b": (512,)}  # 102 912 coordinates: ~±1.7% χ² interval at 1e-7
+STATISTIC_DRAWS = 4000
+SAMPLING_STEPS = 300
+
+
+class Skip(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """The check does not apply to this strategy (the message says why)."""
+
+
+def _zeros(shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict[str, np.ndarray]:
+    return {name: np.zeros(shape) for name, shape in shapes.items()}
+
+
+def _flat(tensors: dict[str, Any]) -> np.ndarray:
+    return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in tensors.values()])
+
+
+class Kit:
+    def __init__(self, factory: Callable[[], Any], users: int) -> None:
+        from userdp.strategies.base import PopulationCounts, Strategy
+
+        self.factory = factory
+        ids = tuple(f"user-{i:05d}" for i in range(users))
+        counts = np.array([1 + (7 * i) % 9 for i in range(users)], dtype=np.int64)
+        self.population = PopulationCounts(ids, counts)
+        probe = factory()
+        assert isinstance(probe, Strategy), (
+            f"factory() returned {type(probe).__name__}, not a userdp.strategies.Strategy"
+        )
+        assert factory() is not probe, "factory() must build a NEW strategy on every call"
+
+    # -- one step with known contributions -------------------------------------------------------
+
+    def step(self, strategy: Any, step: int, params: dict[str, np.ndarray]) -> Any:
+        """Run ``step`` with zero contributions from every unit; return (planned, release)."""
+        from userdp.strategies.base import ClipStatistics
+        from userdp.strategies.step import Gathered, run_step
+
+        seen: list[Any] = []
+
+        def gather(planned: Any) -> Gathered:
+            return Gathered(
+                _zeros({k: v.shape for k, v in params.items()}),
+                ClipStatistics(len(planned.cohort), 0),
+            )
+
+        planned, _, _ = run_step(
+            strategy, step, self.population, params, gather, on_release=seen.append
+        )
+        return planned, seen[0]
+
+    def innovation(self, mechanism: Any, step: int) -> tuple[float, float]:
+        """(std factor of step ``step``'s noise, of its fresh part) per unit of σ·C: 1 and 1 for
+        iid noise; ‖row_step(C⁻¹)‖ and |(C⁻¹)_00| for a correlation matrix C."""
+        correlation = getattr(mechanism, "correlation", None)
+        if correlation is None:
+            return 1.0, 1.0
+        from userdp.accounting.correlation import from_spec
+
+        inverse = from_spec(correlation).inverse_coefs(step + 1)
+        return float(np.sqrt(np.sum(inverse**2))), abs(float(inverse[0]))
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    def check_noise(self) -> None:
+        strategy = self.factory()
+        mechanism = strategy.mechanism()
+        sigma = float(mechanism.noise_multiplier)
+        for step in range(3 if getattr(mechanism, "correlation", None) is not None else 1):
+            planned, release = self.step(strategy, step, _zeros())
+            clip = planned.task.clip_norm
+            factor, _ = self.innovation(mechanism, step)
+            values = _flat(release.noisy_sum)
+            what = (
+                f"step {step}: release with zero contributions (σ = {sigma:g} from the "
+                f"mechanism, C = {clip:g} from the task)"
+            )
+            if not release.statistics:
+                stats.assert_gaussian_noise(values, sigma * clip * factor, what)
+                continue
+            self._check_combined(strategy, planned, values, sigma, clip * factor, what)
+
+    def _check_combined(self, strategy, planned, values, sigma, scale, what) -> None:
+        """Sum and statistics together: one Gaussian mechanism of multiplier σ."""
+        from userdp.strategies.base import ClipStatistics
+
+        n = values.size
+        parts = [(math.sqrt(float(values @ values) / n), scale, stats.std_bounds(n))]
+        small = {"b": np.zeros(4)}
+        cohort = planned.cohort
+        draws: dict[str, list[float]] = {}
+        sensitivity: dict[str, float] = {}
+        for _ in range(STATISTIC_DRAWS):
+            release = strategy.privatize(
+                planned.step, small, ClipStatistics(len(cohort), 0), cohort
+            )
+            for name, statistic in release.statistics.items():
+                draws.setdefault(name, []).append(statistic.value)
+                sensitivity[name] = statistic.sensitivity
+        for name, values_of in draws.items():
+            x = np.asarray(values_of)
+            measured = float(x.std(ddof=1))
+            lo, hi = (math.sqrt(q) for q in stats.chi2_interval(x.size - 1))
+            bounds = (lo / math.sqrt(x.size - 1), hi / math.sqrt(x.size - 1))
+            parts.append((measured, sensitivity[name], bounds))
+        ratios = [(s / d) for s, d, _ in parts]
+        if min(ratios) == 0:
+            names = ["sum", *draws]
+            exact = [names[i] for i, r in enumerate(ratios) if r == 0]
+            raise AssertionError(f"{what}: {exact} released WITHOUT noise")
+        effective = sum(r**-2 for r in ratios) ** -0.5
+        lo = sigma * min(b[0] for *_, b in parts)
+        hi = sigma * max(b[1] for *_, b in parts)
+        assert lo <= effective <= hi, (
+            f"{what}: the sum and statistics {sorted(draws)} together are a Gaussian mechanism "
+            f"of multiplier {effective:.4g} (sum std/C = {ratios[0]:.4g}; "
+            + ", ".join(
+                f"{k} std/sensitivity = {r:.4g}" for k, r in zip(draws, ratios[1:], strict=True)
+            )
+            + f"), but the ledger records σ = {sigma:g} (acceptance [{lo:.4g}, {hi:.4g}])"
+        )
+
+    def check_normalization(self) -> None:
+        strategy = self.factory()
+        expected = strategy.expected_cohort_size(self.population)
+        sizes = {}
+        for step in range(20):
+            cohort = strategy.sample_cohort(step, self.population)
+            sizes[step] = (len(cohort), cohort.expected_size)
+            assert cohort.expected_size == expected, (
+                f"step {step}: cohort.expected_size = {cohort.expected_size:g} but "
+                f"expected_cohort_size(population) = {expected:g}: the normalizer must be fixed "
+                "before the step, not follow the realized cohort"
+            )
+        assert expected > 0, f"expected_cohort_size = {expected!r}; expected > 0"
+        first, release = self.step(strategy, 0, _zeros())
+        small_cohort = replace(first.cohort, unit_ids=first.cohort.unit_ids[:1])
+        large_cohort = replace(first.cohort, unit_ids=tuple(self.population.user_ids))
+        after = []
+        for cohort in (small_cohort, large_cohort):
+            twin = self.factory()
+            twin.load_state_dict(strategy.state_dict())
+            params = _zeros()
+            twin.server_update(params, replace(release, cohort=cohort))
+            after.append(_flat(params))
+        assert np.allclose(after[0], after[1], rtol=1e-12, atol=0), (
+            f"the server update of one release differs between a realized cohort of "
+            f"{len(small_cohort)} and of {len(large_cohort)} units (expected size "
+            f"{expected:g} in both): it must divide by cohort.expected_size, never the realized "
+            "size, which is private"
+        )
+
+    def check_exactly_once(self) -> None:
+        import torch
+
+        from userdp.server.aggregation import PartialSum, StepGather, TensorSpec
+        from userdp.server.planning import plan_groups
+        from userdp.server.population import Population
+
+        strategy = self.factory()
+        users = self.population.user_ids
+        shards = [f"shard-{i}" for i in range(4)]
+        population = Population(
+            shard_of_user={u: shards[i % 4] for i, u in enumerate(users)},
+            shard_sha256={s: "0" * 64 for s in shards},
+            examples_of_user=dict(
+                zip(users, self.population.examples_per_user.tolist(), strict=True)
+            ),
+        )
+        step = 0
+        cohort = strategy.sample_cohort(step, population)
+        while len(cohort) < 2 and step < 50:
+            step += 1
+            cohort = strategy.sample_cohort(step, population)
+        units = list(cohort.unit_ids)
+        assert len(set(units)) == len(units), (
+            f"step {step}: the cohort holds a unit more than once "
+            f"({len(units) - len(set(units))} duplicates): its contribution would count twice"
+        )
+        if len(units) < 2:
+            raise Skip(f"no step in 0..{step} sampled two or more units")
+        task = strategy.configure_task(step, cohort)
+        index = {u: i for i, u in enumerate(units)}
+        dim = 8
+
+        def contribution(unit: str) -> torch.Tensor:
+            vector = torch.zeros(dim)
+            vector[index[unit] % dim] = task.clip_norm / (2 + index[unit] % 5)
+            return vector
+
+        groups = plan_groups(step, units, population.shard_of_unit)
+        probes = task.probes if task.engine == "randomized" else 0
+        gather = StepGather(
+            step,
+            1,
+            groups,
+            {"w": TensorSpec((dim,), "float32")},
+            task.clip_norm,
+            estimate_probes=probes,
+        )
+
+        def partial(task_id: str, attempt: int, worker: str) -> PartialSum:
+            members = gather.task_units(task_id)
+            total = sum((contribution(u) for u in members), torch.zeros(dim))
+            return PartialSum(
+                task_id, attempt, step, 1, worker, members, {"w": total}, count=len(members)
+            )
+
+        for i, group in enumerate(groups):
+            task_id, attempt = gather.issue(f"worker-{i}", [group.group_id], 0.0)
+            if i == 0:  # timed out and re-issued: the late first result still arrives
+                gather.fail(task_id, attempt, "timeout")
+                late = partial(task_id, attempt, f"worker-{i}")
+                task_id, attempt = gather.issue("worker-spare", [group.group_id], 1.0)
+                gather.offer(partial(task_id, attempt, "worker-spare"))
+                gather.offer(late)
+                continue
+            result = partial(task_id, attempt, f"worker-{i}")
+            gather.offer(result)
+            gather.offer(result)  # delivered twice
+        assert gather.complete(), "the gather did not complete with every task answered"
+        got = gather.result()
+        want = sum((contribution(u) for u in units), torch.zeros(dim)).double()
+        assert got.count == len(units) and torch.allclose(
+            got.sums["w"].double(), want, rtol=0, atol=1e-6
+        ), (
+            f"a duplicated delivery and a late re-issued result gave count {got.count} for "
+            f"{len(units)} units: each unit must count exactly once"
+        )
+
+    def check_fresh_noise(self) -> None:
+        strategy = self.factory()
+        mechanism = strategy.mechanism()
+        stateful = bool(strategy.noise.state_dict())
+        if not stateful:
+            _, first = self.step(strategy, 5, _zeros())
+            _, retry = self.step(strategy, 5, _zeros())
+            stats.assert_uncorrelated(
+                _flat(first.noisy_sum), _flat(retry.noisy_sum), "step 5 and its retry"
+            )
+        original = self.factory()
+        before = [_flat(self.step(original, step, _zeros())[1].noisy_sum) for step in range(2)]
+        restored = self.factory()
+        restored.load_state_dict(original.state_dict())
+        for step in (7, 2):
+            same = original.sample_cohort(step, self.population).unit_ids
+            assert restored.sample_cohort(step, self.population).unit_ids == same, (
+                f"step {step}: a strategy restored from state_dict() samples a different "
+                "cohort (the sampler's state is not checkpointed)"
+            )
+        planned, a = self.step(original, 2, _zeros())
+        _, b = self.step(restored, 2, _zeros())
+        difference = _flat(a.noisy_sum) - _flat(b.noisy_sum)
+        what = "step 2 released by a run and by its restored copy"
+        if not stateful:
+            for step, earlier in enumerate(before):
+                stats.assert_uncorrelated(
+                    _flat(b.noisy_sum),
+                    earlier,
+                    f"the restored copy's step 2 vs the original's step {step} (noise replayed)",
+                    stats.ALPHA / 2,
+                )
+        assert np.any(difference != 0), f"{what}: identical noise (noise replayed after resume)"
+        if stateful:
+            _, fresh = self.innovation(mechanism, 2)
+            scale = float(mechanism.noise_multiplier) * planned.task.clip_norm * fresh
+        else:
+            values = _flat(a.noisy_sum)
+            scale = math.sqrt(float(values @ values) / values.size)
+        stats.assert_gaussian_noise(
+            difference,
+            math.sqrt(2) * scale,
+            f"{what}: their difference must be two independent fresh draws (the correlated "
+            "part, from the restored buffers, cancels)",
+        )
+
+    def check_sampling(self) -> None:
+        from userdp.accounting.facts import Sampling
+
+        strategy = self.factory()
+        mechanism, facts = strategy.mechanism(), strategy.facts()
+        kind = mechanism.kind
+        if kind in ("uls", "randomized-clipping") and facts.sampling == Sampling.POISSON:
+            self._poisson_users(strategy, float(mechanism.sampling_prob))
+        elif kind in ("els", "group-privacy"):
+            self._poisson_examples(strategy, mechanism)
+        elif kind == "balls-in-bins":
+            self._balls_in_bins(strategy, mechanism)
+        else:
+            raise Skip(f"no sampling check for mechanism {kind!r} with {facts.sampling.value!r}")
+
+    def _cohorts(self, strategy: Any, steps: int) -> list[tuple[str, ...]]:
+        return [strategy.sample_cohort(t, self.population).unit_ids for t in range(steps)]
+
+    def _poisson_users(self, strategy: Any, q: float) -> None:
+        users = self.population.user_ids
+        position = {u: i for i, u in enumerate(users)}
+        counts = np.zeros(len(users), dtype=np.int64)
+        sizes = []
+        for cohort in self._cohorts(strategy, SAMPLING_STEPS):
+            sizes.append(len(cohort))
+            for unit in cohort:
+                counts[position[unit]] += 1
+        trials = len(users) * SAMPLING_STEPS
+        lo, hi = stats.binomial_interval(trials, q)
+        total = int(counts.sum())
+        assert lo <= total <= hi, (
+            f"users were included {total} times in {SAMPLING_STEPS} steps of {len(users)} users "
+            f"(rate {total / trials:.5f}) but the mechanism says q = {q:g}: outside the exact "
+            f"Binomial interval [{lo}, {hi}]"
+        )
+        rate = total / trials
+        sizes_arr = np.asarray(sizes)
+        dispersion = float(
+            np.sum((sizes_arr - sizes_arr.mean()) ** 2) / (len(users) * rate * (1 - rate))
+        )
+        d_lo, d_hi = stats.chi2_interval(SAMPLING_STEPS - 1, slack=0.05)
+        assert d_lo <= dispersion <= d_hi, (
+            f"cohort sizes (min {sizes_arr.min()}, max {sizes_arr.max()}) do not vary like "
+            f"Binomial({len(users)}, {rate:.4f}): dispersion {dispersion:.1f} outside "
+            f"[{d_lo:.1f}, {d_hi:.1f}]; the Poisson accountant does not match this sampler"
+        )
+
+    def _poisson_examples(self, strategy: Any, mechanism: Any) -> None:
+        from userdp.strategies.base import parse_example_unit_id
+
+        g, p = int(mechanism.group_size), float(mechanism.sampling_prob)
+        counts = self.population.examples_per_user
+        d_sub = int(np.minimum(counts, g).sum())
+        distinct: dict[str, set[str]] = {}
+        total = 0
+        for cohort in self._cohorts(strategy, SAMPLING_STEPS):
+            total += len(cohort)
+            for unit in cohort:
+                distinct.setdefault(parse_example_unit_id(unit)[0], set()).add(unit)
+        most = max((len(v) for v in distinct.values()), default=0)
+        assert most <= g, (
+            f"a user contributed {most} distinct examples over the run; the mechanism's "
+            f"group size is G = {g} (D_sub must be chosen once)"
+        )
+        lo, hi = stats.binomial_interval(d_sub * SAMPLING_STEPS, p)
+        assert lo <= total <= hi, (
+            f"{total} example inclusions in {SAMPLING_STEPS} steps over |D_sub| = {d_sub} but "
+            f"the mechanism says p = {p:g}: outside [{lo}, {hi}]"
+        )
+
+    def _balls_in_bins(self, strategy: Any, mechanism: Any) -> None:
+        bins = int(mechanism.bins)
+        epochs = min(int(mechanism.epochs), 3)
+        everyone = sorted(self.population.user_ids)
+        slots = []
+        for epoch in range(epochs):
+            cohorts = [
+                strategy.sample_cohort(epoch * bins + b, self.population).unit_ids
+                for b in range(bins)
+            ]
+            assert sorted(u for c in cohorts for u in c) == everyone, (
+                f"epoch {epoch}: balls-in-bins must include every user exactly once per epoch "
+                f"of {bins} steps"
+            )
+            slots.append({u: b for b, c in enumerate(cohorts) for u in c})
+        if mechanism.bin_semantics == "fixed" and epochs > 1:
+            assert all(s == slots[0] for s in slots), (
+                "bins changed between epochs but the mechanism says bin_semantics='fixed'"
+            )
+
+    def check_facts(self) -> None:
+        from userdp.accounting.facts import Adjacency, PrivacyFacts, Sampling
+        from userdp.accounting.mechanisms import mechanism_from_dict
+        from userdp.accounting.report import assumptions
+
+        strategy = self.factory()
+        mechanism, facts = strategy.mechanism(), strategy.facts()
+        assert isinstance(facts, PrivacyFacts), (
+            f"facts() returned {type(facts).__name__}, not a PrivacyFacts"
+        )
+        assert mechanism_from_dict(mechanism.to_dict()) == mechanism, (
+            "the mechanism does not round-trip through the ledger's JSON"
+        )
+        kind = mechanism.kind
+        semantics = getattr(mechanism, "bin_semantics", None)
+        if kind == "balls-in-bins":
+            assert facts.sampling.bin_semantics == semantics, (
+                f"facts say sampling {facts.sampling.value!r} but the ledger's balls-in-bins "
+                f"accountant has bin_semantics={semantics!r}"
+            )
+        else:
+            assert facts.sampling.bin_semantics is None, (
+                f"facts say {facts.sampling.value!r} but the mechanism is {kind!r}, which is "
+                "not a balls-in-bins accountant"
+            )
+        zero_out = facts.sampling is Sampling.PADDING
+        assert (facts.adjacency is Adjacency.ZERO_OUT) == zero_out, (
+            f"sampling {facts.sampling.value!r} with adjacency {facts.adjacency.value!r}: "
+            "padded/truncated cohorts hold under zero-out adjacency only (and only they do)"
+        )
+        if not facts.sampling_matches_accounting:
+            assert any("NOT MATCH" in c.upper() for c in facts.caveats), (
+                "the facts say no accountant matches the sampler but no caveat says so"
+            )
+        _, expected_match, _ = assumptions(facts.unit, facts.sampling, [kind])
+        assert facts.sampling_matches_accounting == expected_match, (
+            f"facts claim sampling_matches_accounting = {facts.sampling_matches_accounting} for "
+            f"{facts.sampling.value!r}; the report's table says {expected_match}"
+        )
