@@ -2,8 +2,9 @@
 that make a micro-batch's weighted loss the sum of its units' losses.
 
 A unit's loss is the MEAN over its examples of each example's MEAN next-token cross-entropy
-(notes/000.md Alg. 2: the user gradient is the mean of the unclipped example gradients; an
-example-level unit has one example). An example of L tokens is fed as ``x[:-1]`` and predicts
+(Algorithm 2 of "Fine-Tuning Large Language Models with User-Level Differential Privacy": the
+user gradient is the mean of the unclipped example gradients; an example-level unit has one
+example). An example of L tokens is fed as ``x[:-1]`` and predicts
 ``x[1:]``: L − 1 positions, every one with a target. Examples with fewer than 2 tokens have no
 target; they are DROPPED from their unit and counted (``skipped_examples``); a unit left without
 examples has a zero gradient (it still counts as one unit, with norm 0).

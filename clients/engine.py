@@ -2,8 +2,9 @@
 
     sums = Σ_u c_u·g_u,   g_u = ∇ (1/n_u) Σ_{e∈u} mean_t CE_e,t,   c_u = min(1, C/‖g_u‖)
 
-over ALL trainable parameters jointly (notes/000.md Alg. 1/2: a user's gradient is the mean of its
-examples' unclipped gradients, clipped once; an example-level unit has one example). No
+over ALL trainable parameters jointly (Algorithms 1 and 2 of "Fine-Tuning Large Language Models
+with User-Level Differential Privacy": a user's gradient is the mean of its examples' unclipped
+gradients, clipped once; an example-level unit has one example). No
 normalization and no noise: those are the coordinator's. Loss layout, padding and the token
 budget are in :mod:`userdp.clients.batching`; clipping arithmetic in
 :mod:`userdp.clients.clipping`.
@@ -14,8 +15,8 @@ Three clipping engines behind :meth:`ClippingEngine.clipped_sum` (docs/worker.md
 - ``vectorized``: many units per micro-batch; exact per-unit norms from per-layer factors
   captured by hooks, then the clipped sum by book-keeping (:mod:`userdp.clients.ghost`).
 - ``randomized``: the same pass with Hutchinson norm ESTIMATES from fresh Gaussian probes
-  (DP-SGD-RC, notes/001.md; :mod:`userdp.clients.sketch`); only for the randomized-clipping
-  strategy, whose accountant covers the estimate.
+  (DP-SGD-RC, "Efficient DP-SGD for LLMs with Randomized Clipping"; :mod:`userdp.clients.sketch`);
+  only for the randomized-clipping strategy, whose accountant covers the estimate.
 
 With ``local_steps ≥ 1`` (DP-FedAvg) the clipped quantity is each unit's local model delta
 (:mod:`userdp.clients.fedavg`).

@@ -23,7 +23,7 @@ Per micro-batch (rows = examples of whole units, see :mod:`userdp.clients.batchi
    ``lm_head.weight`` is ``transformer.wte.weight``) is one parameter with two uses; its gradient
    is the SUM of both, so the norm has cross terms and both uses are handled together.
 
-   User-level norm (DESIGN.md risk 2): over ALL the unit's tokens,
+   User-level norm (docs/design.md, "User-level norms"): over ALL the unit's tokens,
        ‖M_u‖²_F = Σ_{c,c'} Σ_{t,s} (L_c,t·L_c',s)(R_c,t·R_c',s)          ("ghost", T_u² terms)
    (onehot·onehot = [x_t = x_s], onehot(x_t)·g_s = g_s[x_t]), or materialize M_u (d0×d1) and
    square it. Per unit and parameter we pick the cheaper: ghost costs ≈ T_u²(d0 + d1), the
@@ -40,14 +40,15 @@ Per micro-batch (rows = examples of whole units, see :mod:`userdp.clients.batchi
    backward. Tokens of dropped units are removed before the product, so a NaN there cannot reach
    the sum.
 
-Randomized (DP-SGD-RC, notes/001.md §4): step 3 for the L/R weights is replaced by a sketch. Per
+Randomized (DP-SGD-RC: the Hutchinson estimator of "Efficient DP-SGD for LLMs with Randomized
+Clipping"): step 3 for the L/R weights is replaced by a sketch. Per
 micro-batch and weight a FRESH P ∈ ℝ^{d0×k}, P_ij ~ N(0, 1/k), is drawn (shared by the units of
 the micro-batch, independent of the data); n̂ = ‖M_uᵀ P‖² = ‖Σ_c R_cᵀ (L_c P)‖²_F (tied uses are
 summed as sketches before squaring). Its law is Σ_j λ_j χ²_j(k)/k over the squared singular values
 λ_j of M_u, independently per weight, and biases/generic parameters add their exact squared
 norms (a deterministic term: the limit of many small χ² components). The accountant
 (accounting/randomized_clipping.py) bounds Z = ‖g‖/√n̂ by the rank-1 worst case √(k/χ²_k) —
-which covers this law (notes/001.md §8.4, §12.3). c_u = min(1, C/√n̂_u).
+which covers this law: the exact terms only concentrate it further. c_u = min(1, C/√n̂_u).
 
 Requirements on the model (checked; an unsupported model raises EngineError, use ``loop``): every
 trainable parameter is used through a hooked module call, and every hooked call takes and

@@ -2,7 +2,11 @@
 
 :class:`WorkerClient` keeps one ``Connect`` stream to the coordinator and reconnects with
 exponential backoff (with jitter) when it breaks; a refusal (UNAUTHENTICATED, PERMISSION_DENIED,
-FAILED_PRECONDITION, INVALID_ARGUMENT) is final and raised as :class:`WorkerRefusedError`.
+FAILED_PRECONDITION, INVALID_ARGUMENT) is final and raised as :class:`WorkerRefusedError`. The
+reconnecting is bounded: once the coordinator has been unreachable (no session welcomed) for
+``reconnect_timeout_s`` it raises :class:`CoordinatorUnreachableError` (0 = retry forever). A
+``Drain`` from the coordinator (the run is over, or it lets the worker go) ends :meth:`run`
+normally, without reconnecting.
 
 Model versions: a full ``ModelCommit`` replaces every tensor; a non-full one (a step's update)
 is applied only on top of the version just before it, and only when the tensors' sha256 matches
@@ -65,6 +69,20 @@ class WorkerRefusedError(RuntimeError):
         super().__init__(f"coordinator refused the worker: {code.name}: {details}")
         self.code = code
         self.details = details
+
+
+class CoordinatorUnreachableError(RuntimeError):
+    """No session with the coordinator was welcomed for ``reconnect_timeout_s`` seconds."""
+
+    def __init__(self, target: str, seconds: float) -> None:
+        super().__init__(
+            f"coordinator {target} unreachable for {seconds:.0f}s; giving up (--reconnect-timeout)"
+        )
+        self.target = target
+        self.seconds = seconds
+
+
+DEFAULT_RECONNECT_TIMEOUT_S = 600.0
 
 
 class TaskCompute(Protocol):
@@ -154,10 +172,15 @@ class WorkerClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         backoff: Backoff = Backoff(),
+        reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
         heartbeat_s: float = 5.0,
         health: WorkerHealth | None = None,
         on_welcome: Callable[[], None] | None = None,
     ) -> None:
+        """``reconnect_timeout_s``: how long the coordinator may stay unreachable (no session
+        welcomed) before :meth:`run` raises :class:`CoordinatorUnreachableError`; 0 = forever."""
+        if reconnect_timeout_s < 0:
+            raise ValueError(f"reconnect timeout must be >= 0 s, got {reconnect_timeout_s:g}")
         self.target = target
         self.worker_id = worker_id
         self.shards = list(shards)
@@ -174,6 +197,7 @@ class WorkerClient:
         # over it
         self.session_chunk_bytes = self.chunk_bytes
         self.backoff = backoff
+        self.reconnect_timeout_s = float(reconnect_timeout_s)
         self.heartbeat_s = heartbeat_s
         self.health = health
         self.on_welcome = on_welcome
@@ -208,20 +232,26 @@ class WorkerClient:
         self.stop()
 
     def run(self) -> None:
-        """Serve until :meth:`stop` or a Drain; reconnect with backoff on stream errors."""
+        """Serve until :meth:`stop` or a Drain; reconnect with backoff on stream errors, for at
+        most ``reconnect_timeout_s`` without a welcomed session (then
+        :class:`CoordinatorUnreachableError`). Raises :class:`WorkerRefusedError` on a refusal."""
         delays = self.backoff.delays()
+        last_contact = time.monotonic()  # start, or the end of the last welcomed session
         while not self._stop.is_set():
-            try:
-                welcomed = self._session()
-            except WorkerRefusedError:
-                raise
+            welcomed = self._session()
             if self.health is not None:
                 self.health.set_ready(False)
             if welcomed:
                 delays = self.backoff.delays()
+                last_contact = time.monotonic()
             if self._stop.is_set():
                 return
             delay = next(delays)
+            if self.reconnect_timeout_s > 0:
+                unreachable = time.monotonic() - last_contact
+                if unreachable >= self.reconnect_timeout_s:
+                    raise CoordinatorUnreachableError(self.target, unreachable)
+                delay = min(delay, self.reconnect_timeout_s - unreachable)
             log.info("worker %s: reconnecting in %.1fs", self.worker_id, delay)
             self._stop.wait(delay)
 

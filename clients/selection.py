@@ -1,6 +1,6 @@
-"""Which of a user's examples a worker feeds the model: the selection strategies of seed 003 §3.
-
-Chua et al., "Mind the Privacy Unit!" §4.1/§5.1 (notes/003.md §3):
+"""Which of a user's examples a worker feeds the model: the data selection strategies of Chua et
+al., "Mind the Privacy Unit! User-Level Differential Privacy for Language Model Fine-Tuning"
+(§4.1, §5.1):
 
 - ``random``: ``group_size`` examples drawn uniformly without replacement.
 - ``longest`` / ``shortest``: the ``group_size`` examples with the most / fewest tokens (length is

@@ -1,4 +1,5 @@
-"""Probe matrices for the randomized engine's Hutchinson norm sketches (DP-SGD-RC, notes/001.md §4).
+"""Probe matrices for the randomized engine's Hutchinson norm sketches (DP-SGD-RC: Ullah et al.,
+"Efficient DP-SGD for LLMs with Randomized Clipping").
 
 For a weight gradient M (d0 × d1) the sketch is n̂ = ‖Mᵀ P‖²_F with P ∈ ℝ^{d0×k} and
 P_ij ~ N(0, 1/k) i.i.d.: E n̂ = ‖M‖²_F and n̂ has EXACTLY the law Σ_j λ_j χ²_j(k)/k over the
@@ -6,11 +7,12 @@ squared singular values λ_j of M (rotation invariance of the Gaussian), which i
 accountant (accounting/randomized_clipping.py) assumes. Gaussian, not Rademacher: ±1 probes are
 also unbiased but have a different law, for which the envelope was not derived.
 
-RNG hygiene (notes/001.md §6): the generator is seeded from ``os.urandom`` for every task
-(``clipped_sum`` call) and every draw is fresh (per micro-batch and per weight); the probes never
-depend on the data and never share a stream with the coordinator's noise. A fixed ``seed`` exists
-for statistical tests only. :class:`IdentityProbes` (P = I, k = d0) makes the sketch exact: the
-test mode in which the randomized engine must equal ``loop``.
+RNG hygiene (the accountant's analysis needs probes that are independent of the data and fresh
+every step; it may hand them to the adversary): the generator is seeded from ``os.urandom`` for
+every task (``clipped_sum`` call) and every draw is fresh (per micro-batch and per weight); the
+probes never depend on the data and never share a stream with the coordinator's noise. A fixed
+``seed`` exists for statistical tests only. :class:`IdentityProbes` (P = I, k = d0) makes the
+sketch exact: the test mode in which the randomized engine must equal ``loop``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ re-batched under a new task id with a higher attempt number, never to the worker
 Results of closed tasks (late duplicates), of other steps or attempts are discarded; a bad partial
 (wrong units, counts, tensor names, shapes, dtypes, non-finite values, or a norm above what
 ``count`` clipped units can sum to — a worker that did not clip; :func:`contribution_bound`)
-is rejected and its groups re-issued. Each
+is rejected and its groups re-issued. So is a partial for a live task of this step, from its
+worker and attempt, that is labelled with another step: waiting would only end at the task's
+deadline, since that worker answered the task and will send nothing else. Each
 unit belongs to exactly one group and a group is marked done exactly once, so every unit
 contributes exactly once; :meth:`StepGather.result` re-checks that before anything is released.
 
@@ -252,9 +254,21 @@ class StepGather:
 
     def offer(self, partial: PartialSum) -> Verdict:
         """Accept the partial into the sum, discard it, or reject it (see the module docstring)."""
-        if partial.step != self.step:
-            return Verdict(False, False, f"late result for step {partial.step}")
         task = self._tasks.get(partial.task_id)
+        if partial.step != self.step:
+            if (
+                task is not None
+                and task.live
+                and partial.attempt == task.attempt
+                and partial.worker_id == task.worker
+            ):
+                problem = (
+                    f"result labelled step {partial.step} for task {task.task_id} of step "
+                    f"{self.step}"
+                )
+                self.fail(task.task_id, task.attempt, problem)
+                return Verdict(False, True, problem)
+            return Verdict(False, False, f"late result for step {partial.step}")
         if task is None:
             return Verdict(False, False, f"unknown task {partial.task_id!r}")
         if partial.attempt != task.attempt:

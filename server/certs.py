@@ -6,6 +6,10 @@
 127.0.0.1. Certificates are valid for ``days`` days and usable for both server and client
 authentication. Private keys are written with mode 0600. For production, use your own PKI with the
 same layout (the coordinator checks CA signature and that CN == worker id).
+
+:func:`read_coordinator_tls` reads the coordinator's files; when some are missing, its error gives
+the ``userdp certs dev-ca`` command that writes them, with ``--names`` listing ``coordinator`` and
+the workers' ids. The ``cryptography`` package is imported only to make certificates.
 """
 
 from __future__ import annotations
@@ -15,14 +19,50 @@ import ipaddress
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from userdp.proto.channels import TlsFiles, read_tls_files
+
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+COORDINATOR_NAME = "coordinator"
+"""The certificate name (CN) of the coordinator; workers' certificates are named by worker id."""
+
+
+def dev_ca_names(worker_ids: Sequence[str] | None = None) -> str:
+    """``--names`` for ``userdp certs dev-ca``: ``coordinator`` then each worker id once, or a
+    placeholder for the ids when they are not known here."""
+    names = [COORDINATOR_NAME]
+    for worker_id in worker_ids or ():
+        if worker_id not in names:
+            names.append(worker_id)
+    if len(names) == 1:
+        names.append("<worker-id>,...")
+    return ",".join(names)
+
+
+def read_coordinator_tls(tls_dir: str | Path, worker_ids: Sequence[str] | None = None) -> TlsFiles:
+    """``ca.pem``, ``coordinator.pem`` and ``coordinator.key`` from ``tls_dir``. ValueError naming
+    the missing files and the ``userdp certs dev-ca`` command that writes them (``--names``: the
+    coordinator and ``worker_ids``, e.g. the ``--allow-workers`` list)."""
+    tls_dir = Path(tls_dir)
+    files = ("ca.pem", f"{COORDINATOR_NAME}.pem", f"{COORDINATOR_NAME}.key")
+    missing = [str(tls_dir / name) for name in files if not (tls_dir / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"coordinator.tls_dir = {str(tls_dir)!r}: missing {', '.join(missing)} (make them "
+            f"with `userdp certs dev-ca --out {tls_dir} --names {dev_ca_names(worker_ids)}`, "
+            "naming every worker by its --worker-id)"
+        )
+    return read_tls_files(tls_dir, COORDINATOR_NAME)
 
 
 def _name(common_name: str) -> x509.Name:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     return x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "userdp dev CA"),
@@ -32,6 +72,8 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    from cryptography.hazmat.primitives import serialization
+
     data = key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -51,6 +93,11 @@ def _check_name(name: str) -> None:
 
 def make_dev_ca(out: str | Path, names: Sequence[str], days: int = 365) -> list[Path]:
     """Write a CA and one key/certificate pair per name into ``out``; return the written files."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
     for name in names:
         _check_name(name)
     if "ca" in names:

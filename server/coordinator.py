@@ -548,15 +548,16 @@ class Coordinator:
                     self._resync(event.session, force=True)
         elif isinstance(event, WorkerLost):
             self._resyncs.pop(event.session, None)
-            if gather is not None:
-                failed = gather.fail_worker(event.session.worker_id)
-                if failed:
-                    log.warning(
-                        "worker %s lost (%s); re-issuing %s",
-                        event.session.worker_id,
-                        event.reason,
-                        failed,
-                    )
+            failed = gather.fail_worker(event.session.worker_id) if gather is not None else []
+            if failed:
+                log.warning(
+                    "worker %s lost (%s); re-issuing %s",
+                    event.session.worker_id,
+                    event.reason,
+                    failed,
+                )
+            else:
+                log.warning("worker %s lost (%s)", event.session.worker_id, event.reason)
         elif isinstance(event, WorkerJoined):
             self._resync(event.session)
         elif isinstance(event, ModelAcked):

@@ -1,6 +1,8 @@
 """Start the coordinator's gRPC server: the ``userdp.v1.Coordinator`` service plus standard
 ``grpc.health.v1`` health (service ``""`` and ``userdp.v1.Coordinator``), with explicit message
-limits, and mTLS when TLS files are given."""
+limits, and mTLS when TLS files are given. The service's requests are decoded by
+:func:`~userdp.server.service.tolerant_deserializer`: a body that is not a valid protobuf message
+is one warning line from the service, never a gRPC traceback."""
 
 from __future__ import annotations
 
@@ -13,7 +15,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import DEFAULT_MAX_MESSAGE_BYTES, SERVICE_NAME, TlsFiles, server_options
 from userdp.server.auth import Authorizer, server_credentials
-from userdp.server.service import CoordinatorService, ModelPublisher, WorkerRegistry
+from userdp.server.service import (
+    CoordinatorService,
+    ModelPublisher,
+    WorkerRegistry,
+    tolerant_deserializer,
+)
 
 
 @dataclass
@@ -37,6 +44,39 @@ class RunningServer:
             for session in self.service.registry.sessions():
                 session.close()
         self.server.stop(grace).wait()
+
+
+class _Registrations:
+    """Records the method handlers a generated ``add_*Servicer_to_server`` function registers."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same handlers also come through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers) -> None:
+        self.services[service] = dict(handlers)
+
+
+def add_coordinator_service(service: CoordinatorService, server: grpc.Server) -> None:
+    """Register ``service`` as the generated code does, with every request deserializer made
+    tolerant (:func:`~userdp.server.service.tolerant_deserializer`)."""
+    registrations = _Registrations()
+    pb_grpc.add_CoordinatorServicer_to_server(service, registrations)
+    if not registrations.services:
+        raise RuntimeError("the generated userdp.v1 code registered no method handlers")
+    for name, handlers in registrations.services.items():
+        tolerant = {
+            method: handler._replace(
+                request_deserializer=tolerant_deserializer(handler.request_deserializer)
+            )
+            if handler.request_deserializer is not None
+            else handler
+            for method, handler in handlers.items()
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, tolerant),))
+        server.add_registered_method_handlers(name, tolerant)
 
 
 def serve(
@@ -68,7 +108,7 @@ def serve(
         max_partial_bytes=max_partial_bytes,
         max_message_bytes=max_message_bytes,
     )
-    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    add_coordinator_service(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"

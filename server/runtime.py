@@ -3,26 +3,34 @@
 :func:`start_coordinator` is what ``userdp coordinator`` (and ``userdp simulate``) call once they
 have the strategy, the ledger, the model tensors and the population: it picks the authentication
 from ``[coordinator]`` (mTLS with ``tls_dir``, else the shared token of ``auth_token_file``, else
-unauthenticated — allowed on a loopback host only), starts the gRPC server, and returns the
-resumed :class:`~userdp.server.coordinator.Coordinator` with its server.
+unauthenticated — allowed on a loopback host only, and logged as a warning), starts the gRPC
+server, and returns the resumed :class:`~userdp.server.coordinator.Coordinator` with its server.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from userdp.proto.channels import TlsFiles, chunk_bytes_within, read_tls_files, read_token
+from userdp.proto.channels import TlsFiles, chunk_bytes_within, read_token
 from userdp.server.auth import Authorizer
+from userdp.server.certs import read_coordinator_tls
 from userdp.server.coordinator import Coordinator, CoordinatorSettings
 from userdp.server.grpc_server import RunningServer, serve
 from userdp.server.population import Population
 from userdp.server.service import ModelPublisher, WorkerRegistry
 
+log = logging.getLogger(__name__)
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+INSECURE_WARNING = (
+    "unauthenticated loopback mode: any local process can connect as a worker; set "
+    "coordinator.tls_dir or coordinator.auth_token_file"
+)
 
 
 @dataclass
@@ -38,10 +46,12 @@ class RunningCoordinator:
 def authorizer_from_config(
     coordinator_config: Any, allowed_workers: Iterable[str] | None = None
 ) -> tuple[Authorizer, TlsFiles | None]:
-    """mTLS when ``tls_dir`` is set, else the shared token, else loopback-only insecure."""
+    """mTLS when ``tls_dir`` is set, else the shared token, else loopback-only insecure (logged
+    as a warning: :data:`INSECURE_WARNING`)."""
     c = coordinator_config
     if c.tls_dir:
-        return Authorizer.with_mtls(allowed_workers), read_tls_files(c.tls_dir, "coordinator")
+        allowed = list(allowed_workers) if allowed_workers is not None else None
+        return Authorizer.with_mtls(allowed), read_coordinator_tls(c.tls_dir, allowed)
     if c.auth_token_file:
         return Authorizer.with_token(read_token(c.auth_token_file), allowed_workers), None
     if c.host not in LOOPBACK_HOSTS:
@@ -49,6 +59,7 @@ def authorizer_from_config(
             f"coordinator.host = {c.host!r} is not a loopback address: set coordinator.tls_dir "
             "(mTLS) or coordinator.auth_token_file (shared token)"
         )
+    log.warning(INSECURE_WARNING)
     return Authorizer.insecure(), None
 
 

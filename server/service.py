@@ -7,6 +7,11 @@ worker's version is not the current one (a stale worker is resynced, never trust
 thread per session turns the worker's messages into :class:`Event` values on one queue, which the
 step loop (:mod:`userdp.server.coordinator`) consumes. Partial sums are reassembled here
 (:class:`~userdp.proto.tensors.TensorAssembler`, bounded by the model's size) and judged there.
+
+Request bodies are decoded by :func:`tolerant_deserializer` (the server registers it,
+:mod:`userdp.server.grpc_server`): a body that is not a valid protobuf message reaches the handler
+as :class:`Undecodable`, which logs one warning line (peer, method, why) and refuses the call
+with INVALID_ARGUMENT, or ends the session when it arrives inside a ``Connect`` stream.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -39,6 +45,39 @@ _CLOSE = object()
 MAX_OPEN_RESULTS = 8
 CHUNK_MESSAGE_OVERHEAD = 64 << 10  # a chunk message's framing, name and shape, generously
 """Partial sums one session may be receiving at once (bounds coordinator memory)."""
+
+
+# ---- undecodable requests -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request body that is not a valid message of the method's protobuf type."""
+
+    size: int
+    """Its length in bytes."""
+    error: str
+    """Why it does not decode (the protobuf library's message, on one line)."""
+
+
+def tolerant_deserializer(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``deserializer`` returning :class:`Undecodable` instead of raising, so the handler reports
+    the bad body in one line instead of gRPC logging a traceback."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, or any other decoding failure
+            return Undecodable(len(data), " ".join(str(exc).split()) or type(exc).__name__)
+
+    return deserialize
+
+
+def _log_undecodable(method: str, peer: str, request: Undecodable, worker: str = "") -> None:
+    who = f"worker {worker} ({peer})" if worker else peer
+    log.warning(
+        "undecodable %s message from %s: %s (%d bytes)", method, who, request.error, request.size
+    )
 
 
 # ---- events for the step loop ---------------------------------------------------------------
@@ -303,6 +342,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def ReportStartup(self, request, context):  # noqa: N802 - gRPC method name
         identity = self.authorizer.authenticate(context)
+        if isinstance(request, Undecodable):
+            _log_undecodable("ReportStartup", context.peer(), request)
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request is not a userdp.v1.StartupReport: {request.error}",
+            )
         if not request.worker_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StartupReport.worker_id is empty")
         self.authorizer.authorize(context, identity, request.worker_id)
@@ -323,6 +368,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             first = next(request_iterator)
         except (StopIteration, grpc.RpcError):
             return
+        if isinstance(first, Undecodable):
+            _log_undecodable("Connect", context.peer(), first)
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the first message is not a userdp.v1.WorkerMessage: {first.error}",
+            )
         if first.WhichOneof("kind") != "register":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be Register")
         reg = first.register
@@ -418,6 +469,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             for message in request_iterator:
                 session.last_seen = time.monotonic()
+                if isinstance(message, Undecodable):
+                    _log_undecodable("Connect", session.peer, message, session.worker_id)
+                    reason = f"protocol error: undecodable message ({message.error})"
+                    break
                 kind = message.WhichOneof("kind")
                 if kind == "result_part":
                     part = message.result_part

@@ -5,8 +5,10 @@ users, builds the strategy (σ calibrated to the target when not given), the led
 (``<output.dir>/ledger.jsonl``) and the initial model (:func:`userdp.run_components.prepare_run`), resumes from
 ``<output.dir>/checkpoints`` when it exists (the ledger decides what was spent), serves the
 ``userdp.v1`` protocol on ``coordinator.host:port`` (see :mod:`userdp.server.runtime` for the
-security choice) and runs until ``strategy.steps`` steps are done or the budget is exhausted.
-Interrupted (SIGTERM/Ctrl-C), it saves a checkpoint and leaves the workers waiting for a restart.
+security choice) and runs until ``strategy.steps`` steps are done or the budget is exhausted;
+then it drains the workers (they exit 0). Interrupted (SIGTERM or SIGINT, also when started as a
+background job with SIGINT ignored), it saves a checkpoint and leaves the workers waiting for a
+restart (each for at most its ``--reconnect-timeout``).
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 from pathlib import Path
 
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+from userdp.cli_simulate import stop_signals
 
 
 def _run(args: argparse.Namespace) -> int:
+    with stop_signals():
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     from userdp.config import load_config
     from userdp.server.startup import progress_logger
 
@@ -50,11 +54,10 @@ def _run(args: argparse.Namespace) -> int:
         options=setup.options,
     )
     coordinator = running.coordinator
-    address = f"{config.coordinator.host}:{running.server.port}"
-    print(json.dumps({"listening": address, "step": coordinator.step}), flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)
     finished = False
     try:
+        address = f"{config.coordinator.host}:{running.server.port}"
+        print(json.dumps({"listening": address, "step": coordinator.step}), flush=True)
         coordinator.wait_for_workers(
             on_progress=progress_logger(logging.getLogger("userdp.coordinator"))
         )

@@ -7,6 +7,8 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
@@ -18,6 +20,25 @@ def demo_config_path() -> Path:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def stop_signals(handler: Callable[[int, object], object] = _interrupt) -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM both call ``handler`` (default: raise
+    KeyboardInterrupt); the previous handlers come back after it. SIGINT is installed explicitly
+    because a background job of a non-interactive shell starts with SIGINT ignored, and Python
+    keeps it ignored. Used by ``simulate``, ``train``, ``coordinator`` and ``worker``."""
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    try:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, handler)
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
 
 
 def _summary(result, quiet: bool) -> None:
@@ -68,12 +89,12 @@ def _run(args: argparse.Namespace) -> int:
     config = _load(args)
     args.log_dir = Path(args.output or config.output.dir) / "logs"
     _logging(args.quiet)
-    signal.signal(signal.SIGTERM, _interrupt)
     if args.command == "train":
         mode = "external"
     else:
         mode = "in-process" if args.in_process else "grpc"
-    result = run(config, args.output, mode=mode, quiet=args.quiet)
+    with stop_signals():
+        result = run(config, args.output, mode=mode, quiet=args.quiet)
     _summary(result, args.quiet)
     return 130 if result.stopped == "interrupted" else 0
 
@@ -114,7 +135,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Start the coordinator and workers.count worker processes on loopback, run "
             "strategy.steps DP steps (sigma calibrated to privacy.epsilon first), and write the "
             "run folder: model/, privacy_report.{json,md}, metrics.jsonl, plots/, config.toml, "
-            "ledger.jsonl. Ctrl-C stops cleanly; the same command resumes."
+            "ledger.jsonl. Ctrl-C (SIGINT) or SIGTERM stops cleanly; the same command resumes."
         ),
     )
     sim.add_argument("--config", help="the run's TOML config")

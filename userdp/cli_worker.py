@@ -1,21 +1,39 @@
 """``userdp worker --coordinator HOST:PORT --shards DIR ...``: serve gradient tasks for the shards
 in DIR (all of them, or ``--shard-names``), reconnecting with backoff until drained or stopped.
 
-While it starts (loading the model, building DeepSpeed's op) it logs and reports its phase to the
-coordinator (:mod:`userdp.clients.startup`), which waits while that progress continues.
-SIGTERM drains gracefully (no new tasks, finish queued ones, exit 0). A refusal by the coordinator
-(bad token/certificate, unknown worker id, shards that do not match its manifest) exits 3 with the
-coordinator's message.
+At start it verifies its shards against ``manifest.json`` (sha256 of every shard and index file,
+row/user/token counts; :meth:`userdp.clients.shard_store.ShardStore.verify`): a truncated or
+modified file is a one-line error (exit 2). ``--no-verify`` skips that (one warning line says so);
+a bad file then surfaces only when a task reads it.
+
+While it starts (verifying, loading the model, building DeepSpeed's op) it logs and reports its
+phase to the coordinator (:mod:`userdp.clients.startup`), which waits while that progress
+continues. SIGTERM or SIGINT (also when started as a background job with SIGINT ignored) drains
+gracefully once connected (no new tasks, finish queued ones, exit 0); before that it stops at
+once (exit 130).
+
+Exit status: 0 when drained (by a signal, or by the coordinator at the end of its run: the worker
+does not reconnect then); 2 for bad input (arguments, config, shards); 3 when the coordinator
+refuses the worker (bad token/certificate, unknown worker id, shards that do not match its
+manifest), with the coordinator's message; 4 when the coordinator has been unreachable for
+``--reconnect-timeout`` seconds (default 600; 0 = keep retrying).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import socket
 import threading
 from pathlib import Path
+
+from userdp.cli_simulate import stop_signals
+
+REFUSED_EXIT = 3
+UNREACHABLE_EXIT = 4
+DEFAULT_RECONNECT_TIMEOUT_S = 600.0
+
+log = logging.getLogger("userdp.worker")
 
 
 def _parse_target(value: str) -> str:
@@ -26,7 +44,17 @@ def _parse_target(value: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from userdp.clients.grpc_client import WorkerClient, WorkerHealth, WorkerRefusedError
+    with stop_signals():  # KeyboardInterrupt until the client can drain
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from userdp.clients.grpc_client import (
+        CoordinatorUnreachableError,
+        WorkerClient,
+        WorkerHealth,
+        WorkerRefusedError,
+    )
     from userdp.clients.shard_format import file_sha256
     from userdp.clients.shard_store import ShardStore
     from userdp.clients.startup import StartupReporter
@@ -40,6 +68,10 @@ def _run(args: argparse.Namespace) -> int:
     target = _parse_target(args.coordinator)
     if args.token_file and args.tls_dir:
         raise ValueError("give either --token-file or --tls-dir, not both")
+    if args.reconnect_timeout < 0:
+        raise ValueError(
+            f"--reconnect-timeout must be >= 0 seconds (0 = forever), got {args.reconnect_timeout:g}"
+        )
     config = load_config(args.config) if args.config else Config()
     worker_id = args.worker_id or socket.gethostname()
     shard_dir = Path(args.shards)
@@ -56,6 +88,13 @@ def _run(args: argparse.Namespace) -> int:
         if args.verify:
             startup.phase("verifying shards")
             store.verify()
+        else:
+            log.warning(
+                "worker %s: --no-verify: shards in %s are not checked against manifest.json; "
+                "a truncated or modified file is found only when a task reads it",
+                worker_id,
+                shard_dir,
+            )
         by_name = {entry.name: entry for entry in store.manifest.shards}
         holdings = [(name, by_name[name].sha256) for name in store.shard_names]
 
@@ -89,19 +128,23 @@ def _run(args: argparse.Namespace) -> int:
         ),
         manifest_sha256=file_sha256(shard_dir / "manifest.json"),
         max_message_bytes=max_bytes,
+        reconnect_timeout_s=args.reconnect_timeout,
         health=health,
         on_welcome=startup.stop,
     )
 
-    def on_term(signum, frame):
+    def on_stop(signum, frame):
         threading.Thread(target=client.drain, daemon=True).start()
 
-    signal.signal(signal.SIGTERM, on_term)
     try:
-        client.run()
+        with stop_signals(on_stop):
+            client.run()
     except WorkerRefusedError as exc:
-        logging.getLogger("userdp.worker").error("%s", exc)
-        return 3
+        log.error("%s", exc)
+        return REFUSED_EXIT
+    except CoordinatorUnreachableError as exc:
+        log.error("worker %s: %s", worker_id, exc)
+        return UNREACHABLE_EXIT
     finally:
         startup.close()
         if health is not None:
@@ -130,5 +173,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve grpc.health.v1 on this port (liveness '', readiness 'userdp.v1.Worker')",
     )
     parser.add_argument("--max-message-mb", type=int, help="gRPC message limit (default: config)")
-    parser.add_argument("--verify", action="store_true", help="verify shard hashes at start")
-    parser.set_defaults(handler=_run)
+    parser.add_argument(
+        "--reconnect-timeout",
+        type=float,
+        default=DEFAULT_RECONNECT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="exit (status 4) once the coordinator has been unreachable this long "
+        f"(default {DEFAULT_RECONNECT_TIMEOUT_S:g}; 0 = keep retrying)",
+    )
+    verify = parser.add_mutually_exclusive_group()
+    verify.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip checking the shards' sha256 and counts against manifest.json at start",
+    )
+    verify.add_argument(
+        "--verify",
+        dest="verify",
+        action="store_true",
+        help="check the shards against manifest.json at start (the default)",
+    )
+    parser.set_defaults(handler=_run, verify=True)

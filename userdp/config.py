@@ -1,7 +1,8 @@
 """The one TOML config shared by ``train``, ``simulate``, ``coordinator``, ``worker`` and ``audit``.
 
 Every section is a frozen pydantic model that forbids unknown keys, so a typo is an error, not a
-silently ignored setting. :func:`load_config` turns validation failures into :class:`ConfigError`
+silently ignored setting; booleans are strict (``true``/``false`` only: ``"yes"``, ``1`` or
+``"true"`` are errors naming the key, never coerced). :func:`load_config` turns validation failures into :class:`ConfigError`
 whose message names the key, the bad value and the allowed range, e.g.
 ``privacy.delta must be in (0, 1), got 1.5``.
 """
@@ -15,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 
 class ConfigError(ValueError):
@@ -67,13 +68,33 @@ class DataConfig(_Section):
 
 
 def check_local_files(config: Config) -> None:
-    """The files a config names on THIS machine: ``model.path`` must be a folder with
+    """The files a config names on THIS machine: ``data.shards`` must be a folder with
+    ``manifest.json``, ``coordinator.tls_dir`` a folder, ``model.path`` a folder with
     ``config.json``, ``model.deepspeed_config`` a JSON object whose ZeRO stage is 0-2, and a
     plugin strategy must import and accept ``strategy.params``.
     Checked by :func:`load_config` (``config check``, ``simulate``, ``train``, ``coordinator``,
     ``worker``), not by :func:`parse_config` nor ``deploy render``, whose config names paths
     that exist only inside the pods."""
     problems = []
+    shards = config.data.shards
+    if shards is not None:
+        folder = Path(shards)
+        if not folder.is_dir():
+            problems.append(
+                f"data.shards = {shards!r} is not a folder: give the folder `userdp shard` wrote "
+                "(it holds manifest.json), or remove the key to use the demo corpus"
+            )
+        elif not (folder / "manifest.json").is_file():
+            problems.append(
+                f"data.shards = {shards!r} has no manifest.json: give the folder `userdp shard` "
+                "wrote, or remove the key to use the demo corpus"
+            )
+    tls_dir = config.coordinator.tls_dir
+    if tls_dir is not None and not Path(tls_dir).is_dir():
+        problems.append(
+            f"coordinator.tls_dir = {tls_dir!r} is not a folder: give the folder with ca.pem and "
+            "coordinator.pem/.key (`userdp certs dev-ca`), or remove the key"
+        )
     model = config.model
     if model.path is not None:
         folder = Path(model.path).expanduser()
@@ -265,7 +286,7 @@ class PrivacyConfig(_Section):
     delta: OpenUnit | None = None
     """None = 1 / N^1.1 with N the number of training users."""
     noise_multiplier: Positive | None = None
-    allow_unaccounted_sampling: bool = False
+    allow_unaccounted_sampling: StrictBool = False
     """Must be true to use ``shuffle`` sampling, for which no tight accountant exists."""
 
 
@@ -296,7 +317,7 @@ class WorkersConfig(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
     token_budget: PositiveInt = 8192
     """Tokens per micro-batch; bounds worker memory."""
-    tensor_core_matmul: bool = False
+    tensor_core_matmul: StrictBool = False
     """Vectorized engines, bf16 models on CUDA only: run the per-unit norm and book-keeping
     products as bf16 GEMMs on the tensor cores (about 1.6x faster end to end on an H100) instead
     of IEEE float32 GEMMs. Tensor-core float32 accumulation is not IEEE: it under-estimated a
@@ -307,7 +328,7 @@ class WorkersConfig(_Section):
 
 class OutputConfig(_Section):
     dir: str = "runs/latest"
-    plots: bool = True
+    plots: StrictBool = True
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     """Experiment trackers that get the metrics and the privacy report, as HF Trainer's
     ``report_to`` (each an optional extra: ``userdp[tracking]`` for tensorboard and mlflow,
@@ -342,6 +363,8 @@ def _format_error(err: dict[str, Any]) -> str:
         return f"{key}: unknown key (check the spelling; see `userdp config show` for all keys)"
     if kind == "missing":
         return f"{key}: required key is missing"
+    if kind == "bool_type":
+        return f"{key} must be true or false (an unquoted TOML boolean), got {value!r}"
     message = err["msg"]
     if message.startswith("Value error, "):
         return f"{key} {message.removeprefix('Value error, ')}"
@@ -361,6 +384,12 @@ def parse_config(raw: dict[str, Any]) -> Config:
         raise ConfigError(
             f"strategy.{key} is for plugin strategies (name = 'package.module:ClassName'); the "
             f"built-in {strategy.name!r} takes the [strategy] keys"
+        )
+    workers = config.workers
+    if workers.replicas > workers.count:
+        raise ConfigError(
+            f"workers.replicas = {workers.replicas} > workers.count = {workers.count}: each shard "
+            "needs that many distinct workers; lower workers.replicas or raise workers.count"
         )
     if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
         raise ConfigError(

@@ -1,6 +1,7 @@
-"""The ``randomized`` engine (DP-SGD-RC, notes/001.md): Hutchinson sketches with Gaussian probes
-N(0, 1/k), fresh per call; exact in the identity-probe test mode; unbiased; the rank-1 law
-χ²_k/k that accounting/randomized_clipping.py assumes; clipping by the ESTIMATED norm."""
+"""The ``randomized`` engine (DP-SGD-RC, "Efficient DP-SGD for LLMs with Randomized Clipping"):
+Hutchinson sketches with Gaussian probes N(0, 1/k), fresh per call; exact in the identity-probe
+test mode; unbiased; the rank-1 law χ²_k/k that accounting/randomized_clipping.py assumes;
+clipping by the ESTIMATED norm."""
 
 from __future__ import annotations
 

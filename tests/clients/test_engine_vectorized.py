@@ -55,7 +55,8 @@ def assert_same(loop, vec):
 
 def test_ghost_identity_equals_materialized_norm_with_tied_uses():
     """‖Σ_c L_cᵀR_c‖² by Σ_{c,c'} ⟨L_cL_c'ᵀ, R_cR_c'ᵀ⟩, for dense and onehot (embedding) uses of
-    one weight, in float64 (notes/001.md RC-1)."""
+    one weight, in float64 (the trace identity ‖AᵀG‖²_F = tr(GᵀAAᵀG) behind the Hutchinson
+    sketch of "Efficient DP-SGD for LLMs with Randomized Clipping")."""
     gen = torch.Generator().manual_seed(0)
     vocab, width, n = 11, 5, 9
     dense = Factor(torch.randn(n, vocab, generator=gen, dtype=torch.float64), None, vocab)

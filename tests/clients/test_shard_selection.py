@@ -1,4 +1,5 @@
-"""Selection strategies (seed 003 §3): what each returns for one user's examples."""
+"""Selection strategies (Chua et al., "Mind the Privacy Unit! User-Level Differential Privacy for
+Language Model Fine-Tuning", §4.1, §5.1): what each returns for one user's examples."""
 
 from __future__ import annotations
 

@@ -64,3 +64,58 @@ def test_drain_stops_new_tasks_and_exits(tmp_path):
         assert leaving.tasks_done == done
     finally:
         loop.close()
+
+
+def _unused_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_worker_gives_up_once_the_coordinator_is_unreachable_for_its_timeout():
+    import threading
+
+    from userdp.clients.grpc_client import Backoff, CoordinatorUnreachableError, WorkerClient
+
+    from tests.server.toy import ToyCompute
+
+    client = WorkerClient(
+        f"127.0.0.1:{_unused_port()}",  # nothing listens there
+        "w0",
+        [],
+        ToyCompute(),
+        backoff=Backoff(initial_s=0.05, max_s=0.2),
+        reconnect_timeout_s=0.5,
+    )
+    raised = []
+
+    def run():
+        try:
+            client.run()
+        except CoordinatorUnreachableError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    alive = thread.is_alive()
+    client.stop()
+    assert not alive, "the worker kept reconnecting past its reconnect timeout"
+    assert len(raised) == 1 and raised[0].seconds >= 0.5
+    assert str(raised[0]).startswith(f"coordinator {client.target} unreachable for ")
+
+
+def test_a_worker_drained_by_a_finished_run_ends_without_reconnecting(tmp_path):
+    loop = make_loopback(tmp_path)
+    try:
+        client = loop.add_worker("w0", ALL)
+        loop.wait_until_ready("w0")
+        loop.coordinator.run(1)
+        loop.server.stop(grace=5, drain_workers=True)  # what a finished run does
+        loop.threads[0].join(timeout=120)
+        assert not loop.threads[0].is_alive(), "the drained worker is still running"
+        assert client.errors == [] and client.sessions == 1
+    finally:
+        loop.close()

@@ -42,8 +42,11 @@ def test_duplicates_closed_tasks_and_other_steps_are_discarded():
     assert not late.accepted and not late.reissue and "closed" in late.reason
     spoof = g.offer(_partial(second, 1, "w1", ("u1", "u2")))
     assert not spoof.accepted and "issued to w2" in spoof.reason
-    other_step = g.offer(_partial(second, 1, "w2", ("u1", "u2"), step=6))
-    assert not other_step.accepted and "late result" in other_step.reason
+    other_step = g.offer(_partial("6.0", 0, "w2", ("u1", "u2"), step=6))
+    assert not other_step.accepted and not other_step.reissue
+    assert "late result" in other_step.reason
+    closed_other_step = g.offer(_partial(first, 0, "w1", ("u1", "u2"), step=6))
+    assert not closed_other_step.accepted and not closed_other_step.reissue
     assert g.offer(_partial(second, 1, "w2", ("u1", "u2"))).accepted
     dup = g.offer(_partial(second, 1, "w2", ("u1", "u2")))
     assert not dup.accepted and "closed" in dup.reason
@@ -53,6 +56,28 @@ def test_duplicates_closed_tasks_and_other_steps_are_discarded():
     result = g.result()
     torch.testing.assert_close(result.sums["w"], torch.full((3,), 0.3, dtype=torch.float64))
     assert result.units == 3 and result.attempts == 3 and result.failed_tasks == 1
+
+
+def test_a_live_task_answered_with_another_step_label_is_rejected_and_reissued():
+    """The task's own worker answered it: waiting for another answer would last until the
+    task's deadline, so the task fails at once and its groups go back to pending."""
+    g = _gather()
+    task, _ = g.issue("w1", ["7/a"], 0.0)
+    # another worker or attempt cannot fail someone else's task with a wrong label
+    assert not g.offer(_partial(task, 0, "w2", ("u1", "u2"), step=6)).reissue
+    assert not g.offer(_partial(task, 1, "w1", ("u1", "u2"), step=6)).reissue
+    assert [x.group_id for x in g.pending()] == ["7/b"]
+    verdict = g.offer(_partial(task, 0, "w1", ("u1", "u2"), step=6))
+    assert not verdict.accepted and verdict.reissue
+    assert verdict.reason == f"result labelled step 6 for task {task} of step 7"
+    assert [x.group_id for x in g.pending()] == ["7/a", "7/b"]
+    assert g.failed_workers("7/a") == {"w1"}
+    late = g.offer(_partial(task, 0, "w1", ("u1", "u2")))  # the task is closed for good
+    assert not late.accepted and not late.reissue and "closed" in late.reason
+    retry, attempt = g.issue("w2", ["7/a", "7/b"], 1.0)
+    assert attempt == 1
+    assert g.offer(_partial(retry, 1, "w2", ("u1", "u2", "u3"))).accepted
+    assert g.result().units == 3 and g.result().failed_tasks == 1
 
 
 def test_batched_task_failure_returns_every_group_to_pending():

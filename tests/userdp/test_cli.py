@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import userdp
 from userdp.cli import build_parser
 
@@ -84,3 +86,91 @@ def test_building_the_parser_imports_nothing_heavy() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""
+
+
+def _ignore_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a non-interactive shell's `cmd &` does
+
+
+@pytest.mark.parametrize("module", ["cli_simulate", "cli_coordinator", "cli_worker"])
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_sigint_and_sigterm_stop_a_command_started_with_sigint_ignored(module, signame) -> None:
+    """`simulate`/`train`, `coordinator` and `worker` run inside `stop_signals()`, which makes
+    SIGINT do what SIGTERM does even when the process inherited SIGINT ignored."""
+    import signal
+
+    code = (
+        "import signal, sys, time\n"
+        f"from userdp.{module} import stop_signals\n"
+        "print('ignored' if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 'default')\n"
+        "try:\n"
+        "    with stop_signals():\n"
+        "        print('ready', flush=True)\n"
+        "        while True:\n"
+        "            time.sleep(0.05)\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(130)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_sigint,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ignored"
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        proc.send_signal(getattr(signal, signame))
+        assert proc.wait(timeout=120) == 130, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_commands_run_inside_stop_signals(monkeypatch, tmp_path) -> None:
+    """While `simulate`, `coordinator` and `worker` run, SIGINT and SIGTERM raise
+    KeyboardInterrupt (the worker swaps in its drain once connected); the handlers that were
+    there before come back afterwards."""
+    import argparse
+    import signal
+    import types
+
+    from userdp import cli_coordinator, cli_simulate, cli_worker
+
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+        return types.SimpleNamespace(
+            run_dir=tmp_path,
+            stopped="finished",
+            steps_done=0,
+            epsilon=0.0,
+            delta=0.0,
+            noise_multiplier=1.0,
+            baseline_eval_loss=None,
+            final_eval_loss=None,
+        )
+
+    monkeypatch.setitem(sys.modules, "userdp.simulation", types.SimpleNamespace(run=record))
+    monkeypatch.setattr(cli_coordinator, "_serve", lambda args: record() and 0)
+    monkeypatch.setattr(cli_worker, "_serve", lambda args: record() and 0)
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    simulate = argparse.Namespace(
+        command="simulate",
+        config=None,
+        demo=True,
+        output=str(tmp_path),
+        quiet=True,
+        in_process=True,
+    )
+    assert cli_simulate._run(simulate) == 0
+    assert cli_coordinator._run(argparse.Namespace()) == 0
+    assert cli_worker._run(argparse.Namespace()) == 0
+    interrupt = cli_simulate._interrupt
+    assert seen == [(interrupt, interrupt)] * 3
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

@@ -110,3 +110,90 @@ def test_model_folder_and_deepspeed_file_are_checked(tmp_path, capsys) -> None:
     assert "zero_optimization.stage = 3; ZeRO-3 is not supported" in capsys.readouterr().err
     ds.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}')
     assert main(["config", "check", str(path)]) == 0
+
+
+@pytest.mark.parametrize("value", ['"yes"', "1", '"true"', "0", '"false"'])
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ("output", "plots"),
+        ("privacy", "allow_unaccounted_sampling"),
+        ("workers", "tensor_core_matmul"),
+    ],
+)
+def test_booleans_are_strict(tmp_path, section, key, value) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f"[{section}]\n{key} = {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{section}.{key} must be true or false"), message
+    assert "\n" not in message
+    path.write_text(f"[{section}]\n{key} = true\n")
+    assert getattr(getattr(load_config(path), section), key) is True
+
+
+def test_more_replicas_than_workers_is_an_error_naming_both_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"workers": {"count": 2, "replicas": 3}})
+    message = str(info.value)
+    assert "workers.replicas = 3 > workers.count = 2" in message and "\n" not in message
+    assert parse_config({"workers": {"count": 3, "replicas": 3}}).workers.replicas == 3
+
+
+def test_shard_folder_and_tls_folder_are_checked(tmp_path, capsys) -> None:
+    path = tmp_path / "run.toml"
+    shards, certs = tmp_path / "shards", tmp_path / "certs"
+    for config, expected in [
+        (f"[data]\nshards = '{shards}'\n", f"data.shards = '{shards}' is not a folder"),
+        (f"[coordinator]\ntls_dir = '{certs}'\n", f"coordinator.tls_dir = '{certs}' is not a"),
+    ]:
+        path.write_text(config)
+        assert main(["config", "check", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, err
+    shards.mkdir()
+    certs.mkdir()
+    path.write_text(f"[data]\nshards = '{shards}'\n[coordinator]\ntls_dir = '{certs}'\n")
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"data.shards = '{shards}' has no manifest.json" in err and err.count("\n") == 1
+    assert "tls_dir" not in err
+    (shards / "manifest.json").write_text("{}")
+    assert main(["config", "check", str(path)]) == 0
+
+
+def test_config_check_imports_no_model_library_nor_tracker(tmp_path) -> None:
+    """`config check` stays fast: the model, engine and tracking libraries are not imported (the
+    tracking backends are looked up with importlib.util.find_spec). A plugin strategy is the
+    exception: checking it imports it."""
+    import subprocess
+    import sys
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "manifest.json").write_text("{}")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    deepspeed = tmp_path / "ds.json"
+    deepspeed.write_text('{"zero_optimization": {"stage": 2}}')
+    path = tmp_path / "run.toml"
+    path.write_text(
+        f"[data]\nshards = '{shards}'\n[model]\npath = '{model}'\n"
+        f"deepspeed_config = '{deepspeed}'\n[coordinator]\ntls_dir = '{tmp_path}'\n"
+        "[output]\nreport_to = ['tensorboard', 'mlflow', 'wandb']\n"
+    )
+    heavy = ("torch", "transformers", "deepspeed", "tensorboard", "mlflow", "wandb", "scipy")
+    code = (
+        "import sys\n"
+        "from userdp.cli import main\n"
+        f"code = main(['config', 'check', {str(path)!r}])\n"
+        f"print(code, ','.join(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    status, imported = (result.stdout.strip().splitlines()[-1].split(" ") + [""])[:2]
+    assert imported == "", f"config check imported {imported}"
+    # the trackers may not be installed here: only a missing one makes the check fail
+    assert status in ("0", "2"), result.stdout
