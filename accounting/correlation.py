@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import signal
 from userdp.accounting.mechanisms import CorrelationSpec
 
 __all__ = [
@@ -160,6 +159,8 @@ class BandedCorrelation(Correlation):
         # The impulse response of the recursive filter c_0 y_t = x_t − Σ_{k≥1} c_k y_{t−k}.
         impulse = np.zeros(n)
         impulse[:1] = 1.0
+        from scipy import signal  # imported on use: importing this module stays light
+
         return signal.lfilter([1.0], np.asarray(self.coefs), impulse)
 
     @property

@@ -81,8 +81,9 @@ def read_tls_files(tls_dir: str | Path, name: str) -> TlsFiles:
     paths = [tls_dir / "ca.pem", tls_dir / f"{name}.pem", tls_dir / f"{name}.key"]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
+        names = ",".join(dict.fromkeys(["coordinator", name]))
         raise ValueError(
             f"--tls-dir {tls_dir}: missing {', '.join(missing)} (make them with `userdp certs "
-            f"dev-ca --out {tls_dir} --names coordinator,{name}`)"
+            f"dev-ca --out {tls_dir} --names {names}`)"
         )
     return TlsFiles(*(p.read_bytes() for p in paths))

@@ -6,92 +6,73 @@ Subclass :class:`Strategy` (docs/strategies.md; name it in a config as
     from userdp.strategies import UserLevelSampling, Adam
     strategy = UserLevelSampling(noise_multiplier=1.1, clip_norm=1.0, sampling_prob=0.01,
                                  optimizer=Adam(1e-3))
+
+The names below are loaded on first use, so a plugin importing :class:`Strategy` does not load
+the optimizers of BLT (scipy) or anything else it does not use.
 """
 
-from userdp.strategies.adaptive_clipping import AdaptiveClipping
-from userdp.strategies.base import (
-    Adjacency,
-    ClipStatistics,
-    Cohort,
-    NoisyStatistic,
-    PopulationCounts,
-    PrivacyFacts,
-    Release,
-    Sampling,
-    Strategy,
-    StrategyError,
-    TaskSpec,
-    Unit,
-    as_population,
-    example_unit_id,
-    parse_example_unit_id,
-)
-from userdp.strategies.blt import Blt, BltNoise, optimize_blt
-from userdp.strategies.builtins import (
-    DpFedAvg,
-    ExampleLevelSampling,
-    GroupPrivacyComparison,
-    RandomizedClipping,
-    UserLevelSampling,
-)
-from userdp.strategies.compute_budget import estimate_and_double
-from userdp.strategies.dpftrl import BltDpFtrl
-from userdp.strategies.noise import GaussianNoise, NoiseMechanism, NoiseRng
-from userdp.strategies.optimizers import Adafactor, Adam, ServerOptimizer, Sgd, make_optimizer
-from userdp.strategies.samplers import (
-    BallsInBinsSampler,
-    PoissonSampler,
-    Sampler,
-    ShuffleSampler,
-    TruncatedSampler,
-    make_sampler,
-)
-from userdp.strategies.step import ExecutionOptions, Gathered, begin_step, finish_step, run_step
+import importlib
 
-__all__ = [
-    "Adafactor",
-    "Adam",
-    "AdaptiveClipping",
-    "Adjacency",
-    "BallsInBinsSampler",
-    "Blt",
-    "BltDpFtrl",
-    "BltNoise",
-    "ClipStatistics",
-    "Cohort",
-    "DpFedAvg",
-    "ExampleLevelSampling",
-    "ExecutionOptions",
-    "Gathered",
-    "GaussianNoise",
-    "GroupPrivacyComparison",
-    "NoiseMechanism",
-    "NoiseRng",
-    "NoisyStatistic",
-    "PoissonSampler",
-    "PopulationCounts",
-    "PrivacyFacts",
-    "RandomizedClipping",
-    "Release",
-    "Sampler",
-    "Sampling",
-    "ServerOptimizer",
-    "Sgd",
-    "ShuffleSampler",
-    "Strategy",
-    "StrategyError",
-    "TaskSpec",
-    "TruncatedSampler",
-    "Unit",
-    "UserLevelSampling",
-    "as_population",
-    "begin_step",
-    "estimate_and_double",
-    "finish_step",
-    "example_unit_id",
-    "make_optimizer",
-    "make_sampler",
-    "optimize_blt",
-    "parse_example_unit_id",
-    "run_step",
-]
+# public name -> the module of this package that defines it
+_EXPORTS = {
+    "AdaptiveClipping": "adaptive_clipping",
+    "Adjacency": "base",
+    "ClipStatistics": "base",
+    "Cohort": "base",
+    "NoisyStatistic": "base",
+    "PopulationCounts": "base",
+    "PrivacyFacts": "base",
+    "Release": "base",
+    "Sampling": "base",
+    "Strategy": "base",
+    "StrategyError": "base",
+    "TaskSpec": "base",
+    "Unit": "base",
+    "as_population": "base",
+    "example_unit_id": "base",
+    "parse_example_unit_id": "base",
+    "Blt": "blt",
+    "BltNoise": "blt",
+    "optimize_blt": "blt",
+    "DpFedAvg": "builtins",
+    "ExampleLevelSampling": "builtins",
+    "GroupPrivacyComparison": "builtins",
+    "RandomizedClipping": "builtins",
+    "UserLevelSampling": "builtins",
+    "estimate_and_double": "compute_budget",
+    "BltDpFtrl": "dpftrl",
+    "GaussianNoise": "noise",
+    "NoiseMechanism": "noise",
+    "NoiseRng": "noise",
+    "Adafactor": "optimizers",
+    "Adam": "optimizers",
+    "ServerOptimizer": "optimizers",
+    "Sgd": "optimizers",
+    "make_optimizer": "optimizers",
+    "BallsInBinsSampler": "samplers",
+    "PoissonSampler": "samplers",
+    "Sampler": "samplers",
+    "ShuffleSampler": "samplers",
+    "TruncatedSampler": "samplers",
+    "make_sampler": "samplers",
+    "ExecutionOptions": "step",
+    "Gathered": "step",
+    "begin_step": "step",
+    "finish_step": "step",
+    "run_step": "step",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'userdp.strategies' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"userdp.strategies.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

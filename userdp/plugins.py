@@ -91,10 +91,14 @@ def plugin_class(name: str, plugin_path: str | None = None) -> type:
 
 def _standard(config: Any, num_users: int, noise_multiplier: float) -> dict[str, Any]:
     """The standard arguments (module docstring), built lazily: only named ones are made."""
-    from userdp.run_components import server_optimizer
     from userdp.strategies.samplers import make_sampler
 
     s = config.strategy
+
+    def optimizer() -> Any:
+        from userdp.run_components import server_optimizer  # imports torch: only when named
+
+        return server_optimizer(config)
 
     def sampler() -> Any:
         mean = s.sampling_prob * num_users
@@ -113,7 +117,7 @@ def _standard(config: Any, num_users: int, noise_multiplier: float) -> dict[str,
         "sampling_prob": lambda: s.sampling_prob,
         "group_size": lambda: s.group_size,
         "seed": lambda: s.sampler_seed,
-        "optimizer": lambda: server_optimizer(config),
+        "optimizer": optimizer,
         "sampler": sampler,
         "steps": lambda: s.steps,
         "num_users": lambda: num_users,

@@ -143,3 +143,17 @@ def test_import_userdp_is_cheap_and_exposes_the_api():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("False")
     assert "simulate" in out.stdout and "Config" in out.stdout
+
+
+def test_config_check_of_a_plugin_imports_no_torch_nor_scipy(plugin_dir):
+    import subprocess
+    import sys
+
+    path = write_config(plugin_dir, "warmup_uls:WarmupUls")
+    code = (
+        "import sys\nfrom userdp.cli import main\n"
+        f"assert main(['config', 'check', {str(path)!r}]) == 0\n"
+        "print('torch' in sys.modules, 'scipy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False False"
