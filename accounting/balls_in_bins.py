@@ -1,4 +1,5 @@
-"""Monte Carlo accountant for balls-in-bins sampling with (correlated) Gaussian noise, seed 004.
+"""Monte Carlo accountant for balls-in-bins sampling with (correlated) Gaussian noise
+(Choquette-Choo et al., "Near Exact Privacy Amplification for Matrix Mechanisms").
 
 Mechanism: every unit (user) lands in one uniformly random bin among ``bins``; step t of each
 epoch uses bin t, and the run releases Cx + σz (equivalently x + σC⁻¹z), z ~ N(0, I), for a
@@ -6,8 +7,8 @@ non-negative lower-triangular C (``None`` = identity = DP-SGD), n = bins·epochs
 
 Two bin semantics, NOT interchangeable (the sampler and the accountant must agree):
 
-* ``"fixed"`` — bins drawn once for the whole run (seed 004 Def. 3.1; the b-min-sep structure
-  matrix mechanisms need). Lemma 3.2: dominated by the b-mode mixture
+* ``"fixed"`` — bins drawn once for the whole run (Def. 3.1 of that paper; the b-min-sep
+  structure matrix mechanisms need). Its Lemma 3.2: dominated by the b-mode mixture
       P = (1/b) Σᵢ N(mᵢ, σ²Iₙ)  vs  Q = N(0, σ²Iₙ),   mᵢ = Σⱼ |C|[:, b·j + i].
 * ``"per-epoch"`` — bins redrawn every epoch (random allocation, Chua et al. arXiv 2412.16802).
   Only C = identity is supported: the epochs are then independent one-epoch mechanisms with
@@ -16,7 +17,8 @@ Two bin semantics, NOT interchangeable (the sampler and the accountant must agre
   With correlated noise the epochs are coupled and there are b^E patterns; no dominating pair
   is known here, so that combination raises :class:`UnsupportedBinSemanticsError`.
 
-Sampling uses the Gram matrix G = MᵀM (seed 004 §3.3): with k ~ Unif[b], W ~ N(0, G),
+Sampling draws the paper's σ-independent samples X = m_k + σZ (its §4.1, Algorithm 2) through
+the Gram matrix G = MᵀM: with k ~ Unif[b], W = MᵀZ ~ N(0, G),
     Y  = logsumexpᵢ((G[k,i] − G[i,i]/2)/σ² + Wᵢ/σ) − log b          (X ~ P, loss log P/Q)
     Y' = −(logsumexpᵢ(−G[i,i]/(2σ²) + Wᵢ/σ) − log b)                 (X ~ Q, loss log Q/P)
 so after an O(n·b²) setup each sample costs O(b²) (O(b) for diagonal G), independent of n and
@@ -164,7 +166,8 @@ def dominating_pair(
         if matrix is not None:
             raise UnsupportedBinSemanticsError(
                 "bin_semantics='per-epoch' supports only correlation=None (identity, DP-SGD); "
-                "use bin_semantics='fixed' for correlated noise (seed 004 Lemma 3.2)"
+                "use bin_semantics='fixed' for correlated noise (the dominating pair of "
+                "Lemma 3.2 of Near Exact Privacy Amplification for Matrix Mechanisms)"
             )
         return DominatingPair(np.eye(bins), epochs, bin_semantics)
     if matrix is None:
@@ -424,7 +427,8 @@ def verify(
     ``seed``, independent of every calibration/estimate draw with the same seed).
 
     Passes iff for both directions δ̂ < δ and exp(−m·KL(δ̂ ‖ δ)) ≤ δ; then releasing only on a pass
-    is (ε, δ)-DP (Theorem 2.1 of seed 004 with τδ = δ). ``num_samples`` defaults to
+    is (ε, δ)-DP (Theorem 2.1 of "Near Exact Privacy Amplification for Matrix Mechanisms",
+    Theorem 9 of Wang et al. 2023, with τδ = δ). ``num_samples`` defaults to
     :func:`~userdp.accounting.monte_carlo.evr_min_samples` (δ, ``safety``): enough for δ̂ =
     safety·δ to pass.
     """
@@ -478,7 +482,8 @@ def calibrate_noise_multiplier(
         est = _estimate(sampler, math.exp(log_sigma), target, 0.5)
         return est.delta - goal
 
-    # Upper bracket: the unamplified Gaussian σ (H(P,Q) ≤ the worst single mode, seed 004 §3.7).
+    # Upper bracket: the unamplified Gaussian σ. H(P,Q) ≤ H(worst single mode, Q), since the
+    # hockey-stick divergence is convex in P (and, for the reverse direction, in Q).
     hi = math.log(gaussian_sigma(target, goal, pair.sensitivity))
     for _ in range(8):
         if excess(hi) <= 0.0:

@@ -144,7 +144,8 @@ MONTE_CARLO_ESTIMATE = (
 )
 MONTE_CARLO_VERIFIED = (
     "balls-in-bins noise multiplier: Monte Carlo bisection with common random numbers, then "
-    "verified by Estimate-Verify-Release on fresh samples (seed 004, Thm 2.1)"
+    "verified by Estimate-Verify-Release on fresh samples (Theorem 2.1 of Near Exact Privacy "
+    "Amplification for Matrix Mechanisms)"
 )
 
 

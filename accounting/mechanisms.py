@@ -258,8 +258,9 @@ class BallsInBinsMechanism:
     Σ_{units in bin t} clip(g) + σ·(C⁻¹z)_t, z ~ N(0, I), for a non-negative lower-triangular
     correlation matrix C (``correlation``; None = identity = plain DP-SGD noise).
     ``bin_semantics``: ``"fixed"`` draws the bin once for the whole run (b-min-sep structure for
-    matrix mechanisms, seed 004); ``"per-epoch"`` redraws it every epoch (random allocation,
-    composes per epoch; far better for plain DP-SGD). ``steps`` counts releases: ε after
+    matrix mechanisms, Choquette-Choo et al., "Near Exact Privacy Amplification for Matrix
+    Mechanisms"); ``"per-epoch"`` redraws it every epoch (random allocation, composes per epoch;
+    far better for plain DP-SGD). ``steps`` counts releases: ε after
     ``steps`` is the ε of ⌈steps / bins⌉ full epochs, at most ``epochs``. Accounted by Monte Carlo
     (``userdp.accounting.balls_in_bins``), which cannot be composed with PLD mechanisms.
     """
@@ -299,7 +300,8 @@ class BallsInBinsMechanism:
 
 @dataclass(frozen=True)
 class RandomizedClippingMechanism:
-    """DP-SGD with randomized clipping (DP-SGD-RC, notes/001.md), one step at the user level.
+    """DP-SGD with randomized clipping, one step at the user level (DP-SGD-RC: Ullah et al.,
+    "Efficient DP-SGD for LLMs with Randomized Clipping").
 
     Users are Poisson-sampled with probability q; each user's gradient norm is *estimated* with
     ``probes`` random probes (Hutchinson or Hutch++) and clipped by the estimate, so the realized

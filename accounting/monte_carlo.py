@@ -1,13 +1,15 @@
 """Monte Carlo estimates of a hockey-stick divergence from privacy-loss samples, and their error.
 
-For a dominating pair (P, Q) and the privacy loss Y = log P(X)/Q(X), X ~ P (seed 004 §3.2):
+For a dominating pair (P, Q) and the privacy loss Y = log P(X)/Q(X), X ~ P (Choquette-Choo
+et al., "Near Exact Privacy Amplification for Matrix Mechanisms", §2):
 
     δ(ε) = H_{e^ε}(P, Q) = E[(1 − e^{ε − Y})₊],
 
 so δ̂(ε) = mean of the m terms (1 − e^{ε − Yⱼ})₊, each in [0, 1). This module turns samples of Y
 into δ̂, its standard error, a one-sided KL-Chernoff upper confidence bound, and the
-Estimate-Verify-Release (EVR) test of Wang et al. 2023 (Theorem 2.1 in seed 004). It knows
-nothing about the mechanism; :mod:`userdp.accounting.balls_in_bins` supplies the samples.
+Estimate-Verify-Release (EVR) test of Wang et al. 2023 (Algorithm 1 and Theorem 2.1 of the same
+paper). It knows nothing about the mechanism; :mod:`userdp.accounting.balls_in_bins` supplies
+the samples.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def evr_passes(delta_hat: float, num_samples: int, delta: float) -> bool:
     """The EVR verifier: accept a FIXED target ``delta`` iff δ̂ < δ and exp(−m·KL(δ̂ ‖ δ)) ≤ δ.
 
     If the true H > δ then Pr[accept] ≤ exp(−m·KL(δ̂_thr ‖ H)) ≤ exp(−m·KL(δ̂_thr ‖ δ)) ≤ δ, which is
-    the premise of Theorem 2.1 (seed 004, Thm 9 of Wang et al. 2023) with τδ = δ: releasing only
+    the premise of Theorem 2.1 of "Near Exact Privacy Amplification for Matrix Mechanisms" (Thm 9
+    of Wang et al. 2023) with τδ = δ: releasing only
     when this passes is (ε, δ)-DP. ``delta`` must be chosen before the samples are drawn, and the
     samples must be fresh (independent of how σ was chosen).
     """
@@ -104,7 +107,8 @@ def evr_passes(delta_hat: float, num_samples: int, delta: float) -> bool:
 
 def evr_min_samples(delta: float, safety: float) -> int:
     """Fresh samples needed so that δ̂ = ``safety``·δ passes :func:`evr_passes` at ``delta``:
-    m ≥ log(1/δ) / KL(safety·δ ‖ δ) (≈ 5.4·10⁷ for δ = 1e-5, safety = 0.8, as in seed 004 §3.5)."""
+    m ≥ log(1/δ) / KL(safety·δ ‖ δ) (≈ 5.4·10⁷ for δ = 1e-5 and safety = 0.8, the δ′ = 8·10⁻⁶ of
+    the CIFAR runs of "Near Exact Privacy Amplification for Matrix Mechanisms", §5.2)."""
     if not 0.0 < safety < 1.0:
         raise ValueError(f"safety={safety!r} is out of range; expected a float in (0, 1)")
     return math.ceil(math.log(1.0 / delta) / kl_bernoulli(safety * delta, delta))

@@ -1,30 +1,32 @@
-"""Accountant for DP-SGD with randomized clipping (DP-SGD-RC, seed 001; notes/001.md §7–§8).
+"""Accountant for DP-SGD with randomized clipping (DP-SGD-RC: Ullah et al., "Efficient DP-SGD for
+LLMs with Randomized Clipping", its f-DP accountant based on chi-squared mixture envelopes).
 
 Each sampled unit's squared gradient norm is estimated with k Gaussian probes (Hutchinson,
 P ~ N(0, 1/k)^{p×k}, fresh every step) and clipped by the estimate, so its contribution has norm
 C·Z with Z = ‖g‖/√n̂ (random, unbounded). The step is treated as a Gaussian mechanism with a
-random mean shift Z/σ that is revealed to the adversary (notes §8.1):
+random mean shift Z/σ that is revealed to the adversary (the paper's single-step trade-off
+function, which conditions on Z):
 
     P = (Z, (1 − q)·N(0, 1) + q·N(Z/σ, 1))   vs   Q = (Z, N(0, 1))     (and the reverse pair).
 
-THE BOUND IMPLEMENTED: the conservative envelope of notes/001.md §8.4,
+THE BOUND IMPLEMENTED: a conservative envelope of Z,
 
     Z_cons = max(1, √(k / χ²_k)),
 
 i.e. the rank-1 (worst-spectrum) law of Z on Z ≥ 1 with all remaining mass at Z = 1 (no credit
 for over-estimated norms). It is stochastically larger than Z(λ) for every gradient spectrum λ
 if the rank-1 spectrum maximizes P(Σ λᵢχ²ᵢ(k)/k < x) for every x ≤ 1 — the right segment of the
-paper's three-segment envelope (notes §8.4; checked numerically there, proved in the paper's
-appendix, which we have not seen). Larger shifts are less private (Blackwell order of Gaussian
-shifts), so the mechanism is a post-processing of the Z_cons mechanism.
+paper's three-segment envelope (checked numerically and by a Dirichlet-spectrum test; proved in
+the paper's appendix, which we have not seen). Larger shifts are less private (Blackwell order of
+Gaussian shifts), so the mechanism is a post-processing of the Z_cons mechanism.
 
 Computation (pessimistic throughout): Z_cons is discretized by rounding UP onto a geometric grid
 1 = z₀ < … < z_J; the mass above z_J (``0.01·δ/steps`` per step) goes to infinite privacy loss.
 For each atom z the dp_accounting PLD of the Poisson-subsampled Gaussian with noise σ/z is built
 (pessimistic rounding); since Z is revealed and has the same law under P and Q, the step's PLD
 is the Z-weighted mixture of those PLDs (both directions). It is composed over the steps with
-dp_accounting's FFT self-composition. Only ``estimator="hutchinson"``: the Hutch++ analysis
-(adversary knows the head sketch, notes §8.5) is not specified enough to implement.
+dp_accounting's FFT self-composition. Only ``estimator="hutchinson"``: the paper's Hutch++
+analysis (the adversary knows the head sketch) is not specified enough to implement.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ class UnsupportedEstimatorError(NotImplementedError, RandomizedClippingError):
 def _check_estimator(estimator: str) -> None:
     if estimator == "hutch++":
         raise UnsupportedEstimatorError(
-            "estimator='hutch++' has no accountant yet (its envelope is not specified in "
-            "notes/001.md §8.5); use estimator='hutchinson'"
+            "estimator='hutch++' has no accountant yet (the Hutch++ envelope of the randomized-"
+            "clipping paper is not specified enough to implement); use estimator='hutchinson'"
         )
     if estimator not in ESTIMATORS:
         raise RandomizedClippingError(
@@ -214,7 +216,7 @@ def calibrate_noise_multiplier(
 
 def single_step_delta(noise_multiplier: float, probes: int, epsilon: float) -> float:
     """Exact δ(ε) of ONE un-subsampled step under Z_cons: E_Z[δ_Gauss(ε; μ = Z/σ)] by quadrature
-    (notes/001.md §8.2/§8.7; no discretization, for checks and intuition)."""
+    (closed form per Z, conditioned on Z; no discretization, for checks and intuition)."""
     sigma = _positive_float("noise_multiplier", noise_multiplier)
     k = float(_positive_int("probes", probes))
 

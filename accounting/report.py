@@ -83,7 +83,7 @@ UNITS = tuple(u.value for u in Unit)
 
 @dataclass(frozen=True)
 class PrivacyReport:
-    """The privacy guarantee of one run and the assumptions it rests on (issue 8's fields)."""
+    """The privacy guarantee of one run and the assumptions it rests on."""
 
     epsilon: float
     delta: float

@@ -7,7 +7,7 @@
    Goal: ≤ 50 ms for 10k users out of 1M.
 2. ``transfer``: one model update of ``params`` fp32 parameters from the coordinator to one worker
    (chunked ModelParts, reassembly, sha256 check, apply, ack). Goal: ≥ 1 GB/s per stream.
-3. ``--scale`` (issue 11, the CPU scale simulation): the same real step loop as ``round`` — the
+3. ``--scale`` (the CPU scale simulation): the same real step loop as ``round`` — the
    strategy's Poisson sampling over a population of 1M users (metadata only), planning by shard
    ownership, exactly-once gathering of ``--payload``-element fp32 partials streamed by worker
    processes, noise, the fsync'd ledger with its budget check, the server update and the
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scale",
         action="store_true",
-        help="the issue-11 scale simulation: 100 steps (unless --steps), memory, no transfer",
+        help="the scale simulation: 100 steps (unless --steps), memory, no transfer",
     )
     parser.add_argument("--payload", type=int, default=None, help="fp32 elements per partial")
     parser.add_argument("--profile", default=None, help="write cProfile stats of the step loop")

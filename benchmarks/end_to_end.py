@@ -1,4 +1,4 @@
-"""End-to-end worker throughput (issue 11): userdp's clipped sums next to a non-private baseline.
+"""End-to-end worker throughput: userdp's clipped sums next to a non-private baseline.
 
 For each model shape (GPT-2 small 124M / medium 355M presets, random init, bf16) and sequence
 length, one run measures, on the SAME DeepSpeed-wrapped module built by
@@ -16,7 +16,7 @@ Every row reports tokens/s (predicted tokens per second, median over ``--repeats
 after one warm-up call), peak GPU memory (``torch.cuda.max_memory_allocated``) and the ratio to
 the non-private tokens/s of the same shape. Goals: ULS ≥ 85 %, ELS ≥ 70 % of non-private.
 
-    .venv/bin/python benchmarks/end_to_end.py                  # GPU: the issue-11 grid
+    .venv/bin/python benchmarks/end_to_end.py                  # GPU: the full grid
     .venv/bin/python benchmarks/end_to_end.py --quick          # GPU: GPT-2 small, seq 128 only
     .venv/bin/python benchmarks/end_to_end.py --device cpu --models gpt2-tiny --seq-lens 64 \\
         --groups 1 4 --tokens-per-step 2048 --rc-seq-len 0     # CPU smoke test of the harness

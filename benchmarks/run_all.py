@@ -1,13 +1,13 @@
-"""Run every benchmark, write ``benchmarks/results/<machine>.json`` and ``<machine>.md`` (issue 11).
+"""Run every benchmark, write ``benchmarks/results/<machine>.json`` and ``<machine>.md``.
 
 Each benchmark script runs as its own child process (so one crash or one peak RSS does not
 affect the others), prints JSON and a markdown table; this collects both, the child's wall time,
 exit status and peak RSS (``os.wait4``), the machine's load average before and after (the numbers
 of a shared machine are noisy: the report says how loaded it was), and a summary of the figures
-the issues set goals for.
+that have goals, grouped by area.
 
     .venv/bin/python benchmarks/run_all.py                    # quick mode (minutes)
-    .venv/bin/python benchmarks/run_all.py --full             # the issues' sizes
+    .venv/bin/python benchmarks/run_all.py --full             # the goals' sizes
     .venv/bin/python benchmarks/run_all.py --only scale coordinator --machine my-box
     .venv/bin/python benchmarks/run_all.py --gpu              # also the GPU end-to-end rows
 
@@ -262,7 +262,7 @@ def _wait(proc: subprocess.Popen, timeout_s: int) -> tuple[int | str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# the goals of the issues, read from each benchmark's JSON
+# the goals, read from each benchmark's JSON
 
 
 def _row(rows: list[dict], name: str, setting_has: str = "") -> dict | None:
@@ -273,13 +273,11 @@ def _row(rows: list[dict], name: str, setting_has: str = "") -> dict | None:
 
 
 def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
-    """(issue, figure, measured, goal, met) for the figures the issues name."""
+    """(area, figure, measured, goal, met) for the figures that have goals."""
     out: list[dict[str, Any]] = []
 
-    def add(issue: str, figure: str, measured: str, goal: str, met: bool | None) -> None:
-        out.append(
-            {"issue": issue, "figure": figure, "measured": measured, "goal": goal, "met": met}
-        )
+    def add(area: str, figure: str, measured: str, goal: str, met: bool | None) -> None:
+        out.append({"area": area, "figure": figure, "measured": measured, "goal": goal, "met": met})
 
     def result(name: str) -> Any:
         outcome = outcomes.get(name)
@@ -291,7 +289,7 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
         els = _row(rows, "els_epsilon")
         if els:
             add(
-                "3",
+                "accounting",
                 f"ELS ε fast vs dp_accounting ({els['setting']})",
                 f"{els['seconds']:.2f} s vs {els['reference_seconds']:.1f} s = "
                 f"{els['speedup']:.1f}× wall ({els['cpu_speedup']:.1f}× CPU), "
@@ -304,7 +302,7 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
         cal = _row(rows, "els_calibration", "p=0.01 ")
         if cal:
             add(
-                "3",
+                "accounting",
                 f"ELS calibration ({cal['setting']})",
                 f"{cal['seconds']:.2f} s (σ = {cal['value']:.6g}, ε(σ) = {cal['epsilon_at_value']:.6g})",
                 "≤ 30 s on 2 CPU cores",
@@ -315,7 +313,7 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
         for row in bib["rows"]:
             if row["name"].startswith("balls_in_bins_delta"):
                 add(
-                    "3",
+                    "accounting",
                     f"balls-in-bins δ̂ ({row['setting']})",
                     f"{row['seconds']} s wall, {row['cpu_seconds']} s CPU",
                     "≤ 1 s on CPU (2^20 samples, b=128, E=16)",
@@ -324,7 +322,7 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
     data = result("data")
     if data:
         add(
-            "4",
+            "data",
             f"userdp shard, {data['rows']:,} rows synthetic Parquet ({data['input_mb']} MB in, "
             f"{data['output_mb']} MB of shards out)",
             f"{data['rows_per_s']:,} rows/s ({data.get('rows_per_cpu_s', '?'):,} per CPU s), "
@@ -337,7 +335,7 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
         if "round" in coord:
             r = coord["round"]
             add(
-                "6",
+                "coordinator",
                 f"round overhead, {r['cohort_mean']:.0f} users of {r['population']:,}",
                 f"{r['round_ms_median']:.1f} ms median ({r['round_ms_max']:.1f} max)",
                 "≤ 50 ms (10k of 1M)",
@@ -346,7 +344,7 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
         if "transfer" in coord:
             t = coord["transfer"]
             add(
-                "6",
+                "coordinator",
                 f"update transfer, {t['params']:,} fp32 params, 1 stream",
                 f"{t['gb_per_s']:.2f} GB/s",
                 "≥ 1 GB/s (100M params)",
@@ -357,14 +355,14 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
         s = scale["scale"]
         full_size = s["population"] >= 1_000_000 and s["steps"] >= 100
         add(
-            "11",
+            "scale",
             f"scale simulation, {s['steps']} steps, {s['cohort_mean']:.0f} of {s['population']:,} users",
             f"{s['round_ms_median']:.1f} ms/step median (p95 {s['round_ms_p95']:.1f})",
             "≤ 50 ms/step",
             s["round_ms_median"] <= 50 if full_size else None,
         )
         add(
-            "11",
+            "scale",
             "scale simulation, coordinator peak RSS",
             f"{s['peak_rss_mb']:.0f} MB",
             "≤ 2 GB",
@@ -376,7 +374,7 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
         if blt:
             rel = abs(blt["value"] - 10.692) / 10.692
             add(
-                "7",
+                "strategies",
                 "BLT optimization loss, n=1000, 3 buffers",
                 f"{blt['value']:.5f} (rel. {rel:.1e} vs 10.692), {blt['seconds']:.2f} s",
                 "within 1e-4 rel. of 10.692",
@@ -392,10 +390,10 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
             ratio = row.get("vs_non_private")
             figure = f"{row['model']} seq {row['seq_len']} {row['run']}"
             if ratio is None:  # this row or its baseline failed (e.g. out of memory)
-                add("11", figure, row.get("error") or "no baseline", f"≥ {target:.0%}", False)
+                add("GPU", figure, row.get("error") or "no baseline", f"≥ {target:.0%}", False)
                 continue
             add(
-                "11",
+                "GPU",
                 figure,
                 f"{row['tokens_per_s']:.0f} tokens/s = {ratio:.0%} of non-private",
                 f"≥ {target:.0%}",
@@ -403,7 +401,7 @@ def goals(outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
             )
         for row in e2e.get("randomized_clipping", []):
             add(
-                "11",
+                "GPU",
                 f"{row['model']} seq {row['seq_len']} {row['run']}",
                 row.get("error") or f"{row['seconds']} s/step, peak {row['peak_mem_gb']} GB",
                 "randomized vs exact clipping: time and peak memory",
@@ -436,14 +434,14 @@ def markdown_report(report: dict[str, Any], outcomes: list[Outcome]) -> str:
             else ""
         ),
         "",
-        "## Goals of the issues",
+        "## Goals",
         "",
-        "| issue | figure | measured | goal | met |",
+        "| area | figure | measured | goal | met |",
         "|---|---|---|---|---|",
     ]
     for g in report["goals"]:
         met = {True: "yes", False: "**no**", None: "n/a (not the goal's size)"}[g["met"]]
-        lines.append(f"| {g['issue']} | {g['figure']} | {g['measured']} | {g['goal']} | {met} |")
+        lines.append(f"| {g['area']} | {g['figure']} | {g['measured']} | {g['goal']} | {met} |")
     if not report["machine"]["gpu"]:
         lines += [
             "",
@@ -491,7 +489,7 @@ def rerender(json_path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="the issues' sizes (long)")
+    parser.add_argument("--full", action="store_true", help="the goals' sizes (long)")
     parser.add_argument("--machine", default=None, help="results file name (default: detected)")
     parser.add_argument("--only", nargs="+", choices=NAMES, default=None)
     parser.add_argument("--skip", nargs="+", choices=NAMES, default=())

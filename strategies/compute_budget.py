@@ -1,9 +1,10 @@
-"""Choosing G_ULS and the cohort M for a compute budget B: "Estimate-and-Double" (seed 000 Alg. 3).
+"""Choosing G_ULS and the cohort M for a compute budget B: "Estimate-and-Double" (Algorithm 3 of
+Charles et al., "Fine-Tuning Large Language Models with User-Level Differential Privacy", App. F).
 
 Start at (G⁰, M⁰) = (1, 32) (App. F.1); while G·M < B, double whichever of G or M reduces the
 noise more. With L(G) the (median) norm of users' mean gradients over ≤ G examples (eq. 8) and
 σ(M) the noise multiplier calibrated for cohort M (q = M/N), the std of the noise on the averaged
-update is σ(M)·L(G)/M (eq. 6). Two decision rules (notes/000.md §2.5 flags the paper's):
+update is σ(M)·L(G)/M (eq. 6). Two decision rules:
 
 - ``"std-ratio"`` (default): double G iff τ_G < τ_M / 2, i.e. compare the actual std ratios
   L(2G)/L(G) and σ(2M)/(2σ(M)).
@@ -69,8 +70,10 @@ def estimate_and_double(
     rule: str = "std-ratio",
     max_cohort_size: int | None = None,
 ) -> BudgetChoice:
-    """Alg. 3 of seed 000. ``max_cohort_size`` (e.g. N) stops M from growing past the population;
-    then only G is doubled. Each estimator is called once per distinct argument."""
+    """Algorithm 3 of "Fine-Tuning Large Language Models with User-Level Differential Privacy".
+
+    ``max_cohort_size`` (e.g. N) stops M from growing past the population; then only G is
+    doubled. Each estimator is called once per distinct argument."""
     if rule not in RULES:
         raise ValueError(f"rule={rule!r} is not allowed; expected one of {RULES}")
     if budget < initial_group_size * initial_cohort_size:

@@ -1,7 +1,8 @@
 """Server optimizers: what the coordinator does with the noisy averaged gradient.
 
 Any first-order optimizer applied to the noisy mean is post-processing, so it costs no privacy
-(seed 000, Alg. 1/2 remark). Each optimizer updates a tensor dict of parameters IN PLACE (numpy
+(Charles et al., "Fine-Tuning Large Language Models with User-Level Differential Privacy", §2,
+remark on Algorithms 1 and 2). Each optimizer updates a tensor dict of parameters IN PLACE (numpy
 arrays or torch tensors) from a tensor dict of gradients ("gradient orientation": params move
 against it) and keeps its slots in a checkpointable ``state_dict`` (arrays, no pickle).
 
@@ -147,7 +148,8 @@ class Adam(ServerOptimizer):
 
 
 class Adafactor(ServerOptimizer):
-    """Adafactor without momentum, fixed learning rate (the seed-000 LLM runs' optimizer).
+    """Adafactor without momentum, fixed learning rate (the fine-tuning optimizer of "Fine-Tuning
+    Large Language Models with User-Level Differential Privacy", §5).
 
     Matrices (ndim ≥ 2, last two axes factored): row/column running means R, S of g² + ε₁;
     V̂ = R Sᵀ / mean(R). Vectors: V̂ = running mean of g² + ε₁. Update u = g/√V̂, scaled down so

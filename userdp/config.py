@@ -62,7 +62,8 @@ class DataConfig(_Section):
     eval_fraction: Annotated[float, _interval(0.0, 1.0, lo_open=False, hi_open=True)] = 0.1
     """Fraction of users held out (user-level split) for evaluation; they are never trained on."""
     selection: Literal["random", "longest", "shortest", "random_chunk"] = "random"
-    """How a user's examples are chosen each step (seed 003)."""
+    """How a user's examples are chosen each step (the selection strategies of "Mind the Privacy
+    Unit! User-Level Differential Privacy for Language Model Fine-Tuning")."""
     seq_len: PositiveInt = 128
     """Maximum tokens per example fed to the model."""
 

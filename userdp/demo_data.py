@@ -1,22 +1,18 @@
 """Embedded default data, generated deterministically by code (no files shipped).
 
-(a) :func:`demo_corpus`: a synthetic user-partitioned text corpus. Every user has a personal
-    vocabulary (a few "favourite" words from a shared lexicon), a topic mixture, a sentence-length
-    style and a signature phrase, so a user's examples resemble each other more than other users'
-    (the regime where user-level sampling with per-user averaging pays off). The number of
-    examples per user is heavy-tailed (discrete Pareto, tail index 1.1, median ~8, capped at 400): most users have a
-    few examples and a few users have hundreds, like Stack Overflow / CC-News (seed 000 Table 1).
-    ``userdp shard --demo OUT`` writes it as shards.
-(b) :func:`mean_estimation_task`: the synthetic task of seed 000 §4 (Charles et al.):
-    μ ~ N(0, I_d), user means μ_u ~ N(μ, σ₁² I_d), points x_{u,j} ~ N(μ_u, σ₂² I_d), defaults
-    d = 32, N = 256 users, K = 16 points each, σ₁ = σ₂ = 1 (notes/000.md §5, §7.4).
+:func:`demo_corpus` is a synthetic user-partitioned text corpus. Every user has a personal
+vocabulary (a few "favourite" words from a shared lexicon), a topic mixture, a sentence-length
+style and a signature phrase, so a user's examples resemble each other more than other users'
+(the regime where user-level sampling with per-user averaging pays off). The number of examples
+per user is heavy-tailed (discrete Pareto, tail index 1.1, median ~8, capped at 400): most users
+have a few examples and a few users have hundreds, like Stack Overflow / CC-News (Charles et al.,
+"Fine-Tuning Large Language Models with User-Level Differential Privacy", Table 1).
+``userdp shard --demo OUT`` writes it as shards.
 
-Both are reproducible for a given seed and numpy version (numpy's PCG64 ``Generator``).
+It is reproducible for a given seed and numpy version (numpy's PCG64 ``Generator``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -102,54 +98,3 @@ def demo_corpus(num_users: int = 400, seed: int = DEMO_SEED) -> pa.Table:
             users.append(f"user-{u:05d}")
             texts.append(" ".join(parts))
     return pa.table({"user_id": pa.array(users, pa.string()), "text": pa.array(texts, pa.string())})
-
-
-@dataclass(frozen=True)
-class MeanEstimationTask:
-    """Seed 000 §4: estimate ``population_mean`` from ``points[u, j]`` under user-level DP."""
-
-    population_mean: np.ndarray  # (d,)
-    user_means: np.ndarray  # (N, d)
-    points: np.ndarray  # (N, K, d)
-    between_user_std: float
-    within_user_std: float
-
-    @property
-    def num_users(self) -> int:
-        return self.points.shape[0]
-
-    @property
-    def examples_per_user(self) -> int:
-        return self.points.shape[1]
-
-    @property
-    def dim(self) -> int:
-        return self.points.shape[2]
-
-
-def mean_estimation_task(
-    dim: int = 32,
-    num_users: int = 256,
-    examples_per_user: int = 16,
-    between_user_std: float = 1.0,
-    within_user_std: float = 1.0,
-    seed: int = DEMO_SEED,
-) -> MeanEstimationTask:
-    """μ ~ N(0, I), μ_u ~ N(μ, σ₁²I), x_{u,j} ~ N(μ_u, σ₂²I) with σ₁ = ``between_user_std`` and
-    σ₂ = ``within_user_std`` (the paper's "within-user variance" knob)."""
-    for name, value in (
-        ("dim", dim),
-        ("num_users", num_users),
-        ("examples_per_user", examples_per_user),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value}")
-    if between_user_std < 0 or within_user_std < 0:
-        raise ValueError("between_user_std and within_user_std must be non-negative")
-    rng = np.random.default_rng(seed)
-    mu = rng.standard_normal(dim)
-    user_means = mu + between_user_std * rng.standard_normal((num_users, dim))
-    points = user_means[:, None, :] + within_user_std * rng.standard_normal(
-        (num_users, examples_per_user, dim)
-    )
-    return MeanEstimationTask(mu, user_means, points, between_user_std, within_user_std)

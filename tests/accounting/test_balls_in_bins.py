@@ -1,4 +1,5 @@
-"""Balls-in-bins Monte Carlo accountant: seed 004 §3.8 test vectors, both semantics, EVR.
+"""Balls-in-bins Monte Carlo accountant (Choquette-Choo et al., "Near Exact Privacy Amplification
+for Matrix Mechanisms"): closed-form and quadrature test vectors, both semantics, EVR.
 
 Tolerances are Z_TOL standard errors of the Monte Carlo mean (computed from the same samples),
 never fixed numbers; seeds are fixed so every run draws the same samples.
@@ -26,7 +27,7 @@ def _half_plus_identity(n: int) -> np.ndarray:
     ("ratio", "eps", "reference"), [(1.0, 1.0, 1.26937e-1), (1.5, 2.0, 1.42321e-1)]
 )
 def test_single_bin_matches_the_analytic_gaussian(ratio, eps, reference) -> None:
-    # seed 004 §3.8: b = 1, n = 16, C = ½(A + I): P is ONE Gaussian with sensitivity ‖m₁‖.
+    # b = 1, n = 16, C = ½(A + I): P is ONE Gaussian with sensitivity ‖m₁‖ (analytic δ).
     c = _half_plus_identity(16)
     sens = float(np.linalg.norm(c.sum(axis=1)))
     sigma = sens / ratio
@@ -39,7 +40,8 @@ def test_single_bin_matches_the_analytic_gaussian(ratio, eps, reference) -> None
 
 
 def test_two_bins_match_quadrature_both_directions() -> None:
-    # seed 004 §3.8: C = I, b = 2, E = 1, σ = 0.7, ε = 1 (2-D quadrature values).
+    # C = I, b = 2, E = 1, σ = 0.7, ε = 1: reference values by 2-D quadrature of the
+    # dominating pair of the paper's Lemma 3.2.
     est = bb.delta_estimate(0.7, 2, 1, 1.0, num_samples=2**18, seed=5)
     assert abs(est.delta_pq - 1.90146e-1) <= Z_TOL * est.stderr_pq
     assert abs(est.delta_qp - 1.70611e-1) <= Z_TOL * est.stderr_qp
@@ -47,7 +49,8 @@ def test_two_bins_match_quadrature_both_directions() -> None:
 
 
 def test_identity_epochs_equal_one_epoch_at_scaled_noise() -> None:
-    # C = I, fixed bins: E epochs at σ ≡ 1 epoch at σ/√E (seed 004 §3.7). With the same seed the
+    # C = I, fixed bins: the modes are orthogonal with norm √E, so E epochs at σ ≡ 1 epoch at
+    # σ/√E (the same bin repeats every epoch: no composition). With the same seed the
     # samples coincide, so the estimates agree to float rounding.
     four = bb.delta_estimate(1.4, 2, 4, 1.0, num_samples=2**16, seed=3)
     one = bb.delta_estimate(0.7, 2, 1, 1.0, num_samples=2**16, seed=3)
@@ -70,7 +73,8 @@ def test_per_epoch_single_bin_composes_gaussians() -> None:
 
 
 def test_per_epoch_is_far_more_private_than_fixed_for_dp_sgd() -> None:
-    # notes/anchors_dp.md §1.4: T = 100, 10 bins, σ = 1, ε = 2: fixed δ ≈ 0.472, per-epoch ≈ 0.072.
+    # T = 100, 10 bins, σ = 1, ε = 2: fixed δ ≈ 0.472 (jax_privacy's Monte Carlo accountant for
+    # BallsInBinsSampling), per-epoch ≈ 0.072 (Poisson q = 0.1 gives 0.0727 with dp_accounting).
     fixed = bb.delta_estimate(1.0, 10, 10, 2.0, num_samples=2**15, seed=2)
     per_epoch = bb.delta_estimate(
         1.0, 10, 10, 2.0, bin_semantics="per-epoch", num_samples=2**15, seed=2
@@ -101,7 +105,8 @@ def test_blt_spec_equals_dense_matrix_and_is_below_the_unamplified_gaussian() ->
     c = bb.delta_estimate(4.0, 6, 4, 1.0, correlation=lambda n: dense, **kwargs)
     d = bb.delta_estimate(4.0, 6, 4, 1.0, correlation=blt, **kwargs)
     assert a == b == c == d
-    # H(P,Q) ≤ H(worst single mode, Q): the Gaussian with Δ = max‖mᵢ‖ (seed 004 §3.7).
+    # H(P,Q) ≤ H(worst single mode, Q): the Gaussian with Δ = max‖mᵢ‖ (the hockey-stick
+    # divergence is convex in its first argument).
     pair = bb.dominating_pair(6, 4, correlation=dense)
     bound = bb.gaussian_delta(1.0, pair.sensitivity, 4.0)
     assert a.delta_pq <= bound + Z_TOL * a.stderr_pq
@@ -151,8 +156,9 @@ def test_verification_fails_on_too_little_noise() -> None:
     assert not bb.verify(0.5, 4, 2, 1.0, 1e-2, num_samples=2**12, seed=1).passed
 
 
-def test_evr_sample_count_matches_seed_004() -> None:
-    # seed 004 §3.5: δ' = 8e-6 verified for δ = 1e-5 needs m ≈ 5.36e7 (KL-Chernoff).
+def test_evr_sample_count_matches_the_papers_cifar_targets() -> None:
+    # δ' = 8e-6 verified for δ = 1e-5 (the paper's CIFAR setting, §5.2) needs m ≈ 5.36e7
+    # (KL-Chernoff).
     assert mc.evr_min_samples(1e-5, 0.8) == pytest.approx(5.36e7, rel=0.01)
     m = mc.evr_min_samples(1e-2, 0.8)
     assert mc.evr_passes(0.8e-2, m, 1e-2) and not mc.evr_passes(0.8e-2, m // 2, 1e-2)
@@ -199,7 +205,7 @@ def test_bad_input_is_a_one_line_value_error(call, match) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# slow: the same vectors at seed 004's sample sizes, and the §5.4 DP-SGD row
+# slow: the same vectors at 2^22 samples, and DP-SGD in the paper's RMSE setting
 
 
 @pytest.mark.slow
@@ -210,8 +216,9 @@ def test_quadrature_vectors_at_four_million_samples() -> None:
 
 
 @pytest.mark.slow
-def test_dp_sgd_row_of_seed_004_table() -> None:
-    # notes/004.md §5.4: C = I, b = 128, E = 16, ε = 1, δ = 1e-5 → σ_BiB ≈ 3.358 (±1 %).
+def test_dp_sgd_in_the_papers_rmse_setting() -> None:
+    # C = I, b = 128, E = 16 (the paper's §5.1 setting), ε = 1, δ = 1e-5 → σ_BiB ≈ 3.358 (±1 %,
+    # an independent Monte Carlo calibration with 2^22 samples).
     est = bb.delta_estimate(3.358, 128, 16, 1.0, num_samples=2**22, seed=23)
     assert abs(est.delta - 1e-5) <= Z_TOL * est.stderr
     assert est.delta_qp <= est.delta_pq

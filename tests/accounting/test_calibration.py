@@ -28,7 +28,9 @@ def _private_cache(tmp_path, monkeypatch):
 
 
 def test_uls_calibration_matches_reference_and_is_private() -> None:
-    # notes/000.md §7.4: ULS G=16, q=1/64, T=256, δ=1e-6, ε=1 → σ = 1.37700 (tol 1e-4).
+    # The mean-estimation setting of "Fine-Tuning Large Language Models with User-Level
+    # Differential Privacy" (§4: N=256, T=256, δ=1e-6, ε=1, B=64): ULS G=16, q=1/64 →
+    # σ = 1.37700 (dp_accounting PLD, tol 1e-4).
     template = UlsMechanism(1.0, 0.015625)
     sigma = calibrate_noise_multiplier(template, 1.0, 1e-6, 256)
     assert sigma == pytest.approx(1.37700, abs=2e-4)
@@ -38,7 +40,8 @@ def test_uls_calibration_matches_reference_and_is_private() -> None:
 
 
 def test_els_calibration_matches_reference_and_is_private() -> None:
-    # notes/000.md §7.4: ELS G=16, p=1/64, T=256, δ=1e-6, ε=1 → σ = 17.0461 (vdi 1e-3, tol 1e-3).
+    # Same setting (§4 of the paper): ELS G=16, p=1/64, T=256, δ=1e-6, ε=1 → σ = 17.0461
+    # (dp_accounting PLD, vdi 1e-3, tol 1e-3).
     template = ElsMechanism(1.0, 1 / 64, 16)
     sigma = calibrate_noise_multiplier(
         template, 1.0, 1e-6, 256, rtol=1e-4, value_discretization_interval=1e-3
@@ -194,8 +197,9 @@ def test_template_may_be_a_dict_without_sigma() -> None:
      (8, 1 / 128, 4.0, 2.5264)],
 )  # fmt: skip
 def test_els_calibration_reference_table(group, p, target, expected) -> None:
-    # notes/000.md §7.5 (Conjecture 1 / Fig. 2(a) settings): T=1000, δ=1e-6, vdi 1e-3, the
-    # reference calibrated with tol 1e-3.
+    # The Conjecture 1 / Fig. 2(a) settings of "Fine-Tuning Large Language Models with User-Level
+    # Differential Privacy" (§3): T=1000, δ=1e-6, vdi 1e-3, the reference calibrated with
+    # dp_accounting at tol 1e-3.
     sigma = calibrate_noise_multiplier(
         ElsMechanism(1.0, p, group), target, 1e-6, 1000, value_discretization_interval=1e-3
     )
@@ -204,7 +208,8 @@ def test_els_calibration_reference_table(group, p, target, expected) -> None:
 
 @pytest.mark.parametrize(("target", "uls_expected"), [(1.0, 2.2608), (4.0, 0.9282)])
 def test_conjecture_1_spot_check(target, uls_expected) -> None:
-    # notes/000.md §7.5: σ_ELS(K=32, p=1/64) ≤ K·σ_ULS(q=1/64), T=1000, δ=1e-6.
+    # Conjecture 1 of "Fine-Tuning Large Language Models with User-Level Differential Privacy"
+    # (§3): σ_ELS(K=32, p=1/64) ≤ K·σ_ULS(q=1/64), T=1000, δ=1e-6.
     uls = calibrate_noise_multiplier(UlsMechanism(1.0, 1 / 64), target, 1e-6, 1000)
     els = calibrate_noise_multiplier(
         ElsMechanism(1.0, 1 / 64, 32), target, 1e-6, 1000, value_discretization_interval=1e-3

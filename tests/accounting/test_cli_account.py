@@ -37,7 +37,7 @@ def test_epsilon_els_json(capsys) -> None:
         capsys, "epsilon", "--mechanism", "els", "--noise-multiplier", "1", "--steps", "2000",
         "--sampling-prob", "0.01", "--group-size", "4", "--discretization", "1e-3",
     )  # fmt: skip
-    assert result["epsilon"] == pytest.approx(14.535, rel=2e-4)  # notes/000.md §7.2
+    assert result["epsilon"] == pytest.approx(14.535, rel=2e-4)  # dp_accounting, Fig. 1 setting
     assert result["mechanism"]["group_size"] == 4
 
 
@@ -54,7 +54,7 @@ def test_calibrate_json_is_private(capsys) -> None:
         "--steps", "256", "--sampling-prob", "0.015625",
     )  # fmt: skip
     sigma = result["noise_multiplier"]
-    assert sigma == pytest.approx(1.37700, abs=2e-4)  # notes/000.md §7.4
+    assert sigma == pytest.approx(1.37700, abs=2e-4)  # dp_accounting, mean-estimation setting
     assert epsilon(UlsMechanism(sigma, 0.015625), 256, 1e-6) <= 1.0
 
 
@@ -153,7 +153,8 @@ def test_balls_in_bins_epsilon_json_is_labelled_an_estimate(capsys) -> None:
     assert result["epsilon"] == epsilon(mechanism, 64, 1e-6, num_samples=4096, seed=0)
     assert result["mechanism"]["kind"] == "balls-in-bins"
     assert "Monte Carlo point estimate" in result["note"]
-    # --sampling-prob equal to 1/bins is accepted (the flag set), and changes nothing
+    # --sampling-prob equal to 1/bins is accepted (the same flags as the other mechanisms), and
+    # changes nothing
     again = _run_json(capsys, "epsilon", *BIB, "--sampling-prob", "0.03125")
     assert again["epsilon"] == result["epsilon"]
 

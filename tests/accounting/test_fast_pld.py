@@ -72,14 +72,16 @@ def test_epsilon_matches_dp_accounting_grid(group, sigma, p, steps) -> None:
 
 @pytest.mark.slow
 def test_paper_setting_at_fine_discretization() -> None:
-    # notes/000.md §3.6: dp_accounting gives 90.90121 at vdi 1e-4 (about 100 s).
+    # dp_accounting's MixtureOfGaussiansDpEvent (the recipe of App. A.1 of "Fine-Tuning Large
+    # Language Models with User-Level Differential Privacy") gives 90.90121 at vdi 1e-4 (~100 s).
     fast, ref = _both(ElsMechanism(1.0, 0.01, 16), 2000, 1e-4)
     assert fast == pytest.approx(ref, rel=1e-3)
     assert fast == pytest.approx(90.90121, rel=1e-5)
 
 
 def test_group_size_one_equals_poisson_gaussian() -> None:
-    # notes/000.md §7.1: 2.95526 (T=2000, p=0.01, σ=1) and 3.70619 (T=1000, σ=0.8), δ=1e-6.
+    # dp_accounting's Poisson-subsampled Gaussian: 2.95526 (T=2000, p=0.01, σ=1) and 3.70619
+    # (T=1000, σ=0.8), δ=1e-6.
     for sigma, steps, expected in ((1.0, 2000, 2.95526), (0.8, 1000, 3.70619)):
         els = epsilon(ElsMechanism(sigma, 0.01, 1), steps, 1e-6)
         uls = epsilon(UlsMechanism(sigma, 0.01), steps, 1e-6)
@@ -93,7 +95,8 @@ def test_group_size_one_equals_poisson_gaussian() -> None:
      (2.0, 4, 4.7693), (4.0, 8, 4.4447), (0.5, 2, 42.137)],
 )  # fmt: skip
 def test_reference_table_fig1_setting(sigma, group, expected) -> None:
-    # notes/000.md §7.2: T=2000, p=0.01, δ=1e-6, vdi 1e-3 (dp_accounting 0.6.0 numbers).
+    # The Fig. 1 setting of "Fine-Tuning Large Language Models with User-Level Differential
+    # Privacy" (§2): T=2000, p=0.01, δ=1e-6, vdi 1e-3 (dp_accounting 0.6.0 numbers).
     eps = epsilon(ElsMechanism(sigma, 0.01, group), 2000, 1e-6, value_discretization_interval=1e-3)
     assert eps == pytest.approx(expected, rel=2e-4)
 

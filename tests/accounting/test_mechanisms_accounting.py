@@ -36,7 +36,7 @@ def _pld_accountant_epsilon(phases, target_delta: float, vdi: float = 1e-4) -> f
 def test_uls_is_exactly_dp_accounting() -> None:
     mech = UlsMechanism(1.0, 0.01)
     assert epsilon(mech, 1000, 1e-6) == _pld_accountant_epsilon([(mech, 1000)], 1e-6)
-    # notes/anchors_dp.md §1.2: 2.1245 for σ=1, q=0.01, T=1000, δ=1e-6.
+    # dp_accounting 0.6.0's PLDAccountant: 2.1245 for σ=1, q=0.01, T=1000, δ=1e-6.
     assert epsilon(mech, 1000, 1e-6) == pytest.approx(2.1245, abs=1e-4)
 
 

@@ -1,5 +1,5 @@
 """The Helm chart renders (Helm's engine) into objects that pass the Kubernetes schemas, in every
-supported configuration, and has the shape issue 9 asks for: one coordinator that never overlaps
+supported configuration, and has the deployment's shape: one coordinator that never overlaps
 with another (Recreate) and keeps its ledger on a volume, GPU workers in a StatefulSet, a PDB,
 the shard Job, mTLS material mounted only where it belongs."""
 

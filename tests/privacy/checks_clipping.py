@@ -2,8 +2,10 @@
 
 The oracle is independent of the engine: each example's gradient comes from transformers' own
 shifted LM loss (``model(input_ids=x, labels=x).loss``) and ``.backward()``; a user's gradient is
-the mean over its examples (notes/000.md Alg. 2), clipped ONCE to C. With C below every unit's
-norm, clipping binds for every unit, so (notes/002.md R1, R2, R5):
+the mean over its examples (Algorithm 2 of "Fine-Tuning Large Language Models with User-Level
+Differential Privacy"), clipped ONCE to C. With C below every unit's norm, clipping binds for every
+unit, so (the missing-clipping and mini-batch-clipping bugs of "Finding Private Bugs: Debugging
+Implementations of Differentially Private Stochastic Gradient Descent", §3.1, taken to users):
 
 - missing clipping: a single unit's contribution has norm ‖g_u‖ > C instead of exactly C;
 - clipping after summing/averaging (batch-level): the sum of B clipped units has norm C (or B·C

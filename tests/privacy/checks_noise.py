@@ -5,10 +5,11 @@ Each ``check_*`` runs the real hooks (sample → aggregate → add_noise → ser
 The expected values are computed from this module's constants (σ, C, q, N, G, lr), never read
 back from the code under test, so a bug cannot cancel itself out.
 
-Recipes (notes/002.md §8.2): R4 (absolute noise oracle, here an exact χ² test of the std of the
-released update with zero or known contributions), R8 (expected-cohort normalization: the step is
-chosen so the realized cohort is ≥ 25% off the expected one), R3's "noise reused" failure mode
-(independence across steps, retries and resumes).
+The checks: an absolute noise oracle (an exact χ² test of the std of the released update with
+zero or known contributions), expected-cohort normalization (the step is chosen so the realized
+cohort is ≥ 25% off the expected one), and noise reuse (independence across steps, retries and
+resumes), which the noise-calibration test of "Finding Private Bugs: Debugging Implementations of
+Differentially Private Stochastic Gradient Descent" (§3.2) also detects.
 """
 
 from __future__ import annotations

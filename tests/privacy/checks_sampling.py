@@ -1,4 +1,4 @@
-"""Sampling ↔ accountant agreement, and the ledger's ε (notes/002.md R8, R9).
+"""Sampling ↔ accountant agreement, and the ledger's ε.
 
 What the accountant is told (``strategy.mechanism()``, appended to the ledger every step) must be
 what the sampler does: the empirical inclusion frequency of units over many steps is tested

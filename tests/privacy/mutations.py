@@ -39,7 +39,8 @@ def _add_noise_with_std(std_of):
 
 @pytest.fixture
 def mutation_noise_not_scaled_by_clip(monkeypatch):
-    """std = σ instead of σ·C (the uncalibrated Opacus-0.15 patch of notes/002.md §5)."""
+    """std = σ instead of σ·C (the uncalibrated-noise bug of "Finding Private Bugs: Debugging
+    Implementations of Differentially Private Stochastic Gradient Descent", §3.2)."""
     monkeypatch.setattr(Strategy, "add_noise", _add_noise_with_std(lambda s: s.noise_multiplier))
 
 
@@ -364,7 +365,8 @@ def mutation_engine_does_not_clip(monkeypatch):
 @pytest.fixture
 def mutation_engine_clips_after_summing(monkeypatch):
     """Batch-level clipping: the units' gradients are summed first, then the SUM is clipped to C
-    (notes/002.md §2, "mini-batch clipping")."""
+    ("mini-batch clipping" in "Finding Private Bugs: Debugging Implementations of Differentially
+    Private Stochastic Gradient Descent", §3.1)."""
     from userdp.clients.engine import ClippingEngine
 
     original = ClippingEngine.clipped_sum

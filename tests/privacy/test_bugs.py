@@ -1,4 +1,6 @@
-"""Bug-catching tests for user-level DP, with a mutation check (issue 10, notes/002.md §8).
+"""Bug-catching tests for user-level DP, with a mutation check (the bug classes of "Finding Private
+Bugs: Debugging Implementations of Differentially Private Stochastic Gradient Descent", taken to
+user-level DP and to userdp's coordinator, sampler and ledger).
 
 Two tests per row of :data:`CASES`:
 
@@ -7,7 +9,7 @@ Two tests per row of :data:`CASES`:
   ``mutations.py``), the same check raises AssertionError whose message names the failed property.
 
 So each test below can fail, and is shown to fail for the bug it exists to catch. The table is the
-contract: :data:`REQUIRED_BUGS` lists the bugs issue 10 names, and
+contract: :data:`REQUIRED_BUGS` lists the bugs that must be caught, and
 ``test_every_required_bug_is_caught`` fails when one of them has no row.
 """
 

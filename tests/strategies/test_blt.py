@@ -21,7 +21,7 @@ from userdp.strategies.blt import (
 )
 from userdp.strategies.noise import NoiseRng
 
-# jax_privacy 2.0.0 buffered_toeplitz.optimize reference values (notes/anchors_dp.md §2.4)
+# jax_privacy 2.0.0 buffered_toeplitz.optimize reference values
 REF_SINGLE = Blt((0.998952, 0.978231, 0.741555), (0.044871, 0.121107, 0.310793))
 REF_MINSEP = Blt((0.986072, 0.623144), (0.231319, 0.272538))
 

@@ -208,6 +208,6 @@ def test_estimate_and_double_rules():
     assert (std.group_size, std.cohort_size) == (64, 256)  # grow M first, then G
     assert [d.doubled for d in std.trace][:3] == ["M", "M", "M"]
     paper = estimate_and_double(2**14, norm, sigma, rule="paper")
-    assert paper.cohort_size == 32  # the literal rule always doubles G here (notes/000 §2.5)
+    assert paper.cohort_size == 32  # the literal rule (τ_G < τ_M) always doubles G here
     capped = estimate_and_double(2**14, norm, lambda m: 1.0, max_cohort_size=128)
     assert capped.cohort_size == 128 and capped.compute <= 2**14

@@ -1,4 +1,4 @@
-"""Embedded defaults: the synthetic user corpus and the seed-000 mean-estimation task."""
+"""Embedded defaults: the synthetic user-partitioned demo corpus."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from userdp.demo_data import demo_corpus, examples_per_user, mean_estimation_task
+from userdp.demo_data import demo_corpus, examples_per_user
 
 
 @pytest.fixture(scope="module")
@@ -54,28 +54,3 @@ def test_users_have_a_personal_vocabulary(corpus) -> None:
     assert np.mean(within) > 2 * np.mean(between)
     vocabulary = Counter(w for sets in words.values() for s in sets for w in s)
     assert len(vocabulary) > 1000
-
-
-def test_mean_estimation_defaults_match_seed_000() -> None:
-    task = mean_estimation_task()
-    assert (task.num_users, task.examples_per_user, task.dim) == (256, 16, 32)
-    assert task.points.shape == (256, 16, 32)
-    assert np.array_equal(mean_estimation_task().points, task.points)
-
-
-@pytest.mark.parametrize(("between", "within"), [(1.0, 1.0), (1.0, 4.0), (0.5, 0.1)])
-def test_mean_estimation_variance_knobs(between: float, within: float) -> None:
-    task = mean_estimation_task(
-        num_users=2000, examples_per_user=16, between_user_std=between, within_user_std=within
-    )
-    within_var = np.var(task.points - task.user_means[:, None, :])
-    between_var = np.var(task.user_means - task.population_mean)
-    assert within_var == pytest.approx(within**2, rel=0.02)
-    assert between_var == pytest.approx(between**2, rel=0.05)
-
-
-def test_bad_knobs_are_rejected() -> None:
-    with pytest.raises(ValueError, match="num_users"):
-        mean_estimation_task(num_users=0)
-    with pytest.raises(ValueError, match="within_user_std"):
-        mean_estimation_task(within_user_std=-1)
