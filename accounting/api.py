@@ -38,6 +38,7 @@ from userdp.accounting.mechanisms import (
     UlsMechanism,
     binomial_sensitivities,
 )
+from userdp.accounting.validation import probability
 
 __all__ = [
     "ACCOUNTANT_VERSION",
@@ -398,13 +399,7 @@ def _check_steps(steps: Any) -> int:
 
 
 def _check_delta(delta: Any) -> float:
-    if (
-        isinstance(delta, bool)
-        or not isinstance(delta, int | float | np.floating)
-        or not (0.0 < delta < 1.0)
-    ):
-        raise InvalidMechanismError(f"delta={delta!r} is out of range; expected a float in (0, 1)")
-    return float(delta)
+    return probability("delta", delta, InvalidMechanismError, upper_open=True)
 
 
 def _check_vdi(vdi: Any) -> None:

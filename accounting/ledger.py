@@ -20,6 +20,11 @@ File format (one JSON object per line, canonical JSON: sorted keys, no spaces):
 ``hash`` is sha256 over the canonical JSON of the record without ``hash``; ``prev_hash`` is the
 previous line's ``hash``, so editing, deleting or reordering any line breaks the chain.
 One writer at a time: the ledger holds an exclusive ``fcntl.flock`` on ``<path>.lock``.
+The budget check before each append uses :mod:`userdp.accounting.budget`'s certificates.
+
+One module for the file format, its writer (create, open, append under the lock) and its readers
+(verify, repair, :func:`read_ledger`): they share one set of invariants — the canonical JSON, the
+hash chain, the partial-last-line rule — and each side is correct only together with the other.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from userdp.accounting.api import PLD_KINDS, compose_epsilon
+from userdp.accounting.api import compose_epsilon
+from userdp.accounting.budget import BudgetCertificates
+from userdp.accounting.durable import fsync_dir, write_all
 from userdp.accounting.mechanisms import Mechanism, mechanism_from_dict
 
 SCHEMA_VERSION = 1
@@ -84,14 +91,6 @@ def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Ledger:
     """An open ledger file holding the writer lock. Use :meth:`create` or :meth:`open`.
 
@@ -104,8 +103,7 @@ class Ledger:
         self._records = records
         self._lock_fd: int | None = None
         self._write_failed: str | None = None  # why appends are refused until reopened
-        # key of (earlier phases, mechanism, options) -> (largest verified count, its ε bound)
-        self._certificates: dict[str, tuple[int, float]] = {}
+        self._certificates = BudgetCertificates()
 
     # ---- opening -------------------------------------------------------------------------
 
@@ -150,7 +148,7 @@ class Ledger:
                 if path.exists() and path.stat().st_size == 0:
                     path.unlink()  # no header was written: leave no ledger at all
                 raise
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
             return ledger
         except BaseException:
             _release_lock(lock_fd)
@@ -259,13 +257,15 @@ class Ledger:
 
         Returns an upper bound on ε after the step: the exact ε(δ), or — for uls/els runs — the
         ε of a LATER step count of the same phase that an earlier call already verified to be
-        within the budget (see :meth:`_certified_epsilon`). A refusal is always decided on the
+        within the budget (:mod:`userdp.accounting.budget`). A refusal is always decided on the
         exact ε of the step itself. Without a budget it raises ValueError.
         """
         if self.budget is None:
             raise ValueError(f"ledger {self.path} has no budget; create it with budget_epsilon")
         budget_epsilon, budget_delta = self.budget
-        certified = self._certified_epsilon(mechanism, accountant_options)
+        certified = self._certificates.epsilon_bound(
+            self.phases(), mechanism, self.budget, accountant_options, compose_epsilon
+        )
         if certified is not None:
             return certified
         after = self.epsilon_after(mechanism, budget_delta, **accountant_options)
@@ -277,62 +277,6 @@ class Ledger:
                 f"ε={budget_epsilon:g}; stop training or start a new run with a larger budget"
             )
         return after
-
-    def _certified_epsilon(
-        self, mechanism: Mechanism, accountant_options: dict[str, Any]
-    ) -> float | None:
-        """An ε bound for the next step from a budget certificate, or None (then the caller
-        computes the exact ε).
-
-        Recomputing ε of the whole ledger before every step costs a PLD self-composition per
-        step (tens of ms at 10⁴ steps). For uls/els the PLD accountant returns an UPPER bound
-        on ε and the true ε grows with the step count, so ε̂(prefix, (m, c')) ≤ budget proves
-        every count c ≤ c' of the last phase within budget. This looks ahead (twice the current
-        count), and when the look-ahead is over budget but the step itself is not, bisects for
-        the largest verified count; either way later steps up to that count cost nothing.
-        O(log T) accountant calls per phase instead of T.
-        """
-        phases = self.phases()
-        kinds = {m.kind for m, _ in phases} | {mechanism.kind}
-        if not kinds <= set(PLD_KINDS):
-            return None
-        if phases and phases[-1][0] == mechanism:
-            prefix, count = phases[:-1], phases[-1][1] + 1
-        else:
-            prefix, count = phases, 1
-        key = canonical_json(
-            {
-                "prefix": [[m.to_dict(), c] for m, c in prefix],
-                "mechanism": mechanism.to_dict(),
-                "options": {k: repr(v) for k, v in sorted(accountant_options.items())},
-            }
-        )
-        budget_epsilon, budget_delta = self.budget  # type: ignore[misc]
-        proven = self._certificates.get(key)
-        if proven is not None and count <= proven[0]:
-            return proven[1]
-
-        def eps(c: int) -> float:
-            return compose_epsilon(prefix + [(mechanism, c)], budget_delta, **accountant_options)
-
-        ahead = 2 * count
-        eps_ahead = eps(ahead)
-        if eps_ahead <= budget_epsilon:
-            self._certificates[key] = (ahead, eps_ahead)
-            return eps_ahead
-        eps_now = eps(count)
-        if eps_now > budget_epsilon:
-            return None  # the exact path refuses (and names the spent ε)
-        good, good_eps, bad = count, eps_now, ahead  # bisect: the largest verified count
-        while bad - good > 1:
-            middle = (good + bad) // 2
-            value = eps(middle)
-            if value <= budget_epsilon:
-                good, good_eps = middle, value
-            else:
-                bad = middle
-        self._certificates[key] = (good, good_eps)
-        return good_eps
 
     def append(self, step: int, mechanism: Mechanism, *, enforce_budget: bool = True) -> dict:
         """Durably record one released step (write, flush, fsync) and return the record.
@@ -381,7 +325,7 @@ class Ledger:
         with open(self.path, mode + "b") as f:
             end = f.tell()
             try:
-                _write_all(f.fileno(), line)
+                write_all(f.fileno(), line)
                 os.fsync(f.fileno())
             except OSError as exc:
                 self._write_failed = f"{exc.strerror or exc} writing {self.path}"
@@ -399,13 +343,6 @@ class Ledger:
                     f"ledger {self.path}: writing a record failed ({exc.strerror or exc}); the "
                     "file is as it was before this record, and nothing of it was released"
                 ) from exc
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
 
 
 def group_phases(records: Sequence[dict[str, Any]]) -> list[tuple[Mechanism, int]]:

@@ -131,17 +131,13 @@ class UlsMechanism:
 
 
 @dataclass(frozen=True)
-class ElsMechanism:
-    """Example-level sampling (DP-SGD-ELS) seen at the USER level, one step.
+class _PoissonExamplesStep:
+    """The step :class:`ElsMechanism` and :class:`GroupPrivacyMechanism` both describe: examples
+    Poisson-sampled with probability p, at most G of them per user, clipped per example and
+    summed, then N(0, σ²I) added. The two classes are two accountants of this step, told apart
+    by ``kind`` (and by class: an ELS mechanism never equals a group-privacy one)."""
 
-    Each user owns at most G examples of the pooled dataset; each example is included with
-    probability p (Poisson), clipped per example and summed, then N(0, σ²I) is added. One user's
-    contribution has norm ≤ Binom(G, p), so the step is dominated by the mixture of Gaussians
-        N(0, σ²)  vs  Σ_{k=0}^{G} Binom(G, p)(k) · N(k, σ²)
-    (Theorem 1 of arXiv 2407.07737; dp_accounting ``MixtureOfGaussiansDpEvent``).
-    """
-
-    kind: ClassVar[str] = "els"
+    kind: ClassVar[str]
     noise_multiplier: float
     sampling_prob: float
     group_size: int
@@ -163,7 +159,21 @@ class ElsMechanism:
 
 
 @dataclass(frozen=True)
-class GroupPrivacyMechanism:
+class ElsMechanism(_PoissonExamplesStep):
+    """Example-level sampling (DP-SGD-ELS) seen at the USER level, one step.
+
+    Each user owns at most G examples of the pooled dataset; each example is included with
+    probability p (Poisson), clipped per example and summed, then N(0, σ²I) is added. One user's
+    contribution has norm ≤ Binom(G, p), so the step is dominated by the mixture of Gaussians
+        N(0, σ²)  vs  Σ_{k=0}^{G} Binom(G, p)(k) · N(k, σ²)
+    (Theorem 1 of arXiv 2407.07737; dp_accounting ``MixtureOfGaussiansDpEvent``).
+    """
+
+    kind: ClassVar[str] = "els"
+
+
+@dataclass(frozen=True)
+class GroupPrivacyMechanism(_PoissonExamplesStep):
     """COMPARISON ONLY: example-level DP-SGD turned into user-level DP by black-box group privacy.
 
     The step is the same as :class:`ElsMechanism` (Poisson examples with probability p, per-example
@@ -175,24 +185,6 @@ class GroupPrivacyMechanism:
     """
 
     kind: ClassVar[str] = "group-privacy"
-    noise_multiplier: float
-    sampling_prob: float
-    group_size: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
-        )
-        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
-        object.__setattr__(self, "group_size", _positive_int("group_size", self.group_size))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "noise_multiplier": self.noise_multiplier,
-            "sampling_prob": self.sampling_prob,
-            "group_size": self.group_size,
-        }
 
 
 @dataclass(frozen=True)

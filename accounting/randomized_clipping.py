@@ -32,7 +32,6 @@ analysis (the adversary knows the head sketch) is not specified enough to implem
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import numpy as np
@@ -40,6 +39,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy import integrate, stats
 from userdp.accounting import fast_pld
+from userdp.accounting.validation import positive_float, positive_int, probability
 
 __all__ = [
     "ESTIMATORS",
@@ -84,7 +84,7 @@ def envelope_atoms(
 
     P(Z_cons ≤ z) = P(χ²_k ≥ k/z²) for z ≥ 1; the atom z₀ = 1 carries P(χ²_k ≥ k).
     """
-    probes = _positive_int("probes", probes)
+    probes = positive_int("probes", probes, RandomizedClippingError)
     k = float(probes)
     z_max = math.sqrt(k / max(float(stats.chi2.ppf(tail_mass, k)), 1e-300))
     z_max = max(z_max, 1.0 + 1e-9)
@@ -107,8 +107,8 @@ def privacy_loss_distribution(
     atoms: int = DEFAULT_ATOMS,
 ) -> pld_lib.PrivacyLossDistribution:
     """Pessimistic PLD of ONE step (both adjacency directions) under the Z_cons envelope."""
-    sigma = _positive_float("noise_multiplier", noise_multiplier)
-    q = _probability("sampling_prob", sampling_prob, upper_open=False)
+    sigma = positive_float("noise_multiplier", noise_multiplier, RandomizedClippingError)
+    q = probability("sampling_prob", sampling_prob, RandomizedClippingError, upper_open=False)
     grid, masses, tail = envelope_atoms(probes, tail_mass, atoms)
     mix_remove: Any = None
     mix_add: Any = None
@@ -163,8 +163,8 @@ def epsilon(
 ) -> float:
     """ε(δ) after ``steps`` Poisson-subsampled RC steps (add/remove one unit), an upper bound."""
     _check_estimator(estimator)
-    steps = _positive_int("steps", steps)
-    delta = _probability("delta", delta, upper_open=True)
+    steps = positive_int("steps", steps, RandomizedClippingError)
+    delta = probability("delta", delta, RandomizedClippingError, upper_open=True)
     pld = privacy_loss_distribution(
         noise_multiplier,
         sampling_prob,
@@ -189,7 +189,7 @@ def calibrate_noise_multiplier(
 ) -> float:
     """The smallest σ (to relative ``rtol``, rounded up) with ε(σ) ≤ ``target_epsilon``."""
     _check_estimator(estimator)
-    target = _positive_float("target_epsilon", target_epsilon)
+    target = positive_float("target_epsilon", target_epsilon, RandomizedClippingError)
 
     def eps_at(sigma: float) -> float:
         return epsilon(
@@ -217,8 +217,8 @@ def calibrate_noise_multiplier(
 def single_step_delta(noise_multiplier: float, probes: int, epsilon: float) -> float:
     """Exact δ(ε) of ONE un-subsampled step under Z_cons: E_Z[δ_Gauss(ε; μ = Z/σ)] by quadrature
     (closed form per Z, conditioned on Z; no discretization, for checks and intuition)."""
-    sigma = _positive_float("noise_multiplier", noise_multiplier)
-    k = float(_positive_int("probes", probes))
+    sigma = positive_float("noise_multiplier", noise_multiplier, RandomizedClippingError)
+    k = float(positive_int("probes", probes, RandomizedClippingError))
 
     def gauss(mu: float) -> float:
         return float(
@@ -234,35 +234,3 @@ def single_step_delta(noise_multiplier: float, probes: int, epsilon: float) -> f
 
     tail, _ = integrate.quad(integrand, 0.0, 1.0, limit=200, epsabs=1e-14, epsrel=1e-10)
     return at_one + tail
-
-
-# --------------------------------------------------------------------------------------------
-# input checks
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise RandomizedClippingError(f"{name}={value!r} is out of range; expected an integer >= 1")
-    return int(value)
-
-
-def _positive_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RandomizedClippingError(f"{name}={value!r} is not a number; expected a float > 0")
-    if not (math.isfinite(value) and value > 0):
-        raise RandomizedClippingError(
-            f"{name}={value!r} is out of range; expected a finite float > 0"
-        )
-    return float(value)
-
-
-def _probability(name: str, value: Any, *, upper_open: bool) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
-    if ok:
-        ok = 0.0 < value < 1.0 if upper_open else 0.0 < value <= 1.0
-    if not ok:
-        allowed = "(0, 1)" if upper_open else "(0, 1]"
-        raise RandomizedClippingError(
-            f"{name}={value!r} is out of range; expected a float in {allowed}"
-        )
-    return float(value)

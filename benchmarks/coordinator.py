@@ -46,7 +46,8 @@ from userdp.clients.partial import ClippedSum
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings, Population
 from userdp.server.grpc_server import serve
-from userdp.server.service import ModelAcked, ModelPublisher, WorkerRegistry
+from userdp.server.publisher import ModelPublisher
+from userdp.server.registry import ModelAcked, WorkerRegistry
 
 
 class ZeroCompute:

@@ -1,4 +1,4 @@
-"""The worker's gRPC side: connect, register, apply model versions, run tasks, stream partial sums.
+"""The worker's connection to the coordinator: connect, register, reconnect, heartbeat, drain.
 
 :class:`WorkerClient` keeps one ``Connect`` stream to the coordinator and reconnects with
 exponential backoff (with jitter) when it breaks; a refusal (UNAUTHENTICATED, PERMISSION_DENIED,
@@ -6,15 +6,14 @@ FAILED_PRECONDITION, INVALID_ARGUMENT) is final and raised as :class:`WorkerRefu
 reconnecting is bounded: once the coordinator has been unreachable (no session welcomed) for
 ``reconnect_timeout_s`` it raises :class:`CoordinatorUnreachableError` (0 = retry forever). A
 ``Drain`` from the coordinator (the run is over, or it lets the worker go) ends :meth:`run`
-normally, without reconnecting.
+normally, without reconnecting. While a session is welcomed the worker heartbeats every
+``heartbeat_s``; :class:`WorkerHealth` tells Kubernetes whether it is connected and in sync.
 
-Model versions: a full ``ModelCommit`` replaces every tensor; a non-full one (a step's update)
-is applied only on top of the version just before it, and only when the tensors' sha256 matches
-the commit. Otherwise the worker keeps its model and acknowledges the version it really has, so
-the coordinator resyncs it with the full model instead of trusting it. A task for a model version
-other than the worker's is refused (TaskFailed), never computed on the wrong model.
-
-The gradient work is done by a :class:`TaskCompute` (the real one is
+What the stream carries is handled by :class:`~userdp.clients.task_runner.TaskRunner`, which
+the client extends: model versions (applied only when consistent; otherwise the worker
+acknowledges the version it really has and is resynced) and tasks (refused when they are for
+another model version). The gradient work is done by a
+:class:`~userdp.clients.task_runner.TaskCompute` (the real one is
 :class:`userdp.clients.worker_service.EngineCompute`); this module only moves bytes.
 """
 
@@ -25,12 +24,12 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
-from userdp.clients.partial import ClippedSum
+from userdp.clients.task_runner import ModelReceiver, TaskCompute, TaskRunner
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import (
@@ -41,14 +40,17 @@ from userdp.proto.channels import (
     channel_options,
     chunk_bytes_within,
 )
-from userdp.proto.tensors import (
-    DEFAULT_CHUNK_BYTES,
-    TensorAssembler,
-    TensorDecodeError,
-    WireTensor,
-    tensors_chunks,
-    tensors_sha256,
-)
+from userdp.proto.tensors import DEFAULT_CHUNK_BYTES
+
+__all__ = [
+    "Backoff",
+    "CoordinatorUnreachableError",
+    "TaskCompute",
+    "WorkerClient",
+    "WorkerHealth",
+    "WorkerRefusedError",
+    "worker_channel",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +85,6 @@ class CoordinatorUnreachableError(RuntimeError):
 
 
 DEFAULT_RECONNECT_TIMEOUT_S = 600.0
-
-
-class TaskCompute(Protocol):
-    """What a worker computes with: holds the model, applies versions, sums clipped units."""
-
-    def apply_model(self, tensors: Mapping[str, WireTensor], full: bool) -> None: ...
-
-    def compute(self, task: pb.Task) -> ClippedSum: ...
 
 
 @dataclass(frozen=True)
@@ -154,7 +148,7 @@ def worker_channel(
     return grpc.secure_channel(target, credentials, options=options)
 
 
-class WorkerClient:
+class WorkerClient(TaskRunner):
     """One worker's connection loop (see the module docstring)."""
 
     def __init__(
@@ -181,31 +175,26 @@ class WorkerClient:
         welcomed) before :meth:`run` raises :class:`CoordinatorUnreachableError`; 0 = forever."""
         if reconnect_timeout_s < 0:
             raise ValueError(f"reconnect timeout must be >= 0 s, got {reconnect_timeout_s:g}")
+        self.chunk_bytes = chunk_bytes_within(chunk_bytes, max_message_bytes)
+        # result chunks of this session: also at most half of what the coordinator accepts
+        # (its Welcome says), so a coordinator with a smaller limit never receives a message
+        # over it
+        super().__init__(worker_id, compute, session_chunk_bytes=self.chunk_bytes)
         self.target = target
-        self.worker_id = worker_id
         self.shards = list(shards)
-        self.compute = compute
         self.token = token
         self.tls = tls
         self.tls_server_name = tls_server_name
         self.capabilities = capabilities or pb.Capabilities(device="cpu", num_devices=1)
         self.manifest_sha256 = manifest_sha256
         self.max_message_bytes = max_message_bytes
-        self.chunk_bytes = chunk_bytes_within(chunk_bytes, max_message_bytes)
-        # result chunks of this session: also at most half of what the coordinator accepts
-        # (its Welcome says), so a coordinator with a smaller limit never receives a message
-        # over it
-        self.session_chunk_bytes = self.chunk_bytes
         self.backoff = backoff
         self.reconnect_timeout_s = float(reconnect_timeout_s)
         self.heartbeat_s = heartbeat_s
         self.health = health
         self.on_welcome = on_welcome
-        self.model_version = -1
         self.incarnation = ""  # the coordinator process that model_version came from
         self.sessions = 0
-        self.tasks_done = 0
-        self._model_lock = threading.Lock()
         self._stop = threading.Event()
         self._call: Any = None
 
@@ -305,7 +294,7 @@ class WorkerClient:
         try:
             self._call = pb_grpc.CoordinatorStub(channel).Connect(requests(), metadata=metadata)
             worker.start()
-            model = _ModelReceiver()
+            model = ModelReceiver()
             for message in self._call:
                 kind = message.WhichOneof("kind")
                 if kind == "welcome":
@@ -332,7 +321,7 @@ class WorkerClient:
                     model.add(message.model_part)
                 elif kind == "model_commit":
                     applied = self._apply(model, message.model_commit)
-                    model = _ModelReceiver()
+                    model = ModelReceiver()
                     ack = pb.ModelAck(model_version=self.model_version, rejected=not applied)
                     outbox.put(pb.WorkerMessage(model_ack=ack))
                     self._set_ready(message.model_commit.model_version)
@@ -367,126 +356,3 @@ class WorkerClient:
     def _heartbeats(self, outbox: queue.Queue, over: threading.Event) -> None:
         while not over.wait(self.heartbeat_s):
             outbox.put(pb.WorkerMessage(heartbeat=pb.Heartbeat(model_version=self.model_version)))
-
-    # ---- model ----------------------------------------------------------------------------------
-
-    def _apply(self, model: _ModelReceiver, commit: pb.ModelCommit) -> bool:
-        """Apply a model version if it is consistent; return whether it was applied."""
-        try:
-            tensors = model.finish(commit)
-        except TensorDecodeError as exc:
-            log.warning(
-                "worker %s: bad model version %d: %s", self.worker_id, commit.model_version, exc
-            )
-            return False
-        if not commit.full and self.model_version != commit.model_version - 1:
-            log.info(
-                "worker %s: update %d does not follow held version %d; waiting for a resync",
-                self.worker_id,
-                commit.model_version,
-                self.model_version,
-            )
-            return False
-        with self._model_lock:
-            self.compute.apply_model(tensors, commit.full)
-            self.model_version = commit.model_version
-        return True
-
-    # ---- tasks ----------------------------------------------------------------------------------
-
-    def _task_loop(self, tasks: queue.Queue, outbox: queue.Queue, cancelled: set) -> None:
-        while True:
-            task = tasks.get()
-            if task is None:
-                return
-            if (task.task_id, task.attempt) in cancelled:
-                continue
-            started = time.perf_counter()
-            with self._model_lock:
-                if task.model_version != self.model_version:
-                    reason = (
-                        f"stale model: task wants {task.model_version}, have {self.model_version}"
-                    )
-                    outbox.put(_failed(task, reason))
-                    continue
-                try:
-                    partial = self.compute.compute(task)
-                except Exception as exc:  # report, never hang the coordinator's step
-                    log.exception("worker %s: task %s failed", self.worker_id, task.task_id)
-                    outbox.put(_failed(task, f"{type(exc).__name__}: {exc}"))
-                    continue
-            if (task.task_id, task.attempt) in cancelled:
-                continue
-            for chunk in tensors_chunks(partial.sums, self.session_chunk_bytes):
-                outbox.put(
-                    pb.WorkerMessage(
-                        result_part=pb.ResultPart(
-                            task_id=task.task_id, attempt=task.attempt, chunk=chunk
-                        )
-                    )
-                )
-            outbox.put(
-                pb.WorkerMessage(
-                    result=pb.Result(
-                        task_id=task.task_id,
-                        attempt=task.attempt,
-                        step=task.step,
-                        model_version=task.model_version,
-                        num_tensors=len(partial.sums),
-                        count=partial.count,
-                        nonfinite=partial.nonfinite,
-                        clipped=partial.clipped,
-                        norms=pb.NormStats(
-                            min=partial.norm_min,
-                            max=partial.norm_max,
-                            sum=partial.norm_sum,
-                            sum_sq=partial.norm_sum_sq,
-                        ),
-                        loss_sum=partial.loss_sum,
-                        tokens=partial.tokens,
-                        compute_seconds=time.perf_counter() - started,
-                        unit_ids=task.unit_ids,
-                    )
-                )
-            )
-            self.tasks_done += 1
-
-
-class _ModelReceiver:
-    """Collects one model version's chunks."""
-
-    def __init__(self) -> None:
-        self.assembler = TensorAssembler()
-        self.version: int | None = None
-        self.error: str | None = None
-
-    def add(self, part: pb.ModelPart) -> None:
-        if self.error:
-            return
-        if self.version is None:
-            self.version = part.model_version
-        elif part.model_version != self.version:
-            self.error = f"model parts of versions {self.version} and {part.model_version} mixed"
-            return
-        try:
-            self.assembler.add(part.chunk)
-        except TensorDecodeError as exc:
-            self.error = str(exc)
-
-    def finish(self, commit: pb.ModelCommit) -> dict[str, WireTensor]:
-        if self.error:
-            raise TensorDecodeError(self.error)
-        if self.version is not None and self.version != commit.model_version:
-            raise TensorDecodeError(
-                f"parts of version {self.version}, commit {commit.model_version}"
-            )
-        tensors = self.assembler.finish(expected_count=commit.num_tensors)
-        if commit.params_sha256 and tensors_sha256(tensors) != commit.params_sha256:
-            raise TensorDecodeError(f"model version {commit.model_version}: sha256 mismatch")
-        return tensors
-
-
-def _failed(task: pb.Task, reason: str) -> pb.WorkerMessage:
-    return pb.WorkerMessage(
-        task_failed=pb.TaskFailed(task_id=task.task_id, attempt=task.attempt, reason=reason)
-    )

@@ -1,15 +1,17 @@
 """The worker's compute behind the gRPC client: a task's units -> their examples -> the clipping
 engine's sum of clipped unit gradients, on the model version the coordinator broadcast.
 
-:class:`EngineCompute` implements :class:`userdp.clients.grpc_client.TaskCompute`:
+:class:`EngineCompute` implements :class:`userdp.clients.task_runner.TaskCompute`:
 
 - ``apply_model``: copies received tensors into the model's parameters by name (a full model
   replaces every parameter it names; an update only the trainable ones it carries).
-- ``compute(task)``: for unit = user, the user's examples are selected with the task's selection
-  strategy and group size (:func:`userdp.clients.selection.select_examples`), with an RNG seeded
-  from (selection_seed, step, unit id) — never from anything that touches noise; for unit =
-  example (``"<user id>/<index>"``), that one example. The engine returns the plain SUM of clipped
-  unit gradients and its statistics; normalization and noise are the coordinator's.
+- ``compute(task)``: the wire task is decoded by :func:`userdp.proto.codec.task_from_proto`. For
+  unit = user, the user's examples are selected with the task's selection strategy and group size
+  (:func:`userdp.clients.selection.select_examples`), with an RNG seeded from (selection_seed,
+  step, unit id) — never from anything that touches noise; for unit = example
+  (``"<user id>/<index>"``, :func:`userdp.proto.codec.parse_example_unit_id`), that one example.
+  The engine returns the plain SUM of clipped unit gradients and its statistics; normalization
+  and noise are the coordinator's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from userdp.clients.partial import ClippedSum
 from userdp.clients.selection import select_examples
 from userdp.clients.shard_store import ShardStore
 from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.codec import WorkerTask, parse_example_unit_id, task_from_proto
 from userdp.proto.tensors import WireTensor
 
 
@@ -49,38 +52,28 @@ class EngineCompute:
         nothing is copied."""
         load_parameters(self.engine.module, {name: t.torch() for name, t in tensors.items()})
 
-    def _units(self, task: pb.Task) -> list[Any]:
+    def _units(self, task: WorkerTask) -> list[Any]:
         units = []
-        selection = task.selection
-        group_size = selection.group_size or None
-        seq_len = selection.seq_len or 128
         for unit_id in task.unit_ids:
-            if task.engine.unit == "example":
-                user, _, index = unit_id.rpartition("/")
-                examples = [self.store.user_examples(user)[int(index)][:seq_len]]
+            if task.unit == "example":
+                user, index = parse_example_unit_id(unit_id)
+                examples = [self.store.user_examples(user)[index][: task.seq_len]]
             else:
                 rng = _selection_rng(task.selection_seed, task.step, unit_id)
                 examples = select_examples(
                     self.store.user_examples(unit_id),
-                    group_size,
-                    selection.strategy or "random",
-                    seq_len,
+                    task.group_size,
+                    task.selection,
+                    task.seq_len,
                     rng,
                 )
             units.append(self.unit_type(unit_id, examples))
         return units
 
     def compute(self, task: pb.Task) -> ClippedSum:
-        options = task.engine
+        decoded = task_from_proto(task)
         return self.engine.clipped_sum(
-            self._units(task),
-            task.clip_norm,
-            engine=options.engine or None,
-            probes=options.probes if options.engine == "randomized" else None,
-            token_budget=options.token_budget or None,
-            local_steps=options.local_steps,
-            local_lr=options.local_lr,
-            local_batch_size=options.local_batch_size,
+            self._units(decoded), decoded.clip_norm, **decoded.engine_options()
         )
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from userdp.accounting.durable import fsync_dir
 
 FORMAT = "userdp-coordinator-checkpoint"
 FORMAT_VERSION = 1
@@ -43,14 +44,6 @@ class Checkpoint:
     model_version: int
     ledger_entries: int
     state: dict[str, Any]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -137,13 +130,13 @@ def save_checkpoint(
         with open(tmp / "tensors.safetensors", "rb+") as handle:
             os.fsync(handle.fileno())
         _write_synced(tmp / "state.json", json.dumps(meta, allow_nan=True))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         _write_synced(latest_tmp, name + "\n")
         os.replace(latest_tmp, directory / LATEST)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except OSError as exc:  # disk full, I/O error: LATEST still names the previous checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
         latest_tmp.unlink(missing_ok=True)

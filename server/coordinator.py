@@ -2,29 +2,30 @@
 and broadcast, correct under worker and coordinator failure.
 
 The step contract (sample → task → gather → noise → ledger → update) is
-:func:`userdp.strategies.step.run_step`; the coordinator supplies its gather (plan, dispatch,
-exactly-once acceptance) and keeps the transport, the fault handling and resume around it. One
-step, as :meth:`Coordinator.run_step` performs it:
+:func:`userdp.strategies.step.run_step`; the coordinator supplies its gather and keeps the
+checkpoints, the release journal and resume around it. Its workers are a
+:class:`~userdp.server.fleet.Fleet` (dispatch, events, retries, resyncs, broadcast). One step, as
+:meth:`Coordinator.run_step` performs it:
 
-0. ``sync``: handle joins/acks, resync workers that missed a model version, and give workers a
-   moment to acknowledge the current version so the work spreads over all of them.
+0. ``sync``: the fleet handles joins/acks, resyncs workers that missed a model version, and gives
+   workers a moment to acknowledge the current version so the work spreads over all of them.
 1. ``sample``: the strategy samples the cohort (units) from the population (user ids only).
-2. ``plan``: the cohort is split into shard groups (:mod:`~userdp.server.planning`); the groups
-   are batched into one task per live, in-sync worker holding them (replicas spread the load).
-3. ``gather``: partial clipped sums are accepted exactly once per task (and so per unit) by
-   :class:`~userdp.server.aggregation.StepGather`; when a task's worker dies, times out, refuses
-   it or sends a bad partial, its shard groups are re-issued, with a higher attempt number, to
-   other holders. When the step cannot complete by its deadline it is ABORTED: no noise is
-   drawn, nothing is released or charged, and the same step index is retried (the strategy's
-   sampler decides the cohort; the built-in samplers draw the same one for a seed and step).
+2. ``plan``: the cohort is split into shard groups (:mod:`~userdp.server.planning`).
+3. ``gather``: the fleet batches the groups into one task per live, in-sync worker holding them;
+   partial clipped sums are accepted exactly once per task (and so per unit) by
+   :class:`~userdp.server.aggregation.StepGather`, and a failed task's groups are re-issued to
+   other holders. When the step cannot complete by its deadline it is ABORTED
+   (:class:`~userdp.server.fleet.StepAborted`): no noise is drawn, nothing is released or
+   charged, and the same step index is retried (the strategy's sampler decides the cohort; the
+   built-in samplers draw the same one for a seed and step).
 4. ``noise``: the strategy adds its noise (generator seeded from ``os.urandom`` by the strategy).
 5. ``ledger``: ``append`` (fsync'd; it refuses a step over the budget, which stops the run with
    nothing of that step released) — BEFORE anything leaves the process.
 6. ``update``: the strategy's server optimizer steps on the noisy sum (÷ EXPECTED cohort size).
 7. ``checkpoint`` (every ``checkpoint_every`` steps): model, strategy state (optimizer, sampler,
    correlated-noise buffers), step, model version, ledger offset.
-8. ``broadcast``: the step is appended (fsync'd) to the release journal, then the new trainable
-   tensors go to every connected worker (chunked).
+8. ``broadcast``: the step is appended (fsync'd) to the release journal, then the fleet sends the
+   new trainable tensors to every connected worker (chunked).
 
 Resume (:meth:`Coordinator.resume`): the ledger, not the checkpoint, says what was spent. A step
 the ledger holds beyond the checkpoint stays charged. If the release journal shows it was never
@@ -45,9 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import time
-from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +54,7 @@ from typing import Any
 
 import torch
 from userdp.accounting.ledger import BudgetExceededError
-from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.codec import task_proto as task_proto  # the simulator imports it from here
 from userdp.server.aggregation import GatheredSum, StepGather, template_of
 from userdp.server.checkpoint import (
     append_release_journal,
@@ -63,21 +62,13 @@ from userdp.server.checkpoint import (
     restore_latest,
     save_checkpoint,
 )
-from userdp.server.planning import assign_groups, plan_groups
+from userdp.server.fleet import Fleet, StepAborted
+from userdp.server.planning import plan_groups
 from userdp.server.population import Population
-from userdp.server.service import (
-    Event,
-    ModelAcked,
-    ModelPublisher,
-    ResultReceived,
-    TaskFailedEvent,
-    WorkerJoined,
-    WorkerLost,
-    WorkerRegistry,
-    WorkerSession,
-)
-from userdp.server.startup import StartupWait, WorkerProgress
-from userdp.strategies.base import ClipStatistics, TaskSpec
+from userdp.server.publisher import ModelPublisher
+from userdp.server.registry import Event, WorkerRegistry, WorkerSession
+from userdp.server.startup import WorkerProgress
+from userdp.strategies.base import ClipStatistics
 from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep
 from userdp.strategies.step import run_step as run_strategy_step
 
@@ -94,11 +85,6 @@ PHASES: tuple[str, ...] = (
     "checkpoint",
     "broadcast",
 )
-MAX_RESYNCS = 3
-
-
-class StepAborted(RuntimeError):
-    """The step could not gather every task in time; nothing was released or charged."""
 
 
 class ResumeError(RuntimeError):
@@ -203,13 +189,21 @@ class Coordinator:
         self.settings = settings
         self.fault_hook = fault_hook
         self._no_noise = bool(test_only_disable_noise)
+        self.fleet = Fleet(registry, publisher, frozenset(population.shard_sha256), settings)
         self.template = template_of(params)
         self.step = 0
-        self.model_version = 0
         self.reports: list[StepReport] = []
         self._charged_unreleased: int | None = None
         self.budget_exhausted = False
-        self._resyncs: dict[WorkerSession, int] = defaultdict(int)
+
+    @property
+    def model_version(self) -> int:
+        """The current model version: the one workers must hold to be given tasks."""
+        return self.fleet.model_version
+
+    @model_version.setter
+    def model_version(self, version: int) -> None:
+        self.fleet.model_version = version
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -287,11 +281,7 @@ class Coordinator:
             self._phase(name, step, times, started)
 
         phase("sync")
-        self.pump_events()
-        for session in self.registry.sessions():
-            if session.sent_version != self.model_version:
-                self._resync(session)  # missed an update (e.g. joined mid-broadcast)
-        self._await_acks(self.settings.ack_wait_s)
+        self.fleet.sync()
         state: dict[str, Any] = {}
 
         def gather(planned: PlannedStep) -> Gathered:
@@ -307,7 +297,7 @@ class Coordinator:
                 estimate_probes=spec.probes if spec.engine == "randomized" else 0,
             )
             phase("gather")
-            self._gather(collect, spec)
+            self.fleet.gather(collect, spec)
             gathered = collect.result()
             state.update(gathered=gathered, groups=len(groups))
             summed = {  # noise is added in at least fp32, even for bf16/fp16 parameters
@@ -340,15 +330,7 @@ class Coordinator:
 
         phase("broadcast")
         append_release_journal(self.checkpoint_dir, step, self.model_version)
-        targets = [s for s in self.registry.sessions() if s.sent_version == self.model_version - 1]
-        for session in targets:
-            session.sent_version = self.model_version  # eligible again when it acks
-
-        def send(message: pb.CoordinatorMessage) -> None:
-            for session in targets:
-                session.send(message)
-
-        self.publisher.publish(self.model_version, self.params, sink=send)
+        self.fleet.broadcast(self.params)
         phase("done")
         times.pop("done")
         report = _report(
@@ -373,109 +355,11 @@ class Coordinator:
             state={"params": self.params, "strategy": self.strategy.state_dict()},
         )
 
-    # ---- gathering ------------------------------------------------------------------------------
-
-    def _gather(self, gather: StepGather, spec: TaskSpec) -> None:
-        deadline = time.monotonic() + self.settings.step_deadline_s
-        while not gather.complete():
-            now = time.monotonic()
-            if now > deadline:
-                self._cancel_all(gather)
-                raise StepAborted(
-                    f"step {gather.step}: {len(gather.pending()) + len(gather.outstanding())} "
-                    f"task(s) not done after {self.settings.step_deadline_s:.0f}s"
-                )
-            self.registry.reap_silent(self.settings.heartbeat_timeout_s, now)
-            for task_id, attempt, worker, issued_at in gather.outstanding():
-                if now - issued_at > self.settings.task_deadline_s:
-                    log.warning("task %s attempt %d on %s timed out", task_id, attempt, worker)
-                    gather.fail(task_id, attempt, "timeout")
-                    self._send_cancel(worker, task_id, attempt)
-            self._dispatch(gather, spec)
-            if gather.complete():
-                break
-            try:
-                event = self.registry.events.get(timeout=0.02)
-            except queue.Empty:
-                continue
-            self._handle(event, gather)
-
-    def _eligible(self) -> dict[str, WorkerSession]:
-        return {
-            s.worker_id: s
-            for s in self.registry.sessions()
-            if not s.draining and s.model_version == self.model_version
-        }
-
-    def _dispatch(self, gather: StepGather, spec: TaskSpec) -> None:
-        """Batch pending shard groups into one task per chosen worker and send them."""
-        pending = gather.pending()
-        if not pending:
-            return
-        eligible = self._eligible()
-        holders = {w: s.shards for w, s in eligible.items()}
-        load: dict[str, int] = defaultdict(int)
-        for task_id, _, worker, _ in gather.outstanding():
-            load[worker] += len(gather.task_units(task_id))
-        assigned, _ = assign_groups(pending, holders, load, gather.failed_workers)
-        for worker, groups in assigned.items():
-            task_id, attempt = gather.issue(worker, [g.group_id for g in groups], time.monotonic())
-            if attempt >= self.settings.max_attempts:
-                self._cancel_all(gather)
-                raise StepAborted(f"shard groups of task {task_id} failed {attempt} attempts")
-            units = gather.task_units(task_id)
-            eligible[worker].send(self._task_message(gather.step, task_id, attempt, units, spec))
-
-    def _task_message(
-        self, step: int, task_id: str, attempt: int, units: tuple[str, ...], spec: TaskSpec
-    ) -> pb.CoordinatorMessage:
-        task = task_proto(
-            spec, step, task_id, attempt, self.model_version, units, self.settings.task_deadline_s
-        )
-        return pb.CoordinatorMessage(task=task)
-
-    def _send_cancel(self, worker_id: str, task_id: str, attempt: int) -> None:
-        session = self.registry.get(worker_id)
-        if session is not None:
-            session.send(
-                pb.CoordinatorMessage(cancel=pb.CancelTask(task_id=task_id, attempt=attempt))
-            )
-
-    def _cancel_all(self, gather: StepGather) -> None:
-        for task_id, attempt, worker, _ in gather.outstanding():
-            self._send_cancel(worker, task_id, attempt)
-
-    # ---- events ---------------------------------------------------------------------------------
+    # ---- the workers ----------------------------------------------------------------------------
 
     def pump_events(self, timeout: float = 0.0) -> None:
-        """Handle queued events outside a step (joins, acks, resyncs)."""
-        self.registry.reap_silent(self.settings.heartbeat_timeout_s)
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                event = (
-                    self.registry.events.get(timeout=max(remaining, 0.0))
-                    if remaining > 0
-                    else self.registry.events.get_nowait()
-                )
-            except queue.Empty:
-                return
-            self._handle(event, None)
-
-    def _await_acks(self, timeout_s: float) -> None:
-        """Let workers that were sent the current model acknowledge it before tasks go out, so
-        the step's work spreads over all of them (bounded by ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            waiting = [
-                s
-                for s in self.registry.sessions()
-                if s.sent_version == self.model_version and s.model_version != self.model_version
-            ]
-            if not waiting:
-                return
-            self.pump_events(0.005)
+        """Handle queued worker events outside a step (joins, acks, resyncs)."""
+        self.fleet.pump_events(timeout)
 
     def wait_for_workers(
         self,
@@ -484,139 +368,15 @@ class Coordinator:
         on_progress: Callable[[list[WorkerProgress]], None] | None = None,
         check: Callable[[], None] | None = None,
     ) -> None:
-        """Wait until every shard has an in-sync holder, while starting workers make progress
-        (:mod:`~userdp.server.startup`); raises :class:`~userdp.server.startup.WorkerStartupError` after ``timeout_s``
-        (default ``settings.worker_startup_s``) or when every starting worker has been silent
-        for ``settings.worker_stall_s``. ``on_progress`` receives the starting workers about once
-        a second; ``check`` may raise to end the wait (e.g. a worker process exited)."""
-        wait = StartupWait(
-            needed=frozenset(self.population.shard_sha256),
-            startup_s=self.settings.worker_startup_s if timeout_s is None else timeout_s,
-            stall_s=self.settings.worker_stall_s,
-            started=time.monotonic(),
-        )
-        shown = -math.inf
-        while True:
-            done, starting = wait.check(
-                self._eligible(), self.registry.sessions(), self.registry.startup()
-            )
-            if done:
-                return
-            if check is not None:
-                check()
-            if on_progress is not None and time.monotonic() - shown >= 1.0:
-                shown = time.monotonic()
-                on_progress(starting)
-            self.pump_events(0.05)
+        """Wait until every shard has an in-sync holder: :meth:`Fleet.wait_for_workers
+        <userdp.server.fleet.Fleet.wait_for_workers>`."""
+        self.fleet.wait_for_workers(timeout_s, on_progress=on_progress, check=check)
+
+    def _eligible(self) -> dict[str, WorkerSession]:
+        return self.fleet.eligible()
 
     def _handle(self, event: Event, gather: StepGather | None) -> None:
-        if isinstance(event, ResultReceived):
-            if gather is None:
-                return
-            if event.partial is None:
-                if gather.fail(event.task_id, event.attempt, event.error or "bad result"):
-                    log.warning(
-                        "rejected %s attempt %d from %s: %s",
-                        event.task_id,
-                        event.attempt,
-                        event.session.worker_id,
-                        event.error,
-                    )
-                return
-            verdict = gather.offer(event.partial)
-            if not verdict.accepted:
-                level = logging.WARNING if verdict.reissue else logging.INFO
-                log.log(
-                    level,
-                    "%s %s attempt %d from %s: %s",
-                    "rejected" if verdict.reissue else "discarded",
-                    event.task_id,
-                    event.attempt,
-                    event.session.worker_id,
-                    verdict.reason,
-                )
-        elif isinstance(event, TaskFailedEvent):
-            if gather is not None and gather.fail(event.task_id, event.attempt, event.reason):
-                log.warning(
-                    "task %s attempt %d failed on %s: %s",
-                    event.task_id,
-                    event.attempt,
-                    event.session.worker_id,
-                    event.reason,
-                )
-                if event.reason.startswith("stale model"):
-                    self._resync(event.session, force=True)
-        elif isinstance(event, WorkerLost):
-            self._resyncs.pop(event.session, None)
-            failed = gather.fail_worker(event.session.worker_id) if gather is not None else []
-            if failed:
-                log.warning(
-                    "worker %s lost (%s); re-issuing %s",
-                    event.session.worker_id,
-                    event.reason,
-                    failed,
-                )
-            else:
-                log.warning("worker %s lost (%s)", event.session.worker_id, event.reason)
-        elif isinstance(event, WorkerJoined):
-            self._resync(event.session)
-        elif isinstance(event, ModelAcked):
-            if event.rejected:
-                self._resync(event.session, force=True)
-            elif event.model_version == self.model_version:
-                self._resyncs.pop(event.session, None)
-
-    def _resync(self, session: WorkerSession, force: bool = False) -> None:
-        """Send the full model to a worker whose version is not the current one."""
-        if not session.alive or (session.model_version == self.model_version and not force):
-            return
-        if self._resyncs[session] >= MAX_RESYNCS:
-            log.error(
-                "worker %s failed %d resyncs; not sending more", session.worker_id, MAX_RESYNCS
-            )
-            return
-        self._resyncs[session] += 1
-        session.model_version = -1
-        version, messages = self.publisher.full()
-        session.sent_version = version
-        session.send_many(messages)
-        log.info("resyncing worker %s to model version %d", session.worker_id, version)
-
-
-def task_proto(
-    spec: TaskSpec,
-    step: int,
-    task_id: str,
-    attempt: int,
-    model_version: int,
-    units: tuple[str, ...] | list[str],
-    deadline_s: float,
-) -> pb.Task:
-    """The wire Task for ``units`` of a step: the one conversion of a :class:`TaskSpec`, shared
-    by the coordinator and the in-process simulator so both run the workers' code on the same
-    input."""
-    return pb.Task(
-        task_id=task_id,
-        attempt=attempt,
-        step=step,
-        model_version=model_version,
-        unit_ids=list(units),
-        clip_norm=spec.clip_norm,
-        engine=pb.EngineOptions(
-            engine=spec.engine,
-            probes=spec.probes,
-            token_budget=spec.token_budget,
-            unit=spec.unit,
-            local_steps=spec.local_steps,
-            local_lr=spec.local_lr,
-            local_batch_size=spec.local_batch_size,
-        ),
-        selection=pb.Selection(
-            strategy=spec.selection, group_size=spec.group_size, seq_len=spec.seq_len
-        ),
-        deadline_s=deadline_s,
-        selection_seed=spec.selection_seed,
-    )
+        self.fleet.handle(event, gather)
 
 
 def _report(

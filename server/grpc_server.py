@@ -15,12 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import DEFAULT_MAX_MESSAGE_BYTES, SERVICE_NAME, TlsFiles, server_options
 from userdp.server.auth import Authorizer, server_credentials
-from userdp.server.service import (
-    CoordinatorService,
-    ModelPublisher,
-    WorkerRegistry,
-    tolerant_deserializer,
-)
+from userdp.server.publisher import ModelPublisher
+from userdp.server.registry import WorkerRegistry
+from userdp.server.service import CoordinatorService, tolerant_deserializer
 
 
 @dataclass

@@ -22,7 +22,8 @@ from userdp.server.certs import read_coordinator_tls
 from userdp.server.coordinator import Coordinator, CoordinatorSettings
 from userdp.server.grpc_server import RunningServer, serve
 from userdp.server.population import Population
-from userdp.server.service import ModelPublisher, WorkerRegistry
+from userdp.server.publisher import ModelPublisher
+from userdp.server.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 

@@ -1,50 +1,66 @@
-"""The coordinator's gRPC side: one session per connected worker, events for the step loop.
+"""The coordinator's gRPC servicer: one session per connected worker, events for the step loop.
 
 ``CoordinatorService.Connect`` authenticates the caller, reads the worker's ``Register``, checks it
 (protocol version, identity, shards against the manifest's sha256), answers ``Welcome`` and then
 streams whatever the step loop puts in the session's outbox — first the full model when the
 worker's version is not the current one (a stale worker is resynced, never trusted). A reader
-thread per session turns the worker's messages into :class:`Event` values on one queue, which the
-step loop (:mod:`userdp.server.coordinator`) consumes. Partial sums are reassembled here
-(:class:`~userdp.proto.tensors.TensorAssembler`, bounded by the model's size) and judged there.
+thread per session turns the worker's messages into events (:mod:`userdp.server.registry`) on
+one queue, which the step loop (:mod:`userdp.server.fleet`) consumes. Partial sums are
+reassembled here (:class:`~userdp.proto.tensors.TensorAssembler`, bounded by the model's size),
+decoded by :func:`~userdp.proto.codec.partial_from_result` and judged there.
 
 Request bodies are decoded by :func:`tolerant_deserializer` (the server registers it,
 :mod:`userdp.server.grpc_server`): a body that is not a valid protobuf message reaches the handler
 as :class:`Undecodable`, which logs one warning line (peer, method, why) and refuses the call
 with INVALID_ARGUMENT, or ends the session when it arrives inside a ``Connect`` stream.
+
+The sessions and the registry (:mod:`userdp.server.registry`) and the model publisher
+(:mod:`userdp.server.publisher`) the servicer works with are importable from here too.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import torch
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import PROTOCOL_VERSION
-from userdp.proto.tensors import (
-    TensorAssembler,
-    TensorDecodeError,
-    chunks_sha256,
-    tensors_chunks,
-)
-from userdp.server.aggregation import PartialSum
+from userdp.proto.codec import partial_from_result
+from userdp.proto.tensors import TensorAssembler, TensorDecodeError
 from userdp.server.auth import Authorizer
+from userdp.server.publisher import ModelPublisher
+from userdp.server.registry import (
+    ModelAcked,
+    ResultReceived,
+    StartupStatus,
+    TaskFailedEvent,
+    WorkerRegistry,
+    WorkerSession,
+)
+
+__all__ = [
+    "CoordinatorService",
+    "ModelPublisher",
+    "StartupStatus",
+    "Undecodable",
+    "WorkerRegistry",
+    "WorkerSession",
+    "tolerant_deserializer",
+]
 
 log = logging.getLogger(__name__)
 
-_CLOSE = object()
 MAX_OPEN_RESULTS = 8
-CHUNK_MESSAGE_OVERHEAD = 64 << 10  # a chunk message's framing, name and shape, generously
 """Partial sums one session may be receiving at once (bounds coordinator memory)."""
+CHUNK_MESSAGE_OVERHEAD = 64 << 10
+"""A chunk message's framing, name and shape, generously."""
 
 
 # ---- undecodable requests -------------------------------------------------------------------
@@ -80,242 +96,7 @@ def _log_undecodable(method: str, peer: str, request: Undecodable, worker: str =
     )
 
 
-# ---- events for the step loop ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerJoined:
-    session: WorkerSession
-
-
-@dataclass(frozen=True)
-class WorkerLost:
-    session: WorkerSession
-    reason: str
-
-
-@dataclass(frozen=True)
-class ResultReceived:
-    session: WorkerSession
-    task_id: str
-    attempt: int
-    partial: PartialSum | None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class TaskFailedEvent:
-    session: WorkerSession
-    task_id: str
-    attempt: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class ModelAcked:
-    session: WorkerSession
-    model_version: int
-    rejected: bool
-
-
-Event = WorkerJoined | WorkerLost | ResultReceived | TaskFailedEvent | ModelAcked
-
-
-# ---- sessions -------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class WorkerSession:
-    worker_id: str
-    session_id: str
-    shards: frozenset[str]
-    capabilities: pb.Capabilities
-    model_version: int
-    """The version the worker acknowledged holding (-1 while a resync is in flight)."""
-    sent_version: int = -1
-    """The last version sent to it (full or update); updates go only on top of this."""
-    peer: str = ""
-    alive: bool = True
-    draining: bool = False
-    last_seen: float = field(default_factory=time.monotonic)
-    outbox: queue.Queue = field(default_factory=queue.Queue)
-
-    def send(self, message: pb.CoordinatorMessage) -> None:
-        if self.alive:
-            self.outbox.put(message)
-
-    def send_many(self, messages: list[pb.CoordinatorMessage]) -> None:
-        if self.alive:
-            for message in messages:
-                self.outbox.put(message)
-
-    def close(self) -> None:
-        self.alive = False
-        self.outbox.put(_CLOSE)
-
-
-class ModelPublisher:
-    """The current model version in wire form. :meth:`publish` encodes a step's update (the
-    trainable tensors, chunked once, shared by every session); :meth:`full` adds the frozen
-    tensors for a resync. Updates carry no sha256 (transport integrity is TCP/HTTP2/TLS and the
-    chunk checks); a full model carries one, which the worker verifies before applying it."""
-
-    def __init__(self, chunk_bytes: int = 1 << 20) -> None:
-        self.chunk_bytes = chunk_bytes
-        self._lock = threading.Lock()
-        self.version = -1
-        self._trainable_parts: list[pb.CoordinatorMessage] = []
-        self._trainable_count = 0
-        self._frozen_chunks: list[pb.TensorChunk] = []
-        self._frozen_count = 0
-        self._full_cache: tuple[int, list[pb.CoordinatorMessage]] | None = None
-
-    def _parts(
-        self,
-        version: int,
-        tensors: Mapping[str, torch.Tensor],
-        sink: Callable[[pb.CoordinatorMessage], None] | None = None,
-    ) -> list:
-        out: list[pb.CoordinatorMessage] = []
-
-        def new_chunk() -> pb.TensorChunk:
-            message = pb.CoordinatorMessage()
-            message.model_part.model_version = version
-            out.append(message)
-            return message.model_part.chunk
-
-        for _ in tensors_chunks(tensors, self.chunk_bytes, new_chunk):
-            if sink is not None:
-                sink(out[-1])  # complete: stream it while the next chunk is encoded
-        return out
-
-    def publish(
-        self,
-        version: int,
-        trainable: Mapping[str, torch.Tensor],
-        frozen: Mapping[str, torch.Tensor] | None = None,
-        sink: Callable[[pb.CoordinatorMessage], None] | None = None,
-    ) -> list[pb.CoordinatorMessage]:
-        """Encode ``trainable`` (and ``frozen`` when given) as ``version``; return the update
-        messages (trainable tensors + a non-full commit) to send to in-sync workers. ``sink``
-        receives each message as soon as it is encoded (the commit included), so sending
-        overlaps encoding."""
-        parts = self._parts(version, trainable, sink)
-        frozen_chunks = (
-            list(tensors_chunks(frozen, self.chunk_bytes)) if frozen is not None else None
-        )
-        with self._lock:
-            self.version = version
-            self._trainable_parts, self._trainable_count = parts, len(trainable)
-            if frozen_chunks is not None:
-                self._frozen_chunks, self._frozen_count = frozen_chunks, len(frozen)
-            self._full_cache = None
-        commit = pb.CoordinatorMessage(
-            model_commit=pb.ModelCommit(
-                model_version=version, full=False, num_tensors=len(trainable)
-            )
-        )
-        if sink is not None:
-            sink(commit)
-        return [*parts, commit]
-
-    def full(self) -> tuple[int, list[pb.CoordinatorMessage]]:
-        """(version, every tensor + a full commit with the model's sha256) for a resync."""
-        with self._lock:
-            if self._full_cache is None or self._full_cache[0] != self.version:
-                frozen_parts = []
-                for chunk in self._frozen_chunks:
-                    message = pb.CoordinatorMessage()
-                    message.model_part.model_version = self.version
-                    message.model_part.chunk.CopyFrom(chunk)
-                    frozen_parts.append(message)
-                parts = [*frozen_parts, *self._trainable_parts]
-                commit = pb.ModelCommit(
-                    model_version=self.version,
-                    full=True,
-                    num_tensors=self._frozen_count + self._trainable_count,
-                    params_sha256=chunks_sha256(m.model_part.chunk for m in parts),
-                )
-                self._full_cache = (
-                    self.version,
-                    [*parts, pb.CoordinatorMessage(model_commit=commit)],
-                )
-            return self._full_cache
-
-
-@dataclass(frozen=True)
-class StartupStatus:
-    """A starting worker's last progress report (``ReportStartup``)."""
-
-    worker_id: str
-    phase: str
-    phase_seconds: float
-    shards: frozenset[str]
-    received: float
-    """``time.monotonic()`` when the report arrived."""
-
-
-class WorkerRegistry:
-    """Live sessions by worker id, start-up reports of workers not yet connected, and the event
-    queue the step loop reads."""
-
-    def __init__(self) -> None:
-        self.events: queue.Queue[Event] = queue.Queue()
-        self._lock = threading.Lock()
-        self._sessions: dict[str, WorkerSession] = {}
-        self._startup: dict[str, StartupStatus] = {}
-
-    def report_startup(self, status: StartupStatus) -> None:
-        with self._lock:
-            self._startup[status.worker_id] = status
-
-    def startup(self) -> dict[str, StartupStatus]:
-        """The last start-up report of every worker that sent one, by worker id."""
-        with self._lock:
-            return dict(self._startup)
-
-    def add(self, session: WorkerSession) -> None:
-        with self._lock:
-            if not session.alive:  # its stream ended before it was registered
-                return
-            old = self._sessions.get(session.worker_id)
-            self._sessions[session.worker_id] = session
-        if old is not None:
-            old.close()
-            self.events.put(WorkerLost(old, "replaced by a new session of the same worker"))
-        self.events.put(WorkerJoined(session))
-
-    def lost(self, session: WorkerSession, reason: str) -> None:
-        with self._lock:
-            if self._sessions.get(session.worker_id) is session:
-                del self._sessions[session.worker_id]
-            elif not session.alive:
-                return
-        if session.alive:
-            session.close()
-            self.events.put(WorkerLost(session, reason))
-
-    def sessions(self) -> list[WorkerSession]:
-        with self._lock:
-            return [s for s in self._sessions.values() if s.alive]
-
-    def reap_silent(self, max_silence_s: float, now: float | None = None) -> list[str]:
-        """Close every session that sent nothing (not even a heartbeat) for ``max_silence_s``:
-        a hung worker becomes a lost one, whose tasks the step loop re-issues. Returns their ids."""
-        now = time.monotonic() if now is None else now
-        silent = [s for s in self.sessions() if now - s.last_seen > max_silence_s]
-        for session in silent:
-            self.lost(session, f"silent for {now - session.last_seen:.0f}s (no heartbeat)")
-        return [s.worker_id for s in silent]
-
-    def get(self, worker_id: str) -> WorkerSession | None:
-        with self._lock:
-            return self._sessions.get(worker_id)
-
-    def close_all(self, reason: str = "coordinator shutting down") -> None:
-        for session in self.sessions():
-            session.send(pb.CoordinatorMessage(drain=pb.Drain(reason=reason)))
-            session.close()
+# ---- the service ----------------------------------------------------------------------------
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -429,11 +210,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             daemon=True,
             name=f"userdp-read-{reg.worker_id}",
         ).start()
-        while True:
-            message = session.outbox.get()
-            if message is _CLOSE:
-                return
-            yield message
+        yield from session.outgoing()
 
     def _check_message_limit(self, reg: pb.Register) -> str | None:
         """A worker that could not receive the model's chunks would fail on every broadcast and
@@ -530,23 +307,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             tensors = assembler.finish(expected_count=result.num_tensors)
         except TensorDecodeError as exc:
             return ResultReceived(session, *key, None, str(exc))
-        partial = PartialSum(
-            task_id=result.task_id,
-            attempt=result.attempt,
-            step=result.step,
-            model_version=result.model_version,
-            worker_id=session.worker_id,
-            unit_ids=tuple(result.unit_ids),
-            tensors=tensors,
-            count=result.count,
-            nonfinite=result.nonfinite,
-            clipped=result.clipped,
-            norm_min=result.norms.min,
-            norm_max=result.norms.max,
-            norm_sum=result.norms.sum,
-            norm_sum_sq=result.norms.sum_sq,
-            loss_sum=result.loss_sum,
-            tokens=result.tokens,
-            compute_seconds=result.compute_seconds,
+        return ResultReceived(
+            session, *key, partial_from_result(result, session.worker_id, tensors)
         )
-        return ResultReceived(session, *key, partial)

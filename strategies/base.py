@@ -33,16 +33,22 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from userdp.accounting.facts import Adjacency, PrivacyFacts, Sampling, Unit
 from userdp.accounting.mechanisms import Mechanism
 from userdp.strategies import tensors as T
+from userdp.strategies.errors import StrategyError
 from userdp.strategies.noise import GaussianNoise, NoiseMechanism
 from userdp.strategies.optimizers import ServerOptimizer, Sgd
+from userdp.strategies.population import (
+    PopulationCounts,
+    as_population,
+    example_unit_id,
+    parse_example_unit_id,
+)
 from userdp.strategies.samplers import Sampler
 
 __all__ = [
@@ -67,70 +73,18 @@ __all__ = [
 UNITS: tuple[str, ...] = tuple(u.value for u in Unit)
 
 
-class StrategyError(ValueError):
-    """A strategy was configured or called wrongly; the message says what to change."""
+def _check_unit(unit: str) -> None:
+    if unit not in UNITS:
+        raise StrategyError(f"unit={unit!r} is not allowed; expected one of {UNITS}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise StrategyError(f"{name}={value!r} is out of range; expected > 0")
 
 
 # ---------------------------------------------------------------------------------------------
 # values passed between the hooks
-
-
-@dataclass(frozen=True)
-class PopulationCounts:
-    """What the coordinator knows about the data: user ids and, for example units, counts.
-
-    ``user_ids`` is the manifest order (a sampler's randomness is drawn over positions in it, so
-    the order must be stable across a run and a resume). ``examples_per_user`` is needed only by
-    example-level strategies (ELS, Alg. 1's D_sub); it is an int array aligned with ``user_ids``.
-    """
-
-    user_ids: Sequence[str]
-    examples_per_user: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.user_ids)
-
-    def require_examples(self, who: str) -> np.ndarray:
-        if self.examples_per_user is None:
-            raise StrategyError(
-                f"{who} needs the number of examples per user; pass a population with "
-                "examples_of_user (user id -> n_examples), not just user ids"
-            )
-        return self.examples_per_user
-
-
-def as_population(population: Any) -> PopulationCounts:
-    """Accept what callers have: a PopulationCounts, a sequence of user ids, a mapping
-    ``user id -> n_examples``, or an object with a ``population_counts`` attribute
-    (``userdp.server.population.Population``, which converts itself once)."""
-    if isinstance(population, PopulationCounts):
-        return population
-    counts = getattr(population, "population_counts", None)
-    if isinstance(counts, PopulationCounts):
-        return counts
-    if isinstance(population, Mapping):
-        users = tuple(population)
-        values = np.fromiter((int(population[u]) for u in users), dtype=np.int64, count=len(users))
-        return PopulationCounts(users, values)
-    if isinstance(population, Sequence) and not isinstance(population, str | bytes):
-        return PopulationCounts(population)
-    raise StrategyError(
-        f"population={type(population).__name__} is not allowed; expected user ids, a mapping "
-        "user id -> n_examples, or a userdp.server.population.Population"
-    )
-
-
-def example_unit_id(user_id: str, example_index: int) -> str:
-    """The unit id of one example of D_sub: ``"<user id>/<example index>"``."""
-    return f"{user_id}/{int(example_index)}"
-
-
-def parse_example_unit_id(unit_id: str) -> tuple[str, int]:
-    """Inverse of :func:`example_unit_id` (user ids may themselves contain ``/``)."""
-    user, sep, index = unit_id.rpartition("/")
-    if not sep or not index.isdigit():
-        raise StrategyError(f"unit id {unit_id!r} is not an example unit '<user id>/<index>'")
-    return user, int(index)
 
 
 @dataclass(frozen=True)
@@ -185,10 +139,8 @@ class TaskSpec:
     local_batch_size: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
-            raise StrategyError(f"clip_norm={self.clip_norm!r} is out of range; expected > 0")
-        if self.unit not in UNITS:
-            raise StrategyError(f"unit={self.unit!r} is not allowed; expected one of {UNITS}")
+        _check_positive("clip_norm", self.clip_norm)
+        _check_unit(self.unit)
         if self.local_steps < 0 or (self.local_steps > 0 and not self.local_lr > 0):
             raise StrategyError(
                 f"local_steps={self.local_steps}, local_lr={self.local_lr}: local steps need "
@@ -273,14 +225,9 @@ class Strategy(ABC):
         noise: NoiseMechanism | None = None,
         optimizer: ServerOptimizer | None = None,
     ) -> None:
-        if unit not in UNITS:
-            raise StrategyError(f"unit={unit!r} is not allowed; expected one of {UNITS}")
-        if not (math.isfinite(clip_norm) and clip_norm > 0):
-            raise StrategyError(f"clip_norm={clip_norm!r} is out of range; expected > 0")
-        if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
-            raise StrategyError(
-                f"noise_multiplier={noise_multiplier!r} is out of range; expected > 0"
-            )
+        _check_unit(unit)
+        _check_positive("clip_norm", clip_norm)
+        _check_positive("noise_multiplier", noise_multiplier)
         if not isinstance(sampler, Sampler):
             raise StrategyError(
                 f"sampler={type(sampler).__name__} is not a userdp.strategies.samplers.Sampler"

@@ -26,6 +26,9 @@ the sampler that ran. Samplers (paper in brackets):
   experiments run); NO accountant matches it — reports say so.
 - :class:`TruncatedSampler`: pad/truncate any sampler's cohort to a fixed size (``padding``); the
   guarantee is then under zero-out adjacency.
+
+One module for the family: every sampler follows the seed discipline above behind the one
+:class:`Sampler` interface, and :func:`make_sampler` chooses among them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 
 import numpy as np
 from userdp.accounting.facts import Adjacency, Sampling
+from userdp.accounting.validation import positive_int
 
 __all__ = [
     "SEED_CAVEAT",
@@ -103,12 +107,6 @@ def _check_probability(name: str, q: float) -> float:
     if not (isinstance(q, int | float) and 0.0 < q <= 1.0):
         raise SamplerError(f"{name}={q!r} is out of range; expected a probability in (0, 1]")
     return float(q)
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise SamplerError(f"{name}={value!r} is out of range; expected an integer >= 1")
-    return int(value)
 
 
 SEED_CAVEAT = (
@@ -191,7 +189,7 @@ class ExampleSubset:
         counts = np.asarray(examples_per_user, dtype=np.int64)
         if counts.ndim != 1 or (counts < 0).any():
             raise SamplerError("examples_per_user must be a 1-D array of non-negative integers")
-        self.group_size = _check_positive_int("group_size", group_size)
+        self.group_size = positive_int("group_size", group_size, SamplerError)
         self.examples_per_user = counts
         taken = np.minimum(counts, self.group_size)
         self.offsets = np.concatenate([[0], np.cumsum(taken)]).astype(np.int64)
@@ -291,7 +289,7 @@ class BallsInBinsSampler(Sampler):
         seed: int | None = None,
     ) -> None:
         super().__init__(seed)
-        self.bins = _check_positive_int("bins", bins)
+        self.bins = positive_int("bins", bins, SamplerError)
         try:
             self.sampling = Sampling(sampling)
         except ValueError:
@@ -395,7 +393,7 @@ class TruncatedSampler(Sampler):
     def __init__(self, base: Sampler, size: int, seed: int | None = None) -> None:
         super().__init__(seed)
         self.base = base
-        self.size = _check_positive_int("size", size)
+        self.size = positive_int("size", size, SamplerError)
         self.padded_size = self.size
 
     def sample(self, step: int, n: int) -> np.ndarray:

@@ -5,42 +5,41 @@ Three ways to reach the workers, one run loop (:class:`RunLoop`) and one set of 
 
 - ``grpc`` (``simulate``): the real coordinator serves the ``userdp.v1`` protocol on loopback and
   ``workers.count`` worker PROCESSES (``userdp worker``) hold the shards (``workers.replicas``
-  copies of each) and compute with the DeepSpeed engine.
-- ``in-process`` (``simulate --in-process``): the same strategy hooks
-  (:func:`userdp.strategies.inprocess.run_step`) and the same worker compute
-  (:class:`userdp.clients.worker_service.EngineCompute`, fed the same wire ``Task`` the
-  coordinator would send) in one process, without gRPC or retries: fast research loops. It
-  checkpoints like the coordinator (every ``coordinator.checkpoint_every`` steps and on exit,
-  same format) and resumes from the checkpoint (:func:`_resume_in_process`).
+  copies of each) and compute with the DeepSpeed engine (:mod:`userdp.worker_processes`).
+- ``in-process`` (``simulate --in-process``): the same strategy hooks and the same worker compute
+  in one process, without gRPC or retries: fast research loops; it checkpoints and resumes like
+  the coordinator (:mod:`userdp.in_process`).
 - ``external`` (``train``): the coordinator serves ``coordinator.host:port`` and waits for an
-  already running deployment's workers to connect.
+  already running deployment's workers to connect (:mod:`userdp.worker_processes`).
 
 Before step 1: σ is calibrated to the target (:mod:`userdp.run_components`), and the held-out
 users' loss is measured on the initial model (the no-fine-tuning baseline). Ctrl-C (or SIGTERM)
 stops cleanly: a checkpoint is saved and the same command resumes; the ledger, not the step
 counter, says what was spent.
+
+This module is where the test-only noise switch of :func:`run` is bound into the coordinator and
+the in-process step; the transport modules never see it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from userdp.in_process import InProcessWorker, run_in_process
+from userdp.worker_processes import serve_workers, shut_down
+
+__all__ = ["MODES", "InProcessWorker", "RunLoop", "RunResult", "resolved_config", "run"]
+
 log = logging.getLogger(__name__)
 
 MODES = ("grpc", "in-process", "external")
-RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
 @dataclass
@@ -193,7 +192,7 @@ class RunLoop:
         """After an error: close the progress bar and end the trackers' runs (flushed); a
         failure here (e.g. the same full disk) is logged, never raised over the run's error."""
         self.close_progress()
-        _shut_down(("end the trackers' runs", lambda: self.trackers.finish(None, None)))
+        shut_down(("end the trackers' runs", lambda: self.trackers.finish(None, None)))
 
     def on_worker_progress(self, starting: list[Any]) -> None:
         """While the coordinator waits for workers: each starting worker's phase on the progress
@@ -294,105 +293,13 @@ class RunLoop:
         )
 
 
-# ---- the three transports ----------------------------------------------------------------------
-
-
-def _worker_assignments(shards: list[str], workers: int, replicas: int) -> list[list[str]]:
-    """Shard j goes to workers j, j+1, … (mod W): ``replicas`` distinct holders per shard."""
-    if replicas > workers:
-        raise ValueError(f"workers.replicas = {replicas} > workers.count = {workers}")
-    held: list[list[str]] = [[] for _ in range(workers)]
-    for j, shard in enumerate(shards):
-        for k in range(replicas):
-            held[(j + k) % workers].append(shard)
-    empty = [i for i, names in enumerate(held) if not names]
-    if empty:
-        raise ValueError(
-            f"workers.count = {workers} exceeds what {len(shards)} shards x {replicas} replicas "
-            "can keep busy; lower workers.count or raise workers.replicas"
-        )
-    return held
-
-
-def _spawn_workers(loop: RunLoop, address: str) -> list[subprocess.Popen]:
-    setup, config = loop.setup, loop.run_config
-    shards = [entry.name for entry in setup.manifest.shards]
-    held = _worker_assignments(shards, config.workers.count, config.workers.replicas)
-    logs = loop.out / "logs"
-    logs.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
-    env["PYTHONUNBUFFERED"] = "1"  # each worker is its own single-rank process group
-    threads = max(1, (os.cpu_count() or 1) // len(held))
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    procs = []
-    for i, names in enumerate(held):
-        cmd = [
-            sys.executable,
-            "-m",
-            "userdp.cli",
-            "worker",
-            "--coordinator",
-            address,
-            "--shards",
-            str(setup.shard_dir),
-            "--shard-names",
-            ",".join(names),
-            "--worker-id",
-            f"sim-worker-{i}",
-            "--config",
-            str(loop.config_path),
-        ]
-        log_path = logs / f"worker-{i}.log"
-        with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-        proc.log_path = str(log_path)  # type: ignore[attr-defined]
-        procs.append(proc)
-    return procs
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return lines[-1][-300:] if lines else ""
-
-
-def _check_workers_alive(procs: list[subprocess.Popen]) -> None:
-    """Raise :class:`WorkerStartupError` naming the first worker process that has exited and
-    the last line of its log (the wait for workers calls this while it waits)."""
-    from userdp.server.startup import WorkerStartupError
-
-    for proc in procs:
-        if proc.poll() is not None:
-            worker_id = proc.args[proc.args.index("--worker-id") + 1]
-            log_path = Path(proc.log_path)
-            last = _last_line(log_path)
-            raise WorkerStartupError(
-                f"worker {worker_id} exited with status {proc.returncode} before it was ready"
-                + (f": {last}" if last else "")
-                + f" (log: {log_path})"
-            )
-
-
-def _stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _run_coordinator(loop: RunLoop, spawn: bool) -> tuple[dict[str, torch.Tensor], str]:
+def _start_coordinator(loop: RunLoop) -> Any:
+    """The coordinator of the ``grpc`` and ``external`` modes, serving ``loop``'s components
+    (:func:`userdp.server.runtime.start_coordinator`), not yet waiting for workers."""
     from userdp.server.runtime import start_coordinator
 
     setup = loop.setup
-    running = start_coordinator(
+    return start_coordinator(
         loop.run_config,
         strategy=setup.strategy,
         ledger=loop.ledger,
@@ -403,191 +310,6 @@ def _run_coordinator(loop: RunLoop, spawn: bool) -> tuple[dict[str, torch.Tensor
         options=setup.options,
         test_only_disable_noise=loop.no_noise,
     )
-    coordinator = running.coordinator
-    address = f"{loop.run_config.coordinator.host}:{running.server.port}"
-    procs: list[subprocess.Popen] = []
-    finished, stopped = False, "interrupted"
-
-    def shutdown() -> list[BaseException]:
-        return _shut_down(
-            ("save the last checkpoint", coordinator.save),
-            ("stop the coordinator", lambda: running.stop(finished)),
-            ("stop the worker processes", lambda: _stop_workers(procs)),
-        )
-
-    try:
-        if spawn:
-            procs += _spawn_workers(loop, address)
-        else:
-            print(f"userdp train: coordinator listening on {address}", file=sys.stderr, flush=True)
-        coordinator.wait_for_workers(
-            on_progress=loop.on_worker_progress, check=lambda: _check_workers_alive(procs)
-        )
-        loop.on_worker_progress([])
-
-        def on_step(report: Any) -> None:
-            loop.on_step(
-                report.step,
-                report.units,
-                report.expected_cohort_size,
-                report.clipped,
-                report.nonfinite,
-                report.loss_mean,
-                report.tokens,
-                setup.trainable,
-            )
-
-        coordinator.run(loop.steps, on_step=on_step)
-        finished = True
-        stopped = "budget" if coordinator.budget_exhausted else "finished"
-    except BaseException:
-        shutdown()  # its own failures are logged; the run's error is the one raised
-        raise
-    errors = shutdown()
-    if errors:
-        raise errors[0]
-    return setup.trainable, stopped
-
-
-def _shut_down(*actions: tuple[str, Any]) -> list[BaseException]:
-    """Run every shutdown action even when one fails (a full disk must not leave the gRPC server
-    or the worker processes running, which would keep the process alive): each failure is
-    logged in one line and returned."""
-    errors: list[BaseException] = []
-    for what, action in actions:
-        try:
-            action()
-        except Exception as exc:
-            log.error("could not %s: %s", what, " ".join(str(exc).split()) or type(exc).__name__)
-            errors.append(exc)
-    return errors
-
-
-class InProcessWorker:
-    """The worker compute (:class:`~userdp.clients.worker_service.EngineCompute` over the run's
-    shards) called in this process with the wire ``Task`` the coordinator would send for the
-    same step and units. Used by ``simulate --in-process`` and by ``userdp audit``."""
-
-    def __init__(self, config: Any, setup: Any) -> None:
-        from userdp.clients.shard_store import ShardStore
-        from userdp.clients.worker_service import build_compute
-
-        self.store = ShardStore(setup.shard_dir)
-        self.compute = build_compute(config, self.store)
-        self.compute.apply_model({k: LocalTensor(v) for k, v in setup.frozen.items()}, full=True)
-
-    def __call__(
-        self, spec: Any, step: int, unit_ids: Sequence[str], params: dict[str, torch.Tensor]
-    ) -> Any:
-        """The clipped sum of ``unit_ids`` at ``params`` (a :class:`ClippedSum`)."""
-        from userdp.server.coordinator import task_proto
-
-        self.compute.apply_model({k: LocalTensor(v) for k, v in params.items()}, full=False)
-        return self.compute.compute(task_proto(spec, step, "in-process", 0, 0, unit_ids, 0.0))
-
-    def close(self) -> None:
-        self.store.close()
-
-
-def _resume_in_process(
-    checkpoint_dir: Path, params: dict[str, torch.Tensor], strategy: Any, ledger: Any
-) -> int:
-    """Load the latest in-process checkpoint into ``params`` and ``strategy``; return the next
-    step. Steps the ledger charged after that checkpoint (a crash between checkpoints) are never
-    re-run, as for the coordinator (:func:`~userdp.server.coordinator.continue_after_lost_steps`)."""
-    from userdp.server.checkpoint import restore_latest
-    from userdp.server.coordinator import continue_after_lost_steps
-
-    checkpoint = restore_latest(checkpoint_dir, params, strategy)
-    next_step = checkpoint.step if checkpoint is not None else 0
-    last = ledger.last_step if ledger.records else -1
-    if last >= next_step:
-        return continue_after_lost_steps(strategy, next_step, last)
-    return next_step
-
-
-def _run_in_process(loop: RunLoop) -> tuple[dict[str, torch.Tensor], str]:
-    from userdp.accounting.ledger import BudgetExceededError
-    from userdp.server.checkpoint import save_checkpoint
-    from userdp.strategies.base import ClipStatistics
-    from userdp.strategies.inprocess import run_step
-
-    setup, config = loop.setup, loop.run_config
-    params = setup.trainable
-    compute = InProcessWorker(config, setup)
-    step_stats: dict[str, float] = {}
-
-    def worker(spec: Any, unit_ids: Any, current: dict[str, torch.Tensor]) -> tuple[dict, Any]:
-        result = compute(spec, int(step_stats["step"]), list(unit_ids), current)
-        for key in ("loss_sum", "tokens", "nonfinite"):
-            step_stats[key] += getattr(result, key)
-        return dict(result.sums), ClipStatistics(result.count, result.clipped)
-
-    checkpoint_dir = loop.out / "checkpoints"
-    start = _resume_in_process(checkpoint_dir, params, setup.strategy, loop.ledger)
-    done = start
-
-    def save() -> None:
-        save_checkpoint(
-            checkpoint_dir,
-            step=done,
-            model_version=done,
-            ledger_entries=len(loop.ledger.records),
-            state={"params": params, "strategy": setup.strategy.state_dict()},
-        )
-
-    stopped = "finished"
-    try:
-        for step in range(start, loop.steps):
-            step_stats.update(step=step, loss_sum=0.0, tokens=0, nonfinite=0)
-            try:
-                record = run_step(
-                    setup.strategy,
-                    step,
-                    params,
-                    setup.population,
-                    worker,
-                    ledger=loop.ledger,
-                    workers=config.workers.count,
-                    options=setup.options,
-                    test_only_disable_noise=loop.no_noise,
-                )
-            except BudgetExceededError as exc:
-                log.warning("stopping before step %d: %s", step, exc)
-                stopped = "budget"
-                break
-            done = step + 1
-            if done % config.coordinator.checkpoint_every == 0:
-                save()
-            tokens = int(step_stats["tokens"])
-            loss = step_stats["loss_sum"] / tokens if tokens else math.nan
-            loop.on_step(
-                step,
-                record.units,
-                record.expected_size,
-                record.clipped,
-                int(step_stats["nonfinite"]),
-                loss,
-                tokens,
-                params,
-            )
-        save()
-    except KeyboardInterrupt:
-        stopped = "interrupted"
-        save()  # an unexpected error saves nothing: the last checkpoint and the ledger resume
-    finally:
-        compute.close()
-    return params, stopped
-
-
-@dataclass(frozen=True)
-class LocalTensor:
-    """A local tensor where :meth:`EngineCompute.apply_model` expects a received one."""
-
-    tensor: torch.Tensor
-
-    def torch(self) -> torch.Tensor:
-        return self.tensor
 
 
 def run(
@@ -611,9 +333,12 @@ def run(
     params = loop.setup.trainable
     try:
         if mode == "in-process":
-            params, stopped = _run_in_process(loop)
+            from userdp.strategies.inprocess import run_step
+
+            step = functools.partial(run_step, test_only_disable_noise=loop.no_noise)
+            params, stopped = run_in_process(loop, step)
         else:
-            params, stopped = _run_coordinator(loop, spawn=(mode == "grpc"))
+            params, stopped = serve_workers(loop, _start_coordinator(loop), spawn=(mode == "grpc"))
     except KeyboardInterrupt:
         stopped = "interrupted"
     except Exception:

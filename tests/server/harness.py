@@ -16,7 +16,8 @@ from userdp.proto.channels import DEFAULT_MAX_MESSAGE_BYTES
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings
 from userdp.server.grpc_server import RunningServer, serve
-from userdp.server.service import ModelPublisher, WorkerRegistry
+from userdp.server.publisher import ModelPublisher
+from userdp.server.registry import WorkerRegistry
 from userdp.strategies.base import Release
 
 from . import toy

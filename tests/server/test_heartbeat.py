@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from userdp.proto import userdp_v1_pb2 as pb
-from userdp.server.service import WorkerLost, WorkerRegistry, WorkerSession
+from userdp.server.registry import WorkerLost, WorkerRegistry, WorkerSession
 
 
 def _session(worker_id: str, last_seen: float) -> WorkerSession:

@@ -16,8 +16,8 @@ from userdp.server.aggregation import StepGather
 from userdp.server.auth import Authorizer
 from userdp.server.certs import make_dev_ca
 from userdp.server.coordinator import CoordinatorSettings
+from userdp.server.registry import WorkerLost, WorkerSession
 from userdp.server.runtime import INSECURE_WARNING, authorizer_from_config
-from userdp.server.service import WorkerLost, WorkerSession
 
 from userdp.config import parse_config
 

@@ -15,7 +15,7 @@ from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import bearer
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import CoordinatorSettings
-from userdp.server.service import StartupStatus, WorkerSession
+from userdp.server.registry import StartupStatus, WorkerSession
 from userdp.server.startup import StartupWait, WorkerStartupError, summarize
 
 from .harness import make_loopback

@@ -16,7 +16,8 @@ from userdp import cli
 from userdp.config import load_config, parse_config
 from userdp.run_components import prepare_run, split_users
 from userdp.run_outputs import config_toml, read_metrics
-from userdp.simulation import _worker_assignments, run
+from userdp.simulation import run
+from userdp.worker_processes import _worker_assignments
 
 REPORT_KEYS = {
     "epsilon",
@@ -106,7 +107,7 @@ def test_worker_logs_hold_their_start_up_phases(grpc_run) -> None:
 def test_a_worker_process_that_exits_ends_the_wait_naming_its_log(tmp_path) -> None:
     from userdp.server.startup import WorkerStartupError
 
-    from userdp.simulation import _check_workers_alive
+    from userdp.worker_processes import _check_workers_alive
 
     log_path = tmp_path / "worker-0.log"
     with open(log_path, "w") as log_file:
@@ -300,7 +301,7 @@ def test_in_process_resume_never_reruns_a_charged_step(tmp_path) -> None:
     from userdp.server.checkpoint import save_checkpoint
     from userdp.server.coordinator import ResumeError
 
-    from userdp.simulation import _resume_in_process
+    from userdp.in_process import _resume_in_process
 
     class Noise:
         def __init__(self, state):

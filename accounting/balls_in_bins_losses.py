@@ -1,0 +1,290 @@
+"""The balls-in-bins dominating pair and its privacy-loss samples, the Monte Carlo core of
+:mod:`userdp.accounting.balls_in_bins` (Choquette-Choo et al., "Near Exact Privacy Amplification
+for Matrix Mechanisms").
+
+Mechanism: every unit (user) lands in one uniformly random bin among ``bins``; step t of each
+epoch uses bin t, and the run releases Cx + σz (equivalently x + σC⁻¹z), z ~ N(0, I), for a
+non-negative lower-triangular C (``None`` = identity = DP-SGD), n = bins·epochs steps.
+
+Two bin semantics, NOT interchangeable (the sampler and the accountant must agree):
+
+* ``"fixed"`` — bins drawn once for the whole run (Def. 3.1 of that paper; the b-min-sep
+  structure matrix mechanisms need). Its Lemma 3.2: dominated by the b-mode mixture
+      P = (1/b) Σᵢ N(mᵢ, σ²Iₙ)  vs  Q = N(0, σ²Iₙ),   mᵢ = Σⱼ |C|[:, b·j + i].
+* ``"per-epoch"`` — bins redrawn every epoch (random allocation, Chua et al. arXiv 2412.16802).
+  Only C = identity is supported: the epochs are then independent one-epoch mechanisms with
+  orthonormal modes, so the run is dominated by the E-fold product of the one-epoch pair and the
+  privacy loss is the SUM of E independent one-epoch losses (exact composition, sampled).
+  With correlated noise the epochs are coupled and there are b^E patterns; no dominating pair
+  is known here, so that combination raises :class:`UnsupportedBinSemanticsError`.
+
+Sampling draws the paper's σ-independent samples X = m_k + σZ (its §4.1, Algorithm 2) through
+the Gram matrix G = MᵀM: with k ~ Unif[b], W = MᵀZ ~ N(0, G),
+    Y  = logsumexpᵢ((G[k,i] − G[i,i]/2)/σ² + Wᵢ/σ) − log b          (X ~ P, loss log P/Q)
+    Y' = −(logsumexpᵢ(−G[i,i]/(2σ²) + Wᵢ/σ) − log b)                 (X ~ Q, loss log Q/P)
+so after an O(n·b²) setup each sample costs O(b²) (O(b) for diagonal G), independent of n and
+of the model size. Both directions are always sampled; each sample's W is shared by both.
+A seed gives independent streams, children ``_ESTIMATE`` (0) and ``_VERIFY`` (1) of
+``SeedSequence(seed)``, drawn again identically on every call (common random numbers).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from userdp.accounting.correlation import Correlation, CorrelationError, from_spec
+from userdp.accounting.mechanisms import CorrelationSpec
+from userdp.accounting.validation import positive_int
+
+__all__ = [
+    "BIN_SEMANTICS",
+    "BallsInBinsError",
+    "DominatingPair",
+    "UnsupportedBinSemanticsError",
+    "correlation_matrix",
+    "dominating_pair",
+]
+
+BIN_SEMANTICS = ("fixed", "per-epoch")
+_CHUNK_ELEMENTS = 2**23  # float32 entries per chunk of W (32 MiB)
+_THREADS = max(1, min(4, os.cpu_count() or 1))  # chunks computed in parallel (GIL released)
+_ESTIMATE, _VERIFY = 0, 1
+
+
+class BallsInBinsError(ValueError):
+    """Bad input to the balls-in-bins accountant; the message names the parameter."""
+
+
+class UnsupportedBinSemanticsError(BallsInBinsError):
+    """``per-epoch`` bins with a non-identity correlation matrix have no accountant here."""
+
+
+# --------------------------------------------------------------------------------------------
+# the correlation matrix C
+
+
+def correlation_matrix(correlation: Any, n: int) -> np.ndarray | None:
+    """C as a dense n×n array, or None for the identity.
+
+    Accepts None; an (n, n) array; a callable ``f(n) -> array``; a
+    :class:`~userdp.accounting.correlation.Correlation` (e.g. ``strategies.blt.Blt``); or a
+    ``CorrelationSpec`` or its dict form, turned into numbers by
+    :func:`userdp.accounting.correlation.from_spec`.
+    """
+    if correlation is None:
+        return None
+    if isinstance(correlation, CorrelationSpec | Mapping):
+        try:
+            correlation = from_spec(correlation)
+        except CorrelationError as exc:
+            raise BallsInBinsError(str(exc)) from None
+    if isinstance(correlation, Correlation):
+        return None if correlation.is_identity else correlation.matrix(n)
+    matrix = correlation(n) if callable(correlation) else correlation
+    return np.asarray(matrix, dtype=np.float64)
+
+
+def _check_correlation(matrix: np.ndarray, n: int) -> None:
+    if matrix.shape != (n, n):
+        raise BallsInBinsError(
+            f"correlation has shape {matrix.shape}; expected ({n}, {n}) = (bins·epochs, bins·epochs)"
+        )
+    if not np.all(np.isfinite(matrix)):
+        raise BallsInBinsError("correlation has non-finite entries; expected finite numbers")
+    if np.any(np.triu(matrix, 1) != 0.0):
+        raise BallsInBinsError(
+            "correlation is not lower-triangular; Lemma 3.2 needs C[i, j] = 0, j > i"
+        )
+    if np.any(matrix < 0.0):
+        raise BallsInBinsError("correlation has negative entries; Lemma 3.2 needs C >= 0 entrywise")
+
+
+# --------------------------------------------------------------------------------------------
+# the dominating pair
+
+
+@dataclass(frozen=True)
+class DominatingPair:
+    """The b-mode mixture pair, reduced to its Gram matrix.
+
+    ``gram`` = MᵀM (b×b) of one block; ``compositions`` = how many independent copies of the
+    block's pair are composed (1 for fixed bins, ``epochs`` for per-epoch bins with C = I).
+    """
+
+    gram: np.ndarray
+    compositions: int
+    bin_semantics: str
+
+    @property
+    def bins(self) -> int:
+        return self.gram.shape[0]
+
+    @property
+    def sensitivity(self) -> float:
+        """√compositions · max‖mᵢ‖: the sensitivity of the same mechanism WITHOUT amplification."""
+        return math.sqrt(self.compositions * float(np.max(np.diag(self.gram))))
+
+
+def dominating_pair(
+    bins: int, epochs: int, *, bin_semantics: str = "fixed", correlation: Any = None
+) -> DominatingPair:
+    """Build the Lemma 3.2 pair for ``bins`` × ``epochs`` steps (validates every input)."""
+    bins = positive_int("bins", bins, BallsInBinsError)
+    epochs = positive_int("epochs", epochs, BallsInBinsError)
+    if bin_semantics not in BIN_SEMANTICS:
+        raise BallsInBinsError(
+            f"bin_semantics={bin_semantics!r} is not allowed; expected one of {BIN_SEMANTICS}"
+        )
+    n = bins * epochs
+    matrix = correlation_matrix(correlation, n)
+    if matrix is not None and np.array_equal(matrix, np.eye(n)):
+        matrix = None
+    if bin_semantics == "per-epoch":
+        if matrix is not None:
+            raise UnsupportedBinSemanticsError(
+                "bin_semantics='per-epoch' supports only correlation=None (identity, DP-SGD); "
+                "use bin_semantics='fixed' for correlated noise (the dominating pair of "
+                "Lemma 3.2 of Near Exact Privacy Amplification for Matrix Mechanisms)"
+            )
+        return DominatingPair(np.eye(bins), epochs, bin_semantics)
+    if matrix is None:
+        return DominatingPair(float(epochs) * np.eye(bins), 1, bin_semantics)
+    _check_correlation(matrix, n)
+    modes = matrix.reshape(n, epochs, bins).sum(axis=1)  # column t = b·j + i → [:, j, i]
+    return DominatingPair(modes.T @ modes, 1, bin_semantics)
+
+
+class _Sampler:
+    """Privacy-loss samples of a pair at any σ from FIXED randomness (common random numbers).
+
+    The standard normals are regenerated chunk by chunk from per-chunk seeds, so the same
+    object gives the same draws on every call without holding m·b floats in memory.
+    """
+
+    def __init__(self, pair: DominatingPair, num_samples: int, seed: Any, purpose: int) -> None:
+        self.pair = pair
+        self.num_samples = num_samples
+        self.bins = pair.bins
+        gram = pair.gram
+        self.diag = np.diag(gram).astype(np.float64)
+        if np.count_nonzero(gram - np.diag(self.diag)) == 0:
+            self.factor: np.ndarray | None = None  # W = √diag · g
+            self.scale = np.sqrt(self.diag).astype(np.float32)
+        else:
+            w, v = np.linalg.eigh(gram)
+            self.factor = (v * np.sqrt(np.clip(w, 0.0, None))).T.astype(np.float32)  # W = g @ Lᵀ
+        root = _root_seed(seed)
+        self.seed = _child(root, purpose)
+        width = self.bins * pair.compositions
+        self.chunk = max(1, min(num_samples, _CHUNK_ELEMENTS // width))
+
+    def _normals(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk ``index`` of the fixed draws: mode indices k and standard normals g."""
+        n_chunks = math.ceil(self.num_samples / self.chunk)
+        if not 0 <= index < n_chunks:
+            raise IndexError(index)
+        size = min(self.chunk, self.num_samples - index * self.chunk)
+        rng = np.random.default_rng(_child(self.seed, index))
+        k = rng.integers(0, self.bins, size=(self.pair.compositions, size))
+        g = rng.standard_normal((self.pair.compositions, size, self.bins), dtype=np.float32)
+        return k, g
+
+    def _chunk_losses(self, index: int, sigma: float) -> tuple[np.ndarray, np.ndarray]:
+        """The positive losses of both directions for chunk ``index`` at σ."""
+        k, g = self._normals(index)
+        log_b = math.log(self.bins)
+        if self.factor is None:
+            # Diagonal G: X ~ P differs from the Q-row only at coordinate k, by G[k, k]/σ², so
+            # its log-sum-exp follows from the Q-row's without a second pass over the b modes:
+            #   lse(pos) = logaddexp(log Σ_{i≠k} e^{base_i}, base_k + G[k, k]/σ²),
+            #   log Σ_{i≠k} e^{base_i} = lse(base) + log1p(−e^{base_k − lse(base)}).
+            base_k, lse_base = self._diagonal_lse(index, k, g, sigma)
+            with np.errstate(divide="ignore"):
+                rest = lse_base + np.log1p(-np.exp(np.minimum(base_k - lse_base, 0.0)))
+            lse_pos = np.logaddexp(rest, base_k + self.diag[k] / sigma**2)
+            y_qp = -(lse_base - log_b).sum(axis=0)
+            y_pq = (lse_pos - log_b).sum(axis=0)
+        else:
+            base = g @ self.factor
+            base *= np.float32(1.0 / sigma)
+            base -= (0.5 * self.diag / sigma**2).astype(np.float32)
+            pos = base + (self.pair.gram / sigma**2).astype(np.float32)[k]
+            y_qp = -_logsumexp_rows(base, log_b)
+            y_pq = _logsumexp_rows(pos, log_b)
+        return y_pq[y_pq > 0.0], y_qp[y_qp > 0.0]
+
+    def _diagonal_lse(
+        self, index: int, k: np.ndarray, g: np.ndarray, sigma: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(base_k, log Σ_i e^{base_i}) in float64 for base = √diag·g/σ − diag/(2σ²); ``g`` is
+        overwritten.
+
+        Equal diagonal entries (fixed bins without correlation, per-epoch bins) make the shift a
+        constant c: lse(base) = log Σ_i e^{s·g_i} − c, two passes over the draws (scale+exp in
+        place, sum) instead of the max-shifted five. e^{s·g} cannot overflow float32 unless
+        s·max g > 88; a non-finite or zero row sum sends the chunk down the max-shifted path,
+        regenerated from its seed."""
+        diag = self.diag
+        if diag.size and np.all(diag == diag[0]):
+            scale = float(np.sqrt(diag[0]) / sigma)
+            shift = 0.5 * float(diag[0]) / sigma**2
+            g_k = np.take_along_axis(g, k[..., None], -1)[..., 0].astype(np.float64)
+            np.multiply(g, np.float32(scale), out=g)
+            with np.errstate(over="ignore"):  # detected below: the chunk is redone
+                np.exp(g, out=g)
+            total = g.sum(axis=-1, dtype=np.float64)
+            if np.all(np.isfinite(total)) and np.all(total > 0.0):
+                return scale * g_k - shift, np.log(total) - shift
+            k, g = self._normals(index)  # overflow: the max-shifted path on the same draws
+        base = g
+        base *= (self.scale / np.float32(sigma)).astype(np.float32)
+        base -= (0.5 * diag / sigma**2).astype(np.float32)
+        base_k = np.take_along_axis(base, k[..., None], -1)[..., 0].astype(np.float64)
+        return base_k, _logsumexp_last(base)
+
+    def losses(self, sigma: float) -> tuple[np.ndarray, np.ndarray]:
+        """The positive privacy-loss samples (Y > 0) of both directions at σ: (H(P,Q) losses
+        log P/Q under P, H(Q,P) losses log Q/P under Q). The two directions share W (each
+        estimate is unbiased on its own; EVR tests each direction separately).
+
+        Chunks run on up to ``_THREADS`` threads (numpy's generators and ufuncs release the
+        GIL); each chunk has its own seed and results are joined in chunk order, so the output
+        does not depend on the thread count."""
+        n_chunks = math.ceil(self.num_samples / self.chunk)
+        threads = max(1, min(_THREADS, n_chunks))
+        if threads == 1:
+            parts = [self._chunk_losses(i, sigma) for i in range(n_chunks)]
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="userdp-bib") as pool:
+                parts = list(pool.map(lambda i: self._chunk_losses(i, sigma), range(n_chunks)))
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _logsumexp_last(logits: np.ndarray) -> np.ndarray:
+    """logsumexp over the last axis, in float64 (exp in float32); overwrites ``logits``."""
+    peak = logits.max(axis=-1, keepdims=True)
+    logits -= peak
+    np.exp(logits, out=logits)
+    return np.log(logits.sum(axis=-1, dtype=np.float64)) + peak[..., 0]
+
+
+def _logsumexp_rows(logits: np.ndarray, log_b: float) -> np.ndarray:
+    """Σ over compositions of (logsumexp over the last axis − log b); overwrites ``logits``."""
+    return (_logsumexp_last(logits) - log_b).sum(axis=0)
+
+
+def _root_seed(seed: Any) -> np.random.SeedSequence:
+    """A SeedSequence for ``seed`` (None = fresh OS entropy, drawn once per call)."""
+    return seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+
+
+def _child(root: np.random.SeedSequence, index: int) -> np.random.SeedSequence:
+    """The ``index``-th independent child of ``root``, deterministically (unlike ``spawn``,
+    which advances a counter and would break common random numbers on a second call)."""
+    return np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, index))

@@ -1,0 +1,157 @@
+"""The goals table of ``benchmarks/run_all.py``: which figure of which benchmark's JSON has a goal,
+the goal, and whether the measured value meets it.
+
+A goal is judged only at the size it is stated for (``met`` is None at other sizes, e.g. in quick
+mode); a figure whose benchmark did not finish is left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def _row(rows: list[dict], name: str, setting_has: str = "") -> dict | None:
+    for row in rows:
+        if row.get("name") == name and setting_has in str(row.get("setting", "")):
+            return row
+    return None
+
+
+def goals(outcomes: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """(area, figure, measured, goal, met) for the figures that have goals, from ``outcomes``:
+    benchmark name -> its ``run_all.Outcome`` (a result counts only when its status is "ok")."""
+    out: list[dict[str, Any]] = []
+
+    def add(area: str, figure: str, measured: str, goal: str, met: bool | None) -> None:
+        out.append({"area": area, "figure": figure, "measured": measured, "goal": goal, "met": met})
+
+    def result(name: str) -> Any:
+        outcome = outcomes.get(name)
+        return outcome.result if outcome is not None and outcome.status == "ok" else None
+
+    acc = result("accounting")
+    if acc:
+        rows = acc["rows"]
+        els = _row(rows, "els_epsilon")
+        if els:
+            add(
+                "accounting",
+                f"ELS ε fast vs dp_accounting ({els['setting']})",
+                f"{els['seconds']:.2f} s vs {els['reference_seconds']:.1f} s = "
+                f"{els['speedup']:.1f}× wall ({els['cpu_speedup']:.1f}× CPU), "
+                f"rel. diff {els['rel_diff']:.1e}",
+                "≥ 20×, ≤ 1e-3 rel. (vdi 1e-4)",
+                (els["speedup"] >= 20 and abs(els["rel_diff"]) <= 1e-3)
+                if "vdi=0.0001" in els["setting"]
+                else None,
+            )
+        cal = _row(rows, "els_calibration", "p=0.01 ")
+        if cal:
+            add(
+                "accounting",
+                f"ELS calibration ({cal['setting']})",
+                f"{cal['seconds']:.2f} s (σ = {cal['value']:.6g}, ε(σ) = {cal['epsilon_at_value']:.6g})",
+                "≤ 30 s on 2 CPU cores",
+                cal["seconds"] <= 30,
+            )
+    bib = result("balls_in_bins")
+    if bib:
+        for row in bib["rows"]:
+            if row["name"].startswith("balls_in_bins_delta"):
+                add(
+                    "accounting",
+                    f"balls-in-bins δ̂ ({row['setting']})",
+                    f"{row['seconds']} s wall, {row['cpu_seconds']} s CPU",
+                    "≤ 1 s on CPU (2^20 samples, b=128, E=16)",
+                    row["seconds"] <= 1.0 if "m=1048576" in row["setting"] else None,
+                )
+    data = result("data")
+    if data:
+        add(
+            "data",
+            f"userdp shard, {data['rows']:,} rows synthetic Parquet ({data['input_mb']} MB in, "
+            f"{data['output_mb']} MB of shards out)",
+            f"{data['rows_per_s']:,} rows/s ({data.get('rows_per_cpu_s', '?'):,} per CPU s), "
+            f"peak RSS {data['peak_rss_mb']} MB (largest user {data['largest_user_mb']} MB)",
+            "bounded memory at 1M rows: peak RSS below the output size",
+            data["peak_rss_mb"] < data["output_mb"] if data["rows"] >= 1_000_000 else None,
+        )
+    coord = result("coordinator")
+    if coord:
+        if "round" in coord:
+            r = coord["round"]
+            add(
+                "coordinator",
+                f"round overhead, {r['cohort_mean']:.0f} users of {r['population']:,}",
+                f"{r['round_ms_median']:.1f} ms median ({r['round_ms_max']:.1f} max)",
+                "≤ 50 ms (10k of 1M)",
+                r["round_ms_median"] <= 50 if r["population"] >= 1_000_000 else None,
+            )
+        if "transfer" in coord:
+            t = coord["transfer"]
+            add(
+                "coordinator",
+                f"update transfer, {t['params']:,} fp32 params, 1 stream",
+                f"{t['gb_per_s']:.2f} GB/s",
+                "≥ 1 GB/s (100M params)",
+                t["gb_per_s"] >= 1.0 if t["params"] >= 100_000_000 else None,
+            )
+    scale = result("scale")
+    if scale:
+        s = scale["scale"]
+        full_size = s["population"] >= 1_000_000 and s["steps"] >= 100
+        add(
+            "scale",
+            f"scale simulation, {s['steps']} steps, {s['cohort_mean']:.0f} of {s['population']:,} users",
+            f"{s['round_ms_median']:.1f} ms/step median (p95 {s['round_ms_p95']:.1f})",
+            "≤ 50 ms/step",
+            s["round_ms_median"] <= 50 if full_size else None,
+        )
+        add(
+            "scale",
+            "scale simulation, coordinator peak RSS",
+            f"{s['peak_rss_mb']:.0f} MB",
+            "≤ 2 GB",
+            s["peak_rss_mb"] <= 2000 if full_size else None,
+        )
+    strat = result("strategies")
+    if strat:
+        blt = _row(strat["rows"], "blt_optimize")
+        if blt:
+            rel = abs(blt["value"] - 10.692) / 10.692
+            add(
+                "strategies",
+                "BLT optimization loss, n=1000, 3 buffers",
+                f"{blt['value']:.5f} (rel. {rel:.1e} vs 10.692), {blt['seconds']:.2f} s",
+                "within 1e-4 rel. of 10.692",
+                rel <= 1e-4,
+            )
+    e2e = result("end_to_end")
+    if e2e:
+        for row in e2e.get("rows", []):
+            if row["run"] == "non-private" and not row.get("error"):
+                continue
+            kind = "uls" if row["run"].startswith("uls") else "els"
+            target = 0.85 if kind == "uls" else 0.70
+            ratio = row.get("vs_non_private")
+            figure = f"{row['model']} seq {row['seq_len']} {row['run']}"
+            if ratio is None:  # this row or its baseline failed (e.g. out of memory)
+                add("GPU", figure, row.get("error") or "no baseline", f"≥ {target:.0%}", False)
+                continue
+            add(
+                "GPU",
+                figure,
+                f"{row['tokens_per_s']:.0f} tokens/s = {ratio:.0%} of non-private",
+                f"≥ {target:.0%}",
+                ratio >= target,
+            )
+        for row in e2e.get("randomized_clipping", []):
+            add(
+                "GPU",
+                f"{row['model']} seq {row['seq_len']} {row['run']}",
+                row.get("error") or f"{row['seconds']} s/step, peak {row['peak_mem_gb']} GB",
+                "randomized vs exact clipping: time and peak memory",
+                None,
+            )
+    return out

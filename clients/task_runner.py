@@ -1,0 +1,148 @@
+"""A worker's model versions and tasks, apart from the connection that carries them.
+
+:class:`TaskRunner` holds the model version a worker computes on and its :class:`TaskCompute`;
+:class:`~userdp.clients.grpc_client.WorkerClient` extends it with the connection (connect,
+reconnect, heartbeat, drain) and feeds it what the stream carries.
+
+Model versions: :class:`ModelReceiver` collects one version's chunks. A full ``ModelCommit``
+replaces every tensor; a non-full one (a step's update) is applied only on top of the version
+just before it. Tensors that do not reassemble, or a full model whose sha256 does not match the
+commit, are not applied: the worker keeps its model and acknowledges the version it really has,
+so the coordinator resyncs it instead of trusting it.
+
+Tasks: a task for a model version other than the worker's is refused (``TaskFailed``), never
+computed on the wrong model; a compute error is a ``TaskFailed`` too; a cancelled task is dropped
+before and after its compute. The clipped sum goes out as ``ResultPart`` chunks and the
+``Result`` that closes them (:mod:`userdp.proto.codec`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from userdp.clients.partial import ClippedSum
+from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.codec import result_parts, result_proto
+from userdp.proto.tensors import TensorAssembler, TensorDecodeError, WireTensor, tensors_sha256
+
+log = logging.getLogger(__name__)
+
+
+class TaskCompute(Protocol):
+    """What a worker computes with: holds the model, applies versions, sums clipped units."""
+
+    def apply_model(self, tensors: Mapping[str, WireTensor], full: bool) -> None: ...
+
+    def compute(self, task: pb.Task) -> ClippedSum: ...
+
+
+class ModelReceiver:
+    """Collects one model version's chunks."""
+
+    def __init__(self) -> None:
+        self.assembler = TensorAssembler()
+        self.version: int | None = None
+        self.error: str | None = None
+
+    def add(self, part: pb.ModelPart) -> None:
+        if self.error:
+            return
+        if self.version is None:
+            self.version = part.model_version
+        elif part.model_version != self.version:
+            self.error = f"model parts of versions {self.version} and {part.model_version} mixed"
+            return
+        try:
+            self.assembler.add(part.chunk)
+        except TensorDecodeError as exc:
+            self.error = str(exc)
+
+    def finish(self, commit: pb.ModelCommit) -> dict[str, WireTensor]:
+        if self.error:
+            raise TensorDecodeError(self.error)
+        if self.version is not None and self.version != commit.model_version:
+            raise TensorDecodeError(
+                f"parts of version {self.version}, commit {commit.model_version}"
+            )
+        tensors = self.assembler.finish(expected_count=commit.num_tensors)
+        if commit.params_sha256 and tensors_sha256(tensors) != commit.params_sha256:
+            raise TensorDecodeError(f"model version {commit.model_version}: sha256 mismatch")
+        return tensors
+
+
+class TaskRunner:
+    """A worker's model version and task execution (see the module docstring).
+
+    ``session_chunk_bytes``: the largest result chunk (the connection sets it per session)."""
+
+    def __init__(self, worker_id: str, compute: TaskCompute, session_chunk_bytes: int) -> None:
+        self.worker_id = worker_id
+        self.compute = compute
+        self.session_chunk_bytes = session_chunk_bytes
+        self.model_version = -1
+        self.tasks_done = 0
+        self._model_lock = threading.Lock()
+
+    def _apply(self, model: ModelReceiver, commit: pb.ModelCommit) -> bool:
+        """Apply a model version if it is consistent; return whether it was applied."""
+        try:
+            tensors = model.finish(commit)
+        except TensorDecodeError as exc:
+            log.warning(
+                "worker %s: bad model version %d: %s", self.worker_id, commit.model_version, exc
+            )
+            return False
+        if not commit.full and self.model_version != commit.model_version - 1:
+            log.info(
+                "worker %s: update %d does not follow held version %d; waiting for a resync",
+                self.worker_id,
+                commit.model_version,
+                self.model_version,
+            )
+            return False
+        with self._model_lock:
+            self.compute.apply_model(tensors, commit.full)
+            self.model_version = commit.model_version
+        return True
+
+    def _task_loop(self, tasks: queue.Queue, outbox: queue.Queue, cancelled: set) -> None:
+        """Run the tasks of ``tasks`` until a None arrives, putting the worker's messages on
+        ``outbox``; ``cancelled`` holds the (task id, attempt) pairs the coordinator cancelled."""
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            if (task.task_id, task.attempt) in cancelled:
+                continue
+            started = time.perf_counter()
+            with self._model_lock:
+                if task.model_version != self.model_version:
+                    reason = (
+                        f"stale model: task wants {task.model_version}, have {self.model_version}"
+                    )
+                    outbox.put(_failed(task, reason))
+                    continue
+                try:
+                    partial = self.compute.compute(task)
+                except Exception as exc:  # report, never hang the coordinator's step
+                    log.exception("worker %s: task %s failed", self.worker_id, task.task_id)
+                    outbox.put(_failed(task, f"{type(exc).__name__}: {exc}"))
+                    continue
+            if (task.task_id, task.attempt) in cancelled:
+                continue
+            for part in result_parts(task, partial.sums, self.session_chunk_bytes):
+                outbox.put(pb.WorkerMessage(result_part=part))
+            result = result_proto(task, partial, time.perf_counter() - started)
+            outbox.put(pb.WorkerMessage(result=result))
+            self.tasks_done += 1
+
+
+def _failed(task: pb.Task, reason: str) -> pb.WorkerMessage:
+    return pb.WorkerMessage(
+        task_failed=pb.TaskFailed(task_id=task.task_id, attempt=task.attempt, reason=reason)
+    )

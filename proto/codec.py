@@ -1,0 +1,214 @@
+"""The wire codec of a task and its result: each conversion written once, imported by both ends.
+
+- :func:`task_proto`: a step's :class:`~userdp.strategies.base.TaskSpec` plus one task's envelope
+  (task id, attempt, step, model version, unit ids, deadline) -> ``pb.Task``. The coordinator and
+  the in-process simulator both use it, so both run the workers' code on the same input.
+- :func:`task_from_proto`: ``pb.Task`` -> :class:`WorkerTask`, the fields a worker computes with.
+  A zero or empty wire field means "the default": the :class:`TaskSpec` default for the example
+  selection, the worker's own engine configuration for the engine options.
+- :func:`result_parts` and :func:`result_proto`: a worker's
+  :class:`~userdp.clients.partial.ClippedSum` -> its ``ResultPart`` chunks and the ``Result``
+  that closes them.
+- :func:`partial_from_result`: a ``Result`` and its reassembled tensors -> the coordinator's
+  :class:`~userdp.server.aggregation.PartialSum`.
+- :func:`example_unit_id` / :func:`parse_example_unit_id`: example unit ids
+  ``"<user id>/<example index>"``, the strategy API's own (:mod:`userdp.strategies.base`),
+  re-exported here for the two ends.
+
+Only :func:`partial_from_result` needs torch (through ``userdp.server.aggregation``); it imports
+it when called, so the worker's transport stays free of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.tensors import WireTensor, tensors_chunks
+from userdp.strategies.base import example_unit_id, parse_example_unit_id
+
+if TYPE_CHECKING:
+    from userdp.clients.partial import ClippedSum
+    from userdp.server.aggregation import PartialSum
+    from userdp.strategies.base import TaskSpec
+
+__all__ = [
+    "WorkerTask",
+    "example_unit_id",
+    "parse_example_unit_id",
+    "partial_from_result",
+    "result_parts",
+    "result_proto",
+    "task_from_proto",
+    "task_proto",
+]
+
+DEFAULT_SELECTION = "random"
+"""Example selection when the task names none (the :class:`TaskSpec` default)."""
+DEFAULT_SEQ_LEN = 128
+"""Tokens per example when the task names no length (the :class:`TaskSpec` default)."""
+
+
+# ---- tasks ----------------------------------------------------------------------------------
+
+
+def task_proto(
+    spec: TaskSpec,
+    step: int,
+    task_id: str,
+    attempt: int,
+    model_version: int,
+    units: Sequence[str],
+    deadline_s: float,
+) -> pb.Task:
+    """The wire ``Task`` for ``units`` of a step whose workers are told ``spec``."""
+    return pb.Task(
+        task_id=task_id,
+        attempt=attempt,
+        step=step,
+        model_version=model_version,
+        unit_ids=list(units),
+        clip_norm=spec.clip_norm,
+        engine=pb.EngineOptions(
+            engine=spec.engine,
+            probes=spec.probes,
+            token_budget=spec.token_budget,
+            unit=spec.unit,
+            local_steps=spec.local_steps,
+            local_lr=spec.local_lr,
+            local_batch_size=spec.local_batch_size,
+        ),
+        selection=pb.Selection(
+            strategy=spec.selection, group_size=spec.group_size, seq_len=spec.seq_len
+        ),
+        deadline_s=deadline_s,
+        selection_seed=spec.selection_seed,
+    )
+
+
+@dataclass(frozen=True)
+class WorkerTask:
+    """A ``pb.Task`` as the worker computes it (see :func:`task_from_proto`).
+
+    ``unit``: ``"user"`` or ``"example"`` (unit ids ``"<user id>/<index>"``). ``group_size``:
+    examples per user (None = all). ``engine``, ``probes``, ``token_budget``: None = the worker's
+    configured engine, exact norms, the engine's token budget."""
+
+    task_id: str
+    attempt: int
+    step: int
+    model_version: int
+    unit_ids: tuple[str, ...]
+    clip_norm: float
+    unit: str
+    selection: str
+    group_size: int | None
+    seq_len: int
+    selection_seed: int
+    engine: str | None
+    probes: int | None
+    token_budget: int | None
+    local_steps: int
+    local_lr: float
+    local_batch_size: int
+
+    def engine_options(self) -> dict[str, Any]:
+        """The keyword options of the clipping engine's ``clipped_sum(units, clip_norm, ...)``."""
+        return {
+            "engine": self.engine,
+            "probes": self.probes,
+            "token_budget": self.token_budget,
+            "local_steps": self.local_steps,
+            "local_lr": self.local_lr,
+            "local_batch_size": self.local_batch_size,
+        }
+
+
+def task_from_proto(task: pb.Task) -> WorkerTask:
+    """The worker's view of a wire ``Task``: zero or empty fields become their defaults."""
+    options, selection = task.engine, task.selection
+    return WorkerTask(
+        task_id=task.task_id,
+        attempt=task.attempt,
+        step=task.step,
+        model_version=task.model_version,
+        unit_ids=tuple(task.unit_ids),
+        clip_norm=task.clip_norm,
+        unit=options.unit or "user",
+        selection=selection.strategy or DEFAULT_SELECTION,
+        group_size=selection.group_size or None,
+        seq_len=selection.seq_len or DEFAULT_SEQ_LEN,
+        selection_seed=task.selection_seed,
+        engine=options.engine or None,
+        probes=options.probes if options.engine == "randomized" else None,
+        token_budget=options.token_budget or None,
+        local_steps=options.local_steps,
+        local_lr=options.local_lr,
+        local_batch_size=options.local_batch_size,
+    )
+
+
+# ---- results --------------------------------------------------------------------------------
+
+
+def result_parts(
+    task: pb.Task, sums: Mapping[str, Any], chunk_bytes: int
+) -> Iterator[pb.ResultPart]:
+    """The ``ResultPart`` messages carrying a task's summed tensors, in chunks of at most
+    ``chunk_bytes``."""
+    for chunk in tensors_chunks(sums, chunk_bytes):
+        yield pb.ResultPart(task_id=task.task_id, attempt=task.attempt, chunk=chunk)
+
+
+def result_proto(task: pb.Task, partial: ClippedSum, compute_seconds: float) -> pb.Result:
+    """The ``Result`` closing a task's parts: the task's labels and the clipped sum's statistics."""
+    return pb.Result(
+        task_id=task.task_id,
+        attempt=task.attempt,
+        step=task.step,
+        model_version=task.model_version,
+        num_tensors=len(partial.sums),
+        count=partial.count,
+        nonfinite=partial.nonfinite,
+        clipped=partial.clipped,
+        norms=pb.NormStats(
+            min=partial.norm_min,
+            max=partial.norm_max,
+            sum=partial.norm_sum,
+            sum_sq=partial.norm_sum_sq,
+        ),
+        loss_sum=partial.loss_sum,
+        tokens=partial.tokens,
+        compute_seconds=compute_seconds,
+        unit_ids=task.unit_ids,
+    )
+
+
+def partial_from_result(
+    result: pb.Result, worker_id: str, tensors: Mapping[str, WireTensor]
+) -> PartialSum:
+    """The coordinator's :class:`~userdp.server.aggregation.PartialSum` of a ``Result`` from
+    ``worker_id`` whose parts reassembled into ``tensors`` (judged later, by the step's gather)."""
+    from userdp.server.aggregation import PartialSum
+
+    return PartialSum(
+        task_id=result.task_id,
+        attempt=result.attempt,
+        step=result.step,
+        model_version=result.model_version,
+        worker_id=worker_id,
+        unit_ids=tuple(result.unit_ids),
+        tensors=tensors,
+        count=result.count,
+        nonfinite=result.nonfinite,
+        clipped=result.clipped,
+        norm_min=result.norms.min,
+        norm_max=result.norms.max,
+        norm_sum=result.norms.sum,
+        norm_sum_sq=result.norms.sum_sq,
+        loss_sum=result.loss_sum,
+        tokens=result.tokens,
+        compute_seconds=result.compute_seconds,
+    )

@@ -1,0 +1,106 @@
+"""The coordinator's current model in wire form: a step's update for in-sync workers, the full
+model for a resync.
+
+:meth:`ModelPublisher.publish` encodes a step's update (the trainable tensors, chunked once,
+shared by every session); :meth:`ModelPublisher.full` adds the frozen tensors for a resync.
+Updates carry no sha256 (transport integrity is TCP/HTTP2/TLS and the chunk checks); a full model
+carries one, which the worker verifies before applying it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.tensors import chunks_sha256, tensors_chunks
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ModelPublisher:
+    """The current model version in wire form (see the module docstring)."""
+
+    def __init__(self, chunk_bytes: int = 1 << 20) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._lock = threading.Lock()
+        self.version = -1
+        self._trainable_parts: list[pb.CoordinatorMessage] = []
+        self._trainable_count = 0
+        self._frozen_chunks: list[pb.TensorChunk] = []
+        self._frozen_count = 0
+        self._full_cache: tuple[int, list[pb.CoordinatorMessage]] | None = None
+
+    def _parts(
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        sink: Callable[[pb.CoordinatorMessage], None] | None = None,
+    ) -> list:
+        out: list[pb.CoordinatorMessage] = []
+
+        def new_chunk() -> pb.TensorChunk:
+            message = pb.CoordinatorMessage()
+            message.model_part.model_version = version
+            out.append(message)
+            return message.model_part.chunk
+
+        for _ in tensors_chunks(tensors, self.chunk_bytes, new_chunk):
+            if sink is not None:
+                sink(out[-1])  # complete: stream it while the next chunk is encoded
+        return out
+
+    def publish(
+        self,
+        version: int,
+        trainable: Mapping[str, torch.Tensor],
+        frozen: Mapping[str, torch.Tensor] | None = None,
+        sink: Callable[[pb.CoordinatorMessage], None] | None = None,
+    ) -> list[pb.CoordinatorMessage]:
+        """Encode ``trainable`` (and ``frozen`` when given) as ``version``; return the update
+        messages (trainable tensors + a non-full commit) to send to in-sync workers. ``sink``
+        receives each message as soon as it is encoded (the commit included), so sending
+        overlaps encoding."""
+        parts = self._parts(version, trainable, sink)
+        frozen_chunks = (
+            list(tensors_chunks(frozen, self.chunk_bytes)) if frozen is not None else None
+        )
+        with self._lock:
+            self.version = version
+            self._trainable_parts, self._trainable_count = parts, len(trainable)
+            if frozen_chunks is not None:
+                self._frozen_chunks, self._frozen_count = frozen_chunks, len(frozen)
+            self._full_cache = None
+        commit = pb.CoordinatorMessage(
+            model_commit=pb.ModelCommit(
+                model_version=version, full=False, num_tensors=len(trainable)
+            )
+        )
+        if sink is not None:
+            sink(commit)
+        return [*parts, commit]
+
+    def full(self) -> tuple[int, list[pb.CoordinatorMessage]]:
+        """(version, every tensor + a full commit with the model's sha256) for a resync."""
+        with self._lock:
+            if self._full_cache is None or self._full_cache[0] != self.version:
+                frozen_parts = []
+                for chunk in self._frozen_chunks:
+                    message = pb.CoordinatorMessage()
+                    message.model_part.model_version = self.version
+                    message.model_part.chunk.CopyFrom(chunk)
+                    frozen_parts.append(message)
+                parts = [*frozen_parts, *self._trainable_parts]
+                commit = pb.ModelCommit(
+                    model_version=self.version,
+                    full=True,
+                    num_tensors=self._frozen_count + self._trainable_count,
+                    params_sha256=chunks_sha256(m.model_part.chunk for m in parts),
+                )
+                self._full_cache = (
+                    self.version,
+                    [*parts, pb.CoordinatorMessage(model_commit=commit)],
+                )
+            return self._full_cache

@@ -1,0 +1,156 @@
+"""The ``in-process`` transport of :func:`userdp.simulation.run` (``simulate --in-process``).
+
+The same strategy hooks (:func:`userdp.strategies.inprocess.run_step`) and the same worker compute
+(:class:`userdp.clients.worker_service.EngineCompute`, fed the wire ``Task`` the coordinator would
+send) in one process, without gRPC or retries. It checkpoints like the coordinator (every
+``coordinator.checkpoint_every`` steps and on exit, same format) and resumes from the checkpoint
+(:func:`_resume_in_process`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from userdp.simulation import RunLoop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """A local tensor where :meth:`EngineCompute.apply_model` expects a received one."""
+
+    tensor: torch.Tensor
+
+    def torch(self) -> torch.Tensor:
+        return self.tensor
+
+
+class InProcessWorker:
+    """The worker compute (:class:`~userdp.clients.worker_service.EngineCompute` over the run's
+    shards) called in this process with the wire ``Task`` the coordinator would send for the
+    same step and units. Used by ``simulate --in-process`` and by ``userdp audit``."""
+
+    def __init__(self, config: Any, setup: Any) -> None:
+        from userdp.clients.shard_store import ShardStore
+        from userdp.clients.worker_service import build_compute
+
+        self.store = ShardStore(setup.shard_dir)
+        self.compute = build_compute(config, self.store)
+        self.compute.apply_model({k: LocalTensor(v) for k, v in setup.frozen.items()}, full=True)
+
+    def __call__(
+        self, spec: Any, step: int, unit_ids: Sequence[str], params: dict[str, torch.Tensor]
+    ) -> Any:
+        """The clipped sum of ``unit_ids`` at ``params`` (a :class:`ClippedSum`)."""
+        from userdp.proto.codec import task_proto
+
+        self.compute.apply_model({k: LocalTensor(v) for k, v in params.items()}, full=False)
+        return self.compute.compute(task_proto(spec, step, "in-process", 0, 0, unit_ids, 0.0))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _resume_in_process(
+    checkpoint_dir: Path, params: dict[str, torch.Tensor], strategy: Any, ledger: Any
+) -> int:
+    """Load the latest in-process checkpoint into ``params`` and ``strategy``; return the next
+    step. Steps the ledger charged after that checkpoint (a crash between checkpoints) are never
+    re-run, as for the coordinator (:func:`~userdp.server.coordinator.continue_after_lost_steps`)."""
+    from userdp.server.checkpoint import restore_latest
+    from userdp.server.coordinator import continue_after_lost_steps
+
+    checkpoint = restore_latest(checkpoint_dir, params, strategy)
+    next_step = checkpoint.step if checkpoint is not None else 0
+    last = ledger.last_step if ledger.records else -1
+    if last >= next_step:
+        return continue_after_lost_steps(strategy, next_step, last)
+    return next_step
+
+
+def run_in_process(
+    loop: RunLoop, run_step: Callable[..., Any]
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Run ``loop``'s steps in this process; returns the trained parameters and why it stopped
+    ("finished", "budget" or "interrupted").
+
+    ``run_step`` is :func:`userdp.strategies.inprocess.run_step`, with any run-wide keyword
+    arguments already bound by the caller."""
+    from userdp.accounting.ledger import BudgetExceededError
+    from userdp.server.checkpoint import save_checkpoint
+    from userdp.strategies.base import ClipStatistics
+
+    setup, config = loop.setup, loop.run_config
+    params = setup.trainable
+    compute = InProcessWorker(config, setup)
+    step_stats: dict[str, float] = {}
+
+    def worker(spec: Any, unit_ids: Any, current: dict[str, torch.Tensor]) -> tuple[dict, Any]:
+        result = compute(spec, int(step_stats["step"]), list(unit_ids), current)
+        for key in ("loss_sum", "tokens", "nonfinite"):
+            step_stats[key] += getattr(result, key)
+        return dict(result.sums), ClipStatistics(result.count, result.clipped)
+
+    checkpoint_dir = loop.out / "checkpoints"
+    start = _resume_in_process(checkpoint_dir, params, setup.strategy, loop.ledger)
+    done = start
+
+    def save() -> None:
+        save_checkpoint(
+            checkpoint_dir,
+            step=done,
+            model_version=done,
+            ledger_entries=len(loop.ledger.records),
+            state={"params": params, "strategy": setup.strategy.state_dict()},
+        )
+
+    stopped = "finished"
+    try:
+        for step in range(start, loop.steps):
+            step_stats.update(step=step, loss_sum=0.0, tokens=0, nonfinite=0)
+            try:
+                record = run_step(
+                    setup.strategy,
+                    step,
+                    params,
+                    setup.population,
+                    worker,
+                    ledger=loop.ledger,
+                    workers=config.workers.count,
+                    options=setup.options,
+                )
+            except BudgetExceededError as exc:
+                log.warning("stopping before step %d: %s", step, exc)
+                stopped = "budget"
+                break
+            done = step + 1
+            if done % config.coordinator.checkpoint_every == 0:
+                save()
+            tokens = int(step_stats["tokens"])
+            loss = step_stats["loss_sum"] / tokens if tokens else math.nan
+            loop.on_step(
+                step,
+                record.units,
+                record.expected_size,
+                record.clipped,
+                int(step_stats["nonfinite"]),
+                loss,
+                tokens,
+                params,
+            )
+        save()
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+        save()  # an unexpected error saves nothing: the last checkpoint and the ledger resume
+    finally:
+        compute.close()
+    return params, stopped

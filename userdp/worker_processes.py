@@ -1,0 +1,187 @@
+"""The ``grpc`` and ``external`` transports of :func:`userdp.simulation.run`: a running coordinator,
+the worker processes it serves, and shutting both down.
+
+``grpc`` (``simulate``) spawns ``workers.count`` ``userdp worker`` processes on loopback, each
+holding its share of the shards (:func:`_worker_assignments`), logging to ``RUN/logs/``, and
+fails fast when one exits before it is ready (:func:`_check_workers_alive`). ``external``
+(``train``) spawns nothing: it prints the address and waits for a deployment's workers.
+:func:`serve_workers` drives the coordinator's steps into the run loop and, whatever happens,
+saves the last checkpoint and stops the server and the processes (:func:`shut_down`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from userdp.simulation import RunLoop
+
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _worker_assignments(shards: list[str], workers: int, replicas: int) -> list[list[str]]:
+    """Shard j goes to workers j, j+1, … (mod W): ``replicas`` distinct holders per shard."""
+    if replicas > workers:
+        raise ValueError(f"workers.replicas = {replicas} > workers.count = {workers}")
+    held: list[list[str]] = [[] for _ in range(workers)]
+    for j, shard in enumerate(shards):
+        for k in range(replicas):
+            held[(j + k) % workers].append(shard)
+    empty = [i for i, names in enumerate(held) if not names]
+    if empty:
+        raise ValueError(
+            f"workers.count = {workers} exceeds what {len(shards)} shards x {replicas} replicas "
+            "can keep busy; lower workers.count or raise workers.replicas"
+        )
+    return held
+
+
+def _spawn_workers(loop: RunLoop, address: str) -> list[subprocess.Popen]:
+    setup, config = loop.setup, loop.run_config
+    shards = [entry.name for entry in setup.manifest.shards]
+    held = _worker_assignments(shards, config.workers.count, config.workers.replicas)
+    logs = loop.out / "logs"
+    logs.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
+    env["PYTHONUNBUFFERED"] = "1"  # each worker is its own single-rank process group
+    threads = max(1, (os.cpu_count() or 1) // len(held))
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    procs = []
+    for i, names in enumerate(held):
+        cmd = [
+            sys.executable,
+            "-m",
+            "userdp.cli",
+            "worker",
+            "--coordinator",
+            address,
+            "--shards",
+            str(setup.shard_dir),
+            "--shard-names",
+            ",".join(names),
+            "--worker-id",
+            f"sim-worker-{i}",
+            "--config",
+            str(loop.config_path),
+        ]
+        log_path = logs / f"worker-{i}.log"
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        proc.log_path = str(log_path)  # type: ignore[attr-defined]
+        procs.append(proc)
+    return procs
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""
+
+
+def _check_workers_alive(procs: list[subprocess.Popen]) -> None:
+    """Raise :class:`WorkerStartupError` naming the first worker process that has exited and
+    the last line of its log (the wait for workers calls this while it waits)."""
+    from userdp.server.startup import WorkerStartupError
+
+    for proc in procs:
+        if proc.poll() is not None:
+            worker_id = proc.args[proc.args.index("--worker-id") + 1]
+            log_path = Path(proc.log_path)
+            last = _last_line(log_path)
+            raise WorkerStartupError(
+                f"worker {worker_id} exited with status {proc.returncode} before it was ready"
+                + (f": {last}" if last else "")
+                + f" (log: {log_path})"
+            )
+
+
+def _stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def serve_workers(loop: RunLoop, running: Any, spawn: bool) -> tuple[dict[str, torch.Tensor], str]:
+    """Run ``loop``'s steps on ``running`` (a started coordinator, from
+    :func:`userdp.server.runtime.start_coordinator`): spawn the worker processes (``spawn``) or
+    wait for external ones, then step until done, the budget or an interrupt. Returns the
+    trained parameters and why it stopped ("finished" or "budget")."""
+    setup = loop.setup
+    coordinator = running.coordinator
+    address = f"{loop.run_config.coordinator.host}:{running.server.port}"
+    procs: list[subprocess.Popen] = []
+    finished, stopped = False, "interrupted"
+
+    def shutdown() -> list[BaseException]:
+        return shut_down(
+            ("save the last checkpoint", coordinator.save),
+            ("stop the coordinator", lambda: running.stop(finished)),
+            ("stop the worker processes", lambda: _stop_workers(procs)),
+        )
+
+    try:
+        if spawn:
+            procs += _spawn_workers(loop, address)
+        else:
+            print(f"userdp train: coordinator listening on {address}", file=sys.stderr, flush=True)
+        coordinator.wait_for_workers(
+            on_progress=loop.on_worker_progress, check=lambda: _check_workers_alive(procs)
+        )
+        loop.on_worker_progress([])
+
+        def on_step(report: Any) -> None:
+            loop.on_step(
+                report.step,
+                report.units,
+                report.expected_cohort_size,
+                report.clipped,
+                report.nonfinite,
+                report.loss_mean,
+                report.tokens,
+                setup.trainable,
+            )
+
+        coordinator.run(loop.steps, on_step=on_step)
+        finished = True
+        stopped = "budget" if coordinator.budget_exhausted else "finished"
+    except BaseException:
+        shutdown()  # its own failures are logged; the run's error is the one raised
+        raise
+    errors = shutdown()
+    if errors:
+        raise errors[0]
+    return setup.trainable, stopped
+
+
+def shut_down(*actions: tuple[str, Any]) -> list[BaseException]:
+    """Run every shutdown action even when one fails (a full disk must not leave the gRPC server
+    or the worker processes running, which would keep the process alive): each failure is
+    logged in one line and returned."""
+    errors: list[BaseException] = []
+    for what, action in actions:
+        try:
+            action()
+        except Exception as exc:
+            log.error("could not %s: %s", what, " ".join(str(exc).split()) or type(exc).__name__)
+            errors.append(exc)
+    return errors
