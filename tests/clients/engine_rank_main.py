@@ -16,6 +16,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+# run as a script by torch's launcher, outside pytest (whose `pythonpath` puts the checkout on the
+# path for test modules): the checkout root is added here so `tests.clients` imports work
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 

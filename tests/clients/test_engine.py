@@ -5,18 +5,13 @@ parameters, summed without normalization; non-finite units contribute zero and a
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from userdp.clients.engine import ClippingEngine, EngineError, Unit, build_engine
 
-from userdp.config import parse_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.clients.engine_fixtures import (  # noqa: E402
+from tests.clients.engine_fixtures import (
     assert_sums_close,
     byte_manifest,
     random_units,
@@ -24,6 +19,7 @@ from tests.clients.engine_fixtures import (  # noqa: E402
     tiny_model,
     total_norm,
 )
+from userdp.config import parse_config
 
 
 def reference_clipped_sum(model: torch.nn.Module, units, clip_norm: float):

@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 from userdp.clients.distributed import free_port, split_units
 from userdp.clients.engine import ClippingEngine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.clients.engine_fixtures import assert_sums_close, random_units, tiny_model  # noqa: E402
+from tests.clients.engine_fixtures import assert_sums_close, random_units, tiny_model
 
 RANK_MAIN = Path(__file__).with_name("engine_rank_main.py")
 

@@ -6,20 +6,15 @@ path (never the per-unit re-run), and an untied head is an ordinary Linear use."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from userdp.clients.capture import GENERIC, LINEAR, RMSNORM, _kind
 from userdp.clients.engine import ClippingEngine
 from userdp.clients.model import _with_lora, lora_targets
 
+from tests.clients.engine_fixtures import assert_sums_close, random_units
+from tests.clients.hf_families import FAMILIES, family_model
 from userdp.config import ModelConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.clients.engine_fixtures import assert_sums_close, random_units  # noqa: E402
-from tests.clients.hf_families import FAMILIES, family_model  # noqa: E402
 
 CLIP = 0.5
 RTOL = 1e-5  # float32 engines vs each other and vs float64: ~1e-7 relative in these sizes

@@ -4,15 +4,12 @@ model delta θ_broadcast − θ_local after local SGD steps on the unit's own ex
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 from userdp.clients.engine import ClippingEngine, Unit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.clients.engine_fixtures import (  # noqa: E402
+from tests.clients.engine_fixtures import (
     assert_sums_close,
     random_units,
     tiny_model,

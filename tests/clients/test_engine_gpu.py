@@ -6,8 +6,6 @@ and DeepSpeed, and the randomized engine's probes keep their law on the device."
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +14,7 @@ from userdp.clients import norms
 from userdp.clients.engine import ClippingEngine, build_engine
 from userdp.clients.sketch import GaussianProbes
 
-from userdp.config import parse_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.clients.engine_fixtures import (  # noqa: E402
+from tests.clients.engine_fixtures import (
     SEQ_LEN,
     assert_sums_close,
     byte_manifest,
@@ -27,6 +22,7 @@ from tests.clients.engine_fixtures import (  # noqa: E402
     tiny_model,
     total_norm,
 )
+from userdp.config import parse_config
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -6,8 +6,6 @@ clipping by the ESTIMATED norm."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +18,7 @@ from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.norms import Factor, materialize, sketch_squared_norm
 from userdp.clients.sketch import GaussianProbes, IdentityProbes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.clients.engine_fixtures import (  # noqa: E402
+from tests.clients.engine_fixtures import (
     assert_sums_close,
     random_units,
     tiny_model,

@@ -4,8 +4,6 @@ non-finite units, oversized units; unsupported layouts are refused, not silently
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,14 +13,13 @@ from userdp.clients import norms
 from userdp.clients.engine import ClippingEngine, EngineError, Unit
 from userdp.clients.norms import Factor, Padded, ghost_squared_norm, materialize
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.clients.engine_fixtures import (  # noqa: E402
+from tests.clients.engine_fixtures import (
     assert_sums_close,
     random_units,
     tiny_model,
     total_norm,
 )
-from tests.clients.test_engine import poison_token  # noqa: E402
+from tests.clients.test_engine import poison_token
 
 
 @pytest.fixture(scope="module")

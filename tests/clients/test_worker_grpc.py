@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from userdp.clients.grpc_client import WorkerHealth
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.server.harness import make_loopback  # noqa: E402
+from tests.server.harness import make_loopback
 
 ALL = ["shard-00000", "shard-00001", "shard-00002", "shard-00003"]
 SERVING = health_pb2.HealthCheckResponse.SERVING

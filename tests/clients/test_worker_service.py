@@ -8,10 +8,8 @@ cheaply; ``test_end_to_end_over_grpc_with_the_real_engine`` runs the real clippi
 
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -24,15 +22,12 @@ from userdp.clients.shard_store import ShardStore
 from userdp.clients.worker_service import EngineCompute, _selection_rng
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.server.population import Population
+from userdp.strategies.base import Release
 
+from tests.server.harness import make_loopback
+from tests.server.standins import uls_strategy
 from userdp.shard_input import InputSource
 from userdp.shard_writer import ShardOptions, write_shards
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from userdp.strategies.base import Release  # noqa: E402
-
-from tests.server.harness import make_loopback  # noqa: E402
-from tests.server.standins import uls_strategy  # noqa: E402
 
 
 @dataclass

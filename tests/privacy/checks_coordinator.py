@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -26,14 +25,13 @@ from userdp.strategies.builtins import UserLevelSampling
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 from userdp.strategies.optimizers import Sgd
 
-from .stats import ALPHA, assert_gaussian_noise, assert_uncorrelated
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.server import (
-    harness,  # noqa: E402
-    toy,  # noqa: E402  (the server tests' loopback harness, reused)
+    harness,
+    toy,  # the server tests' loopback harness, reused
 )
-from tests.server.harness import Loopback, reference_params  # noqa: E402
+from tests.server.harness import Loopback, reference_params
+
+from .stats import ALPHA, assert_gaussian_noise, assert_uncorrelated
 
 SIGMA = 2.0
 CLIP = 3.0

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.clients.hf_families import family_config  # noqa: E402
+from tests.clients.hf_families import family_config
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly kings"
 

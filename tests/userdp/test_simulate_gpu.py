@@ -6,15 +6,10 @@ be built in a process that already built a CUDA one."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.userdp.test_simulate import assert_same_updates, small_config
 from userdp.simulation import run
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.userdp.test_simulate import assert_same_updates, small_config  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
