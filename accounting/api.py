@@ -15,6 +15,7 @@ Dispatch (all add-or-remove-one-user adjacency, pessimistic estimates):
 
 uls, els and randomized-clipping steps compose with each other across phases as PLDs; group
 privacy and balls-in-bins are whole-run accountants and cannot be composed with anything else.
+One idea — the one entry point from mechanisms to ε/δ — hence one module over 400 lines.
 """
 
 from __future__ import annotations

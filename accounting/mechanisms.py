@@ -13,6 +13,7 @@ meaning, gets a new class and a new ``kind``.
 All mechanisms are stated in normalized units: the clip norm is 1 and ``noise_multiplier`` σ is
 the noise standard deviation divided by the clip norm. Adjacency is add-or-remove one *user*
 (``NeighboringRelation.ADD_OR_REMOVE_ONE`` in dp_accounting) unless a class says otherwise.
+One idea — the frozen step descriptions the ledger records — hence one module over 400 lines.
 """
 
 from __future__ import annotations

@@ -53,6 +53,9 @@ which covers this law: the exact terms only concentrate it further. c_u = min(1,
 Requirements on the model (checked; an unsupported model raises EngineError, use ``loop``): every
 trainable parameter is used through a hooked module call, and every hooked call takes and
 returns tensors laid out [rows, length, …] (batch-first tokens).
+
+One idea — per-unit norms and sums without per-unit gradients — whose hooks, norm products and
+book-keeping depend on each other, hence one module over 400 lines.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ broadcast, so workers holding a lost update are resynced, never trusted. With co
 ``fault_hook(phase, step)`` is called at the start of every phase; tests make it raise to simulate
 a coordinator crash at that point. ``test_only_disable_noise`` exists for exactly-once tests that
 compare with a noiseless reference; it is a constructor argument only (no config key or CLI flag
-can reach it) and every step logs a NOT PRIVATE warning while it is on.
+can reach it) and every step logs a NOT PRIVATE warning while it is on. One idea — the step and
+resume contract around the fleet (:mod:`userdp.server.fleet`).
 """
 
 from __future__ import annotations
