@@ -104,6 +104,9 @@ class Ledger:
         self._lock_fd: int | None = None
         self._write_failed: str | None = None  # why appends are refused until reopened
         self._certificates = BudgetCertificates()
+        # the last check that passed, keyed by the ledger state it was made on: the step's
+        # append repeats the check on the same state, so it reuses the result
+        self._passed: tuple[tuple[int, Mechanism, str], float] | None = None
 
     # ---- opening -------------------------------------------------------------------------
 
@@ -263,10 +266,14 @@ class Ledger:
         if self.budget is None:
             raise ValueError(f"ledger {self.path} has no budget; create it with budget_epsilon")
         budget_epsilon, budget_delta = self.budget
+        key = (len(self._records), mechanism, repr(sorted(accountant_options.items())))
+        if self._passed is not None and self._passed[0] == key:
+            return self._passed[1]
         certified = self._certificates.epsilon_bound(
             self.phases(), mechanism, self.budget, accountant_options, compose_epsilon
         )
         if certified is not None:
+            self._passed = (key, certified)
             return certified
         after = self.epsilon_after(mechanism, budget_delta, **accountant_options)
         if after > budget_epsilon:
@@ -276,6 +283,7 @@ class Ledger:
                 f"{spent:.6g} to {after:.6g} at δ={budget_delta:g}, over the budget "
                 f"ε={budget_epsilon:g}; stop training or start a new run with a larger budget"
             )
+        self._passed = (key, after)
         return after
 
     def append(self, step: int, mechanism: Mechanism, *, enforce_budget: bool = True) -> dict:

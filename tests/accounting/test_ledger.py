@@ -216,3 +216,28 @@ def test_budget_certificate_is_per_phase(tmp_path):
         with pytest.raises(BudgetExceededError):
             led.append(34, quiet)
         assert led.spent(delta) <= budget
+
+
+def test_the_append_reuses_the_check_made_on_the_same_ledger_state(tmp_path, monkeypatch):
+    """The step checks its budget before any work and its append checks again on the unchanged
+    ledger: the whole-run accountant (balls-in-bins, no certificates) runs once per step."""
+    from userdp.accounting.mechanisms import BallsInBinsMechanism
+
+    mech = BallsInBinsMechanism(2.0, 4, 2, "fixed")
+    calls = []
+    real = ledger_module.compose_epsilon
+    monkeypatch.setattr(
+        ledger_module, "compose_epsilon", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
+    with Ledger.create(tmp_path / "ledger.jsonl", budget_epsilon=100.0, delta=1e-5) as led:
+        for step in range(3):
+            assert 0 < led.check_budget(mech) <= 100.0
+            led.append(step, mech)
+        assert len(calls) == 3  # one exact accounting per step, not two
+        with pytest.raises(StepOrderError):
+            led.append(2, mech)
+    with Ledger.create(tmp_path / "tight.jsonl", budget_epsilon=1e-3, delta=1e-5) as led:
+        with pytest.raises(BudgetExceededError):
+            led.check_budget(mech)
+        with pytest.raises(BudgetExceededError):
+            led.append(0, mech)  # a refused check is never remembered as passed
