@@ -53,7 +53,9 @@ __all__ = [
     "SamplerError",
     "ShuffleSampler",
     "TruncatedSampler",
+    "bins_for",
     "make_sampler",
+    "padding_cap",
     "poisson_positions",
     "secret_seed",
 ]
@@ -419,6 +421,17 @@ class TruncatedSampler(Sampler):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.base.load_state_dict(state["base"])
+
+
+def bins_for(sampling_prob: float) -> int:
+    """Bins of balls-in-bins sampling that includes each unit at rate ``sampling_prob``: round(1/q)."""
+    return max(1, round(1.0 / sampling_prob))
+
+
+def padding_cap(sampling_prob: float, num_users: int) -> int:
+    """The fixed cohort of ``padding`` sampling: 4 standard deviations above the Poisson mean qN."""
+    mean = sampling_prob * num_users
+    return max(1, math.ceil(mean + 4 * math.sqrt(mean * (1 - sampling_prob))))
 
 
 def make_sampler(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,7 +90,7 @@ def plugin_class(name: str, plugin_path: str | None = None) -> type:
 
 def _standard(config: Any, num_users: int, noise_multiplier: float) -> dict[str, Any]:
     """The standard arguments (module docstring), built lazily: only named ones are made."""
-    from userdp.strategies.samplers import make_sampler
+    from userdp.strategies.samplers import bins_for, make_sampler, padding_cap
 
     s = config.strategy
 
@@ -100,14 +99,12 @@ def _standard(config: Any, num_users: int, noise_multiplier: float) -> dict[str,
 
         return server_optimizer(config)
 
-    def sampler() -> Any:
-        mean = s.sampling_prob * num_users
-        cap = max(1, math.ceil(mean + 4 * math.sqrt(mean * (1 - s.sampling_prob))))
+    def sampler() -> Any:  # the sampler the built-ins build for this config
         return make_sampler(
             s.sampling,
             sampling_prob=s.sampling_prob,
-            bins=max(1, round(1.0 / s.sampling_prob)),
-            cohort_cap=cap,
+            bins=bins_for(s.sampling_prob),
+            cohort_cap=padding_cap(s.sampling_prob, num_users),
             seed=s.sampler_seed,
         )
 

@@ -127,7 +127,9 @@ def server_optimizer(config: Any) -> Any:
 
 
 def _bins(q: float, steps: int) -> tuple[int, int]:
-    bins = max(1, round(1.0 / q))
+    from userdp.strategies.samplers import bins_for
+
+    bins = bins_for(q)
     return bins, max(1, math.ceil(steps / bins))
 
 
@@ -175,8 +177,9 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
     else:
         uls.update(sampling_prob=s.sampling_prob)
     if s.sampling == "padding":  # Poisson, truncated/padded to a cap 4 std above qN
-        mean = s.sampling_prob * num_users
-        uls.update(cohort_cap=max(1, math.ceil(mean + 4 * math.sqrt(mean * (1 - s.sampling_prob)))))
+        from userdp.strategies.samplers import padding_cap
+
+        uls.update(cohort_cap=padding_cap(s.sampling_prob, num_users))
 
     def poisson_only(name: str) -> None:
         if s.sampling != "poisson":

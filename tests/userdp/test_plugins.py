@@ -157,3 +157,23 @@ def test_config_check_of_a_plugin_imports_no_torch_nor_scipy(plugin_dir):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False False"
+
+
+def test_a_plugin_gets_the_sampler_the_builtins_build_for_the_config(tmp_path):
+    (tmp_path / "own.py").write_text(
+        "from userdp.accounting.mechanisms import UlsMechanism\n"
+        "from userdp.strategies import Strategy\n\n\n"
+        "class Own(Strategy):\n"
+        "    def __init__(self, *, noise_multiplier, clip_norm, sampler):\n"
+        "        super().__init__(noise_multiplier=noise_multiplier, clip_norm=clip_norm,\n"
+        "                         sampler=sampler)\n\n"
+        "    def mechanism(self):\n"
+        "        return UlsMechanism(self.noise_multiplier, self.sampler.base.sampling_prob)\n"
+    )
+    path = write_config(tmp_path, "own:Own", "", extra='sampling = "padding"\n')
+    plugin = make_strategy(load_config(path), 400, 1.0)
+    builtin = make_strategy(load_config(write_config(tmp_path / "b", "uls", "")), 400, 1.0)
+    assert plugin.sampler.sampling == "padding" and plugin.sampler.size == 135  # 100 + 4·√75
+    builtin_padding = load_config(write_config(tmp_path / "c", "uls", "", 'sampling = "padding"\n'))
+    assert make_strategy(builtin_padding, 400, 1.0).sampler.size == plugin.sampler.size
+    assert builtin.sampler.sampling == "poisson"
