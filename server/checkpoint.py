@@ -182,6 +182,8 @@ def load_latest(directory: str | Path) -> Checkpoint | None:
 
 
 RELEASE_JOURNAL = "released.jsonl"
+UNREADABLE_RELEASE = 10**18
+"""The step :func:`read_release_journal` reports for a torn line: later than any real step."""
 
 
 def restore_latest(
@@ -232,5 +234,5 @@ def read_release_journal(directory: str | Path) -> list[int]:
         try:
             steps.append(int(json.loads(line)["step"]))
         except (ValueError, KeyError, TypeError):
-            steps.append(10**18)  # unreadable: assume the newest step was released
+            steps.append(UNREADABLE_RELEASE)  # unreadable: assume the newest step was released
     return steps

@@ -13,8 +13,6 @@ import argparse
 import json
 from pathlib import Path
 
-UNREADABLE_STEP = 10**18  # what read_release_journal returns for a torn line
-
 
 def ledger_path(target: str) -> Path:
     path = Path(target)
@@ -25,10 +23,10 @@ def ledger_path(target: str) -> Path:
 
 
 def _released(run_dir: Path) -> list[int]:
-    from userdp.server.checkpoint import read_release_journal
+    from userdp.server.checkpoint import UNREADABLE_RELEASE, read_release_journal
 
     # an unreadable (torn) journal line reads as "released" for resume; it names no step here
-    return [s for s in read_release_journal(run_dir / "checkpoints") if s < UNREADABLE_STEP]
+    return [s for s in read_release_journal(run_dir / "checkpoints") if s < UNREADABLE_RELEASE]
 
 
 def _verify(args: argparse.Namespace) -> int:

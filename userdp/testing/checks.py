@@ -116,9 +116,7 @@ class Kit:
         for name, values_of in draws.items():
             x = np.asarray(values_of)
             measured = float(x.std(ddof=1))
-            lo, hi = (math.sqrt(q) for q in stats.chi2_interval(x.size - 1))
-            bounds = (lo / math.sqrt(x.size - 1), hi / math.sqrt(x.size - 1))
-            parts.append((measured, sensitivity[name], bounds))
+            parts.append((measured, sensitivity[name], stats.std_bounds(x.size - 1)))
         ratios = [(s / d) for s, d, _ in parts]
         if min(ratios) == 0:
             names = ["sum", *draws]
