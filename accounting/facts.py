@@ -79,6 +79,8 @@ class PrivacyFacts:
     privacy unit is still the user). adjacency: add/remove or zero-out.
     sampling_matches_accounting: False when no accountant matches the sampler (fixed-size
     shuffle): the reported ε is then NOT a guarantee. caveats: one line each, printed verbatim.
+    secure_noise: True when the noise comes from a cryptographic keystream and releases lie on a
+    fixed grid, False for floating-point noise from a fast generator, None when not stated.
     Strings are accepted for the enum fields and checked.
     """
 
@@ -88,6 +90,7 @@ class PrivacyFacts:
     sampling_matches_accounting: bool
     caveats: tuple[str, ...] = ()
     sampled: Unit = Unit.USER
+    secure_noise: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit", _member(Unit, "unit", self.unit))
@@ -104,4 +107,5 @@ class PrivacyFacts:
             "adjacency": self.adjacency.value,
             "sampling_matches_accounting": self.sampling_matches_accounting,
             "caveats": list(self.caveats),
+            "secure_noise": self.secure_noise,
         }

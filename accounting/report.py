@@ -104,6 +104,9 @@ class PrivacyReport:
     epsilon_curve: list[tuple[int, float]] = field(default_factory=list)
     training_users: int | None = None
     """N, the users the run could sample (held-out users excluded); δ is read against 1/N."""
+    secure_noise: bool | None = None
+    """True: noise from a cryptographic keystream, releases on a grid; False: fast floating-point
+    generators; None: the strategy did not say."""
     ledger: dict[str, Any] = field(default_factory=dict)
     """The ledger state this report was computed from (``steps``, ``last_hash``): a reader
     compares it with the ledger (:func:`check_report_current`) and refuses a stale report."""
@@ -147,6 +150,7 @@ class PrivacyReport:
             ("steps", self.steps),
             ("expected cohort size", self.expected_cohort_size),
             ("clip norm", self.clip_norm),
+            ("noise generator", NOISE_GENERATORS[self.secure_noise]),
             ("budget ε", self.budget_epsilon),
             ("accountant", self.accountant),
             ("run id", self.run_id),
@@ -204,6 +208,13 @@ def delta_caveat(delta: float, training_users: int | None) -> str | None:
     )
 
 
+NOISE_GENERATORS = {
+    True: "secure: AES-256-CTR keystream, releases rounded onto a grid (privacy.secure_noise)",
+    False: "fast floating-point (numpy PCG64 / torch), not protected (see caveats)",
+    None: "not stated by the strategy",
+}
+
+
 def build_report(
     ledger_path: str | os.PathLike[str],
     delta: float,
@@ -215,12 +226,14 @@ def build_report(
     curve_points: int = 0,
     extra_caveats: tuple[str, ...] = (),
     training_users: int | None = None,
+    secure_noise: bool | None = None,
     **accountant_options: Any,
 ) -> PrivacyReport:
     """Build the report from the ledger file alone (ε recomputed, not trusted from metrics).
 
     ``curve_points`` > 0 adds ε at that many evenly spaced steps (each costs one accounting).
     ``training_users`` (N) puts δ next to 1/N, with a caveat when δ > 1/(10·N).
+    ``secure_noise`` is the strategy's noise generator mode (:class:`PrivacyFacts`).
     """
     header, records = read_ledger(ledger_path)
     if not records:
@@ -259,6 +272,7 @@ def build_report(
         run_id=header["run_id"],
         budget_epsilon=header["budget_epsilon"],
         training_users=training_users,
+        secure_noise=secure_noise,
         epsilon_curve=curve,
         ledger=ledger_state(records, header),
     )

@@ -85,7 +85,7 @@ class AdaptiveClipping(UserLevelSampling):
         (M the EXPECTED cohort); one unit moves b̃ by at most ½/M."""
         expected = cohort.expected_size
         centered = (stats.units - stats.clipped) - 0.5 * stats.units
-        noisy = centered + self.count_stddev * self.noise.rng.standard_normal()
+        noisy = self.noise.rng.noisy_scalar(centered, self.count_stddev)
         fraction = NoisyStatistic(noisy / expected + 0.5, sensitivity=0.5 / expected)
         return Release(
             step, cohort, self.add_noise(step, summed, stats), {"unclipped_fraction": fraction}

@@ -41,7 +41,7 @@ from userdp.accounting.facts import Adjacency, PrivacyFacts, Sampling, Unit
 from userdp.accounting.mechanisms import Mechanism
 from userdp.strategies import tensors as T
 from userdp.strategies.errors import StrategyError
-from userdp.strategies.noise import GaussianNoise, NoiseMechanism
+from userdp.strategies.noise import FAST_NOISE_CAVEAT, GaussianNoise, NoiseMechanism
 from userdp.strategies.optimizers import ServerOptimizer, Sgd
 from userdp.strategies.population import (
     PopulationCounts,
@@ -324,14 +324,18 @@ class Strategy(ABC):
 
     def facts(self) -> PrivacyFacts:
         """Sampling scheme, adjacency and whether an accountant matches it (all stated by the
-        sampler), which units are sampled, and :meth:`caveats`. The privacy unit is the user."""
+        sampler), which units are sampled, the noise generator's mode, and :meth:`caveats` (plus
+        one when the noise is not secure). The privacy unit is the user."""
+        secure = getattr(getattr(self.noise, "rng", None), "secure", None)
+        caveats = self.caveats() + ((FAST_NOISE_CAVEAT,) if secure is False else ())
         return PrivacyFacts(
             unit=Unit.USER,
             sampling=self.sampler.sampling,
             adjacency=self.sampler.adjacency,
             sampling_matches_accounting=self.sampler.accounted,
-            caveats=self.caveats(),
+            caveats=caveats,
             sampled=Unit(self.unit),
+            secure_noise=secure,
         )
 
     def sampling_matches_accounting(self) -> bool:

@@ -6,14 +6,20 @@ A noise mechanism turns the step's sum of clipped updates into the released nois
 with std = noise_multiplier · clip_norm (correlated: times the sensitivity of C, folded in by the
 strategy).
 
-Randomness: :class:`NoiseRng` seeds numpy's PCG64 and torch generators from ``os.urandom`` at
-construction and again after every :meth:`NoiseMechanism.load_state_dict`, so noise is never
-replayed across a retry or a resume, and never derived from a config seed. Tests can build a
-deterministic one with :meth:`NoiseRng.for_testing`, which logs a NOT PRIVATE warning.
+Randomness: :class:`NoiseRng` is keyed from ``os.urandom`` at construction and again after
+every :meth:`NoiseMechanism.load_state_dict`, so noise is never replayed across a retry or a
+resume, and never derived from a config seed. By default it is *secure*
+(:mod:`userdp.strategies.secure_random`): draws from an AES-256-CTR keystream and releases rounded
+onto a grid finer than std/256, so neither a predictable generator nor the low-order bits of
+floating-point sums leak the input. ``secure=False`` (config ``privacy.secure_noise = false``)
+uses numpy's PCG64 and torch's generators, seeded from 256 bits of ``os.urandom``: faster, but
+exposed to both. Tests can build a deterministic one with :meth:`NoiseRng.for_testing`, which logs
+a NOT PRIVATE warning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -22,38 +28,57 @@ from typing import Any
 
 import numpy as np
 from userdp.strategies import tensors as T
+from userdp.strategies.secure_random import SecureNormal, add_on_grid
 
-__all__ = ["GaussianNoise", "NoiseMechanism", "NoiseRng"]
+__all__ = ["FAST_NOISE_CAVEAT", "GaussianNoise", "NoiseMechanism", "NoiseRng"]
 
 log = logging.getLogger(__name__)
 
+FAST_NOISE_CAVEAT = (
+    "The noise came from fast floating-point generators (numpy PCG64 / torch), not a "
+    "cryptographic keystream, and releases were not rounded onto a grid "
+    "(privacy.secure_noise = false): an adversary who can predict the generator, or read the "
+    "low-order bits of released floats, can learn more than ε allows"
+)
+
 
 def _urandom_seed() -> int:
-    return int.from_bytes(os.urandom(16), "little")
+    """256 bits of ``os.urandom``: the only entropy a production :class:`NoiseRng` uses."""
+    return int.from_bytes(os.urandom(32), "little")
 
 
 class NoiseRng:
-    """Standard-normal draws shaped like a numpy array or torch tensor (same device/dtype).
+    """Standard-normal draws shaped like a numpy array or torch tensor (same device), and the
+    release ``value + std·z`` built from them.
 
-    Production: seeded from 128 bits of ``os.urandom``. ``for_testing(seed)``: deterministic, for
-    tests only; on :meth:`reseed` it moves to a new deterministic stream, never back to an old one.
+    ``secure=True`` (the default): AES-256-CTR keystream keyed by SHA-256 of that entropy, float64 draws,
+    releases on the grid of :func:`~userdp.strategies.secure_random.add_on_grid`.
+    ``secure=False``: PCG64/torch generators seeded from 256 bits of ``os.urandom``, draws in the
+    value's float dtype, releases computed in that dtype.
+    ``for_testing(seed)``: deterministic, for tests only; on :meth:`reseed` it moves to a new
+    deterministic stream, never back to an old one.
     """
 
-    def __init__(self, *, _test_seed: int | None = None) -> None:
+    def __init__(self, *, secure: bool = True, _test_seed: int | None = None) -> None:
+        self.secure = bool(secure)
         self._test_seed = _test_seed
         self._reseeds = 0
         self._seed(_urandom_seed() if _test_seed is None else _test_seed)
 
     @classmethod
-    def for_testing(cls, seed: int) -> NoiseRng:
+    def for_testing(cls, seed: int, *, secure: bool = False) -> NoiseRng:
         log.warning("NoiseRng.for_testing(%d): deterministic noise, NOT PRIVATE", seed)
-        return cls(_test_seed=int(seed))
+        return cls(secure=secure, _test_seed=int(seed))
 
     @property
     def deterministic(self) -> bool:
         return self._test_seed is not None
 
     def _seed(self, entropy: int | list[int]) -> None:
+        self._entropy = entropy
+        if self.secure:  # the AES key is a hash of the entropy; it is never stored elsewhere
+            self._secure = SecureNormal(hashlib.sha256(repr(entropy).encode()).digest())
+            return
         self._root = np.random.SeedSequence(entropy)
         self._numpy = np.random.Generator(np.random.PCG64(self._root.spawn(1)[0]))
         self._torch: dict[str, Any] = {}
@@ -67,10 +92,21 @@ class NoiseRng:
             self._seed([self._test_seed, self._reseeds])
 
     def standard_normal(self) -> float:
-        """One N(0, 1) draw (for scalar releases such as a noisy count)."""
+        """One N(0, 1) draw."""
+        if self.secure:
+            return float(self._secure.standard_normal(1)[0])
         return float(self._numpy.standard_normal())
 
+    def noisy_scalar(self, value: float, std: float) -> float:
+        """``value + std·z`` for one scalar release (e.g. a noisy count), on the grid if secure."""
+        if self.secure:
+            return float(add_on_grid(np.float64(value), std, self._secure.standard_normal(1)[0]))
+        return float(value) + std * self.standard_normal()
+
     def normal_like(self, x: Any) -> Any:
+        """N(0, 1) draws shaped like ``x`` (secure: float64; fast: ``x``'s float dtype)."""
+        if self.secure:
+            return self._secure.normal_like(x)
         if T.is_torch(x):
             import torch
 
@@ -86,6 +122,14 @@ class NoiseRng:
         dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
         return self._numpy.standard_normal(x.shape, dtype=dtype)
 
+    def release(self, value: Any, std: float, z: Any) -> Any:
+        """``value + std·z`` in ``value``'s type (secure: rounded onto the grid)."""
+        if self.secure:
+            return add_on_grid(value, std, z)
+        if T.is_torch(value):
+            return value + (std * z).to(value.dtype)
+        return np.asarray(value) + std * z
+
 
 class NoiseMechanism(ABC):
     """Adds the step's noise to a tensor dict. Checkpointable state excludes the RNG."""
@@ -98,16 +142,10 @@ class NoiseMechanism(ABC):
         """The unit-variance-scale noise for ``step``, shaped like ``like`` (before × std)."""
 
     def add(self, step: int, summed: Mapping[str, Any], *, std: float) -> dict[str, Any]:
-        """``summed + std · sample(step)`` as a new dict (inputs untouched)."""
+        """``summed + std · sample(step)`` as a new dict (inputs untouched; see
+        :meth:`NoiseRng.release`)."""
         noise = self.sample(step, summed)
-        out: dict[str, Any] = {}
-        for name, value in summed.items():
-            z = noise[name]
-            if T.is_torch(value):
-                out[name] = value + (std * z).to(value.dtype)
-            else:
-                out[name] = np.asarray(value) + std * z
-        return out
+        return {name: self.rng.release(value, std, noise[name]) for name, value in summed.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return {}

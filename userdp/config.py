@@ -290,6 +290,10 @@ class PrivacyConfig(_Section):
     noise_multiplier: Positive | None = None
     allow_unaccounted_sampling: StrictBool = False
     """Must be true to use ``shuffle`` sampling, for which no tight accountant exists."""
+    secure_noise: StrictBool = True
+    """Noise from an AES-256-CTR keystream, each release rounded onto a grid finer than std/256
+    (closes predictable generators and floating-point low-bit leaks). false = numpy/torch
+    generators in floating point: faster, and the privacy report says the noise is unprotected."""
 
 
 class CoordinatorConfig(_Section):

@@ -163,7 +163,7 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
     if s.name not in BUILTIN_STRATEGIES:
         from userdp.plugins import build_plugin
 
-        return build_plugin(config, num_users, noise_multiplier)
+        return _noise_mode(build_plugin(config, num_users, noise_multiplier), config)
     common: dict[str, Any] = {
         "noise_multiplier": noise_multiplier,
         "clip_norm": s.clip_norm,
@@ -216,6 +216,18 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
         strategy = BltDpFtrl(bins=bins, epochs=epochs, **common)
     else:  # the config schema admits only the names above
         raise ValueError(f"unknown strategy.name {s.name!r}")
+    return _noise_mode(strategy, config)
+
+
+def _noise_mode(strategy: Any, config: Any) -> Any:
+    """Give the strategy's noise a fresh generator of the mode ``privacy.secure_noise`` asks for
+    (the default generator is secure; a deterministic test generator is left alone)."""
+    from userdp.strategies.noise import NoiseRng
+
+    rng = getattr(getattr(strategy, "noise", None), "rng", None)
+    secure = config.privacy.secure_noise
+    if isinstance(rng, NoiseRng) and rng.secure != secure and not rng.deterministic:
+        strategy.noise.rng = NoiseRng(secure=secure)
     return strategy
 
 

@@ -213,6 +213,7 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
         curve_points=10,
         extra_caveats=tuple(caveats),
         training_users=training_users,
+        secure_noise=facts.get("secure_noise"),
     )
     data = report.to_dict()
     baseline = next((r for r in evals if r["step"] == 0), None)

@@ -144,6 +144,20 @@ def test_delta_is_shown_next_to_one_over_n_with_a_warning_when_large(ledger_path
     ]
 
 
+@pytest.mark.parametrize(
+    ("secure", "row"),
+    [
+        (True, "| noise generator | secure: AES-256-CTR keystream"),
+        (False, "| noise generator | fast floating-point (numpy PCG64 / torch), not protected"),
+        (None, "| noise generator | not stated by the strategy |"),
+    ],
+)
+def test_report_names_the_noise_generator(ledger_path, secure, row):
+    report = build_report(ledger_path, 1e-6, unit="user", sampling="poisson", secure_noise=secure)
+    assert row in report.to_markdown()
+    assert report.to_dict()["secure_noise"] is secure
+
+
 def test_clipping_summary_says_what_clip_fractions_mean() -> None:
     from userdp.run_outputs import clipping_summary
 

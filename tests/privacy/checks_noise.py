@@ -14,6 +14,8 @@ Differentially Private Stochastic Gradient Descent" (§3.2) also detects.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from userdp.strategies.adaptive_clipping import AdaptiveClipping
 from userdp.strategies.base import ClipStatistics
@@ -275,6 +277,54 @@ def check_adaptive_clipping_noise() -> None:
     )
 
 
+def check_production_noise_is_secure_and_on_grid() -> None:
+    """The default generator is the secure one: each released coordinate of a production strategy
+    lies on the grid γℤ, γ = 2^(⌊log₂ σC⌋ − 8) (computed here from σ and C), whatever the low
+    bits of the sum, and the noise is still exactly N(0, (σC)²) (the rounding adds at most γ/2,
+    a relative 2⁻⁹ of σC, far inside the χ² interval of 10⁵ coordinates)."""
+    strategy = make_strategy("uls", production_noise=True)
+    gamma = 2.0 ** (math.floor(math.log2(SIGMA * CLIP)) - 8)
+    rng = np.random.default_rng(4)
+    summed = {name: rng.normal(size=shape) / 3.0 for name, shape in SHAPES.items()}
+    released = strategy.add_noise(0, summed, ClipStatistics(20, 0))
+    for name, value in released.items():
+        cells = np.asarray(value, dtype=np.float64) / gamma
+        off = int(np.sum(cells != np.round(cells)))
+        assert off == 0, (
+            f"tensor {name!r}: {off} of {cells.size} released values are off the grid "
+            f"{gamma:g}ℤ: the low-order bits of a floating-point release carry its input, so "
+            "production noise must come from the secure generator, rounded onto the grid"
+        )
+    noise = np.concatenate([(released[n] - summed[n]).ravel() for n in SHAPES])
+    assert_gaussian_noise(noise, SIGMA * CLIP, "secure noise on the grid, ULS step 0")
+
+
+def check_report_names_the_noise_generator() -> None:
+    """The privacy facts a report is rendered from state the generator the strategy really uses:
+    with ``privacy.secure_noise = false`` the facts say not secure and carry the caveat; by
+    default they say secure, and the generator is secure."""
+    from userdp.strategies.noise import FAST_NOISE_CAVEAT
+
+    from userdp.config import parse_config
+    from userdp.run_components import make_strategy as strategy_from_config
+
+    for secure in (True, False):
+        config = parse_config({"privacy": {"secure_noise": secure}})
+        strategy = strategy_from_config(config, N_USERS, SIGMA)
+        facts = strategy.facts()
+        assert strategy.noise.rng.secure is secure, (
+            f"privacy.secure_noise = {secure} built a generator with secure = "
+            f"{strategy.noise.rng.secure}"
+        )
+        assert (
+            facts.secure_noise is secure and (FAST_NOISE_CAVEAT in facts.caveats) is not secure
+        ), (
+            f"the report's facts say secure_noise = {facts.secure_noise} (fast-noise caveat "
+            f"{'present' if FAST_NOISE_CAVEAT in facts.caveats else 'absent'}) for a strategy "
+            f"whose generator has secure = {secure}: the report must name the noise it got"
+        )
+
+
 __all__ = [
     "ALPHA",
     "check_adaptive_clipping_noise",
@@ -282,4 +332,6 @@ __all__ = [
     "check_noise_fresh_after_resume",
     "check_noise_fresh_on_retry",
     "check_noise_magnitude",
+    "check_production_noise_is_secure_and_on_grid",
+    "check_report_names_the_noise_generator",
 ]

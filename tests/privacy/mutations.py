@@ -147,6 +147,48 @@ def mutation_noise_only_on_matrices(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# secure noise
+
+
+@pytest.fixture
+def mutation_noise_off_grid(monkeypatch):
+    """The secure generator's draws are added in plain floating point (no rounding onto the grid):
+    the release's low-order bits depend on the input."""
+
+    def release(self, value, std, z):
+        return np.asarray(value) + std * np.asarray(z)
+
+    monkeypatch.setattr(NoiseRng, "release", release)
+
+
+@pytest.fixture
+def mutation_fast_noise_by_default(monkeypatch):
+    """A generator built without arguments is the fast floating-point one."""
+    original = NoiseRng.__init__
+
+    def init(self, *, secure=False, _test_seed=None):
+        original(self, secure=secure, _test_seed=_test_seed)
+
+    monkeypatch.setattr(NoiseRng, "__init__", init)
+
+
+@pytest.fixture
+def mutation_facts_claim_secure_noise(monkeypatch):
+    """The strategy's privacy facts always say the noise was secure, without the caveat."""
+    from userdp.strategies.base import Strategy
+    from userdp.strategies.noise import FAST_NOISE_CAVEAT
+
+    original = Strategy.facts
+
+    def facts(self):
+        stated = original(self)
+        caveats = tuple(c for c in stated.caveats if c != FAST_NOISE_CAVEAT)
+        return dataclasses.replace(stated, secure_noise=True, caveats=caveats)
+
+    monkeypatch.setattr(Strategy, "facts", facts)
+
+
+# ---------------------------------------------------------------------------------------------
 # noise reuse
 
 
@@ -158,7 +200,7 @@ def mutation_noise_generator_reseeded_identically(monkeypatch):
 
     def normal_like(self, x):
         if not hasattr(self, "_mutation_entropy"):
-            self._mutation_entropy = self._root.entropy
+            self._mutation_entropy = self._entropy
         self._seed(self._mutation_entropy)
         return original(self, x)
 
@@ -208,8 +250,8 @@ def mutation_duplicate_discard_disabled(monkeypatch):
         task.live = False
         for group_id in task.groups:
             self._groups[group_id].done = True
-        self._stats.units += len(task.unit_ids)
-        self._stats.count += partial.count
+        self._gathered.units += len(task.unit_ids)
+        self._gathered.stats += partial.stats
         return Verdict(True, False, "accepted")
 
     monkeypatch.setattr(StepGather, "offer", offer)
@@ -418,7 +460,7 @@ def mutation_engine_averages_clipped_examples(monkeypatch):
                 total.sums = {n: t * scale for n, t in part.sums.items()}
             else:
                 total.sums = {n: total.sums[n] + t * scale for n, t in part.sums.items()}
-        total.count = len(units)
+        total.stats = dataclasses.replace(total.stats, count=len(units))
         return total
 
     monkeypatch.setattr(ClippingEngine, "clipped_sum", clipped_sum)

@@ -53,6 +53,8 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "noise_every_tensor_full": _no_tmp(
         partial(model_noise.check_noise_on_every_trainable_tensor, 0)
     ),
+    "noise_secure_on_grid": _no_tmp(noise.check_production_noise_is_secure_and_on_grid),
+    "noise_generator_reported": _no_tmp(noise.check_report_names_the_noise_generator),
     "noise_fresh_across_steps": _no_tmp(noise.check_noise_fresh_across_steps),
     "noise_fresh_on_retry": _no_tmp(noise.check_noise_fresh_on_retry),
     "noise_fresh_after_resume": _no_tmp(noise.check_noise_fresh_after_resume),
@@ -201,6 +203,25 @@ CASES: list[Case] = [
         NO_NOISE,
         "noise_every_tensor_full",
         "coordinator_noise_magnitude",
+    ),
+    # --- secure noise ---------------------------------------------------------------------------
+    *_cases(
+        "noise released in raw floating point",
+        "mutation_noise_off_grid",
+        r"off the grid",
+        "noise_secure_on_grid",
+    ),
+    *_cases(
+        "noise released in raw floating point",
+        "mutation_fast_noise_by_default",
+        r"off the grid",
+        "noise_secure_on_grid",
+    ),
+    *_cases(
+        "report misstates the noise generator",
+        "mutation_facts_claim_secure_noise",
+        r"the report must name the noise it got",
+        "noise_generator_reported",
     ),
     # --- fresh noise ----------------------------------------------------------------------------
     *_cases(
@@ -378,6 +399,8 @@ REQUIRED_BUGS = frozenset(
         "adaptive clipping: count released without noise",
         "released step replayed after resume",
         "sampler seed derived from the public output.seed",
+        "noise released in raw floating point",
+        "report misstates the noise generator",
     }
 )
 

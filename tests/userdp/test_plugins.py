@@ -126,7 +126,7 @@ def test_the_python_api_runs_a_plugin_from_a_dict(plugin_dir, tmp_path):
 
 
 def test_the_flower_adapter_builds_a_plugin_from_config(plugin_dir):
-    from userdp.strategies.flower import UserDpFlowerStrategy
+    from userdp.flower import UserDpFlowerStrategy
 
     path = write_config(plugin_dir, "warmup_uls:WarmupUls")
     adapter = UserDpFlowerStrategy.from_config(path, ledger=None, num_users=40)

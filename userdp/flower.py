@@ -42,6 +42,7 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
+
 from userdp.strategies.base import (
     ClipStatistics,
     PopulationCounts,
