@@ -367,6 +367,20 @@ def mutation_accountant_drops_a_step(monkeypatch):
 
 
 @pytest.fixture
+def mutation_blt_mechanism_without_correlation(monkeypatch):
+    """BLT-DP-FTRL records its balls-in-bins mechanism without the correlation matrix (the
+    accountant then amplifies as if the noise were independent across steps)."""
+    from userdp.strategies.dpftrl import BltDpFtrl
+
+    original = BltDpFtrl.mechanism
+
+    def mechanism(self):
+        return dataclasses.replace(original(self), correlation=None)
+
+    monkeypatch.setattr(BltDpFtrl, "mechanism", mechanism)
+
+
+@pytest.fixture
 def mutation_ledger_skips_first_step(monkeypatch):
     """The first released step is never charged (an ``if step:`` guard in the append path)."""
     original = Ledger.append

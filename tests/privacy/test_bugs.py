@@ -75,6 +75,7 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "sampler_seed_secret": sampling.check_sampler_seed_is_secret_unless_given,
     "report_epsilon_uls": partial(sampling.check_report_epsilon_matches_dp_accounting, "uls"),
     "report_epsilon_els": partial(sampling.check_report_epsilon_matches_dp_accounting, "els"),
+    "report_epsilon_blt": sampling.check_blt_report_epsilon_matches_quadrature,
 }
 
 
@@ -344,6 +345,13 @@ CASES: list[Case] = [
         r"the report says ε",
         "report_epsilon_uls",
         "report_epsilon_els",
+        "report_epsilon_blt",
+    ),
+    *_cases(
+        "accountant given wrong noise correlation",
+        "mutation_blt_mechanism_without_correlation",
+        r"the report says ε",
+        "report_epsilon_blt",
     ),
     *_cases(
         "ELS accounted at example level",
@@ -401,6 +409,7 @@ REQUIRED_BUGS = frozenset(
         "sampler seed derived from the public output.seed",
         "noise released in raw floating point",
         "report misstates the noise generator",
+        "accountant given wrong noise correlation",
     }
 )
 
