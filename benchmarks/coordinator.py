@@ -48,6 +48,7 @@ from userdp.server.coordinator import Coordinator, CoordinatorSettings, Populati
 from userdp.server.grpc_server import serve
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import ModelAcked, WorkerRegistry
+from userdp.strategies.unit_stats import UnitStats
 
 
 class ZeroCompute:
@@ -61,7 +62,7 @@ class ZeroCompute:
 
     def compute(self, task) -> ClippedSum:
         sums = {name: torch.zeros(shape) for name, shape in self.shapes.items()}
-        return ClippedSum(sums=sums, count=len(task.unit_ids))
+        return ClippedSum(sums=sums, stats=UnitStats(count=len(task.unit_ids)))
 
 
 def _strategy_and_ledger(population: int, cohort: int, ledger_path: Path):

@@ -28,6 +28,7 @@ from userdp.clients.batching import (
     token_losses,
 )
 from userdp.clients.partial import ClippedSum
+from userdp.strategies.unit_stats import UnitStats
 
 
 def flat_views(flat: torch.Tensor, shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
@@ -52,15 +53,7 @@ class Accumulator:
     params: dict[str, torch.Tensor]
     clip_norm: float
     sums: dict[str, torch.Tensor] = field(init=False)
-    count: int = 0
-    nonfinite: int = 0
-    clipped: int = 0
-    norm_min: float = math.inf
-    norm_max: float = 0.0
-    norm_sum: float = 0.0
-    norm_sum_sq: float = 0.0
-    loss_sum: float = 0.0
-    tokens: int = 0
+    stats: UnitStats = field(default_factory=UnitStats)
     skipped_examples: int = 0
 
     def __post_init__(self) -> None:
@@ -74,16 +67,9 @@ class Accumulator:
     def record(self, norm: float, loss_sum: float, tokens: int) -> float | None:
         """Count one unit; return its clip factor, or None (contributes zero) if not finite."""
         if not (math.isfinite(norm) and math.isfinite(loss_sum)):
-            self.nonfinite += 1
+            self.stats += UnitStats(nonfinite=1)
             return None
-        self.count += 1
-        self.clipped += norm > self.clip_norm
-        self.norm_min = min(self.norm_min, norm)
-        self.norm_max = max(self.norm_max, norm)
-        self.norm_sum += norm
-        self.norm_sum_sq += norm * norm
-        self.loss_sum += loss_sum
-        self.tokens += tokens
+        self.stats += UnitStats.finite_unit(norm, self.clip_norm, loss_sum, tokens)
         return clip_factor(norm, self.clip_norm)
 
     def add(self, name: str, value: torch.Tensor, scale: float = 1.0) -> None:
@@ -104,19 +90,7 @@ class Accumulator:
         return flat_views(host, {name: tensor.shape for name, tensor in self.sums.items()})
 
     def result(self) -> ClippedSum:
-        return ClippedSum(
-            sums=self.host_sums(),
-            count=self.count,
-            nonfinite=self.nonfinite,
-            clipped=self.clipped,
-            norm_min=self.norm_min if self.count else 0.0,
-            norm_max=self.norm_max,
-            norm_sum=self.norm_sum,
-            norm_sum_sq=self.norm_sum_sq,
-            loss_sum=self.loss_sum,
-            tokens=self.tokens,
-            skipped_examples=self.skipped_examples,
-        )
+        return ClippedSum(self.host_sums(), self.stats, self.skipped_examples)
 
 
 def squared_norm(tensors: Sequence[torch.Tensor]) -> float:

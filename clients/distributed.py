@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from userdp.clients.batching import EngineError
 from userdp.clients.clipping import ClippedSum, flat_views
+from userdp.strategies.unit_stats import UnitStats
 
 from userdp.config import deepspeed_json_problem
 
@@ -174,31 +175,31 @@ def all_reduce_result(result: ClippedSum, device: torch.device) -> ClippedSum:
     names = sorted(result.sums)
     flat = torch.cat([result.sums[n].reshape(-1) for n in names]).to(device)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    stats = torch.tensor(
+    mine = result.stats
+    totals = torch.tensor(
         [
-            result.count,
-            result.nonfinite,
-            result.clipped,
-            result.norm_sum,
-            result.norm_sum_sq,
-            result.loss_sum,
-            result.tokens,
+            mine.count,
+            mine.nonfinite,
+            mine.clipped,
+            mine.norm_sum,
+            mine.norm_sum_sq,
+            mine.loss_sum,
+            mine.tokens,
             result.skipped_examples,
         ],
         dtype=torch.float64,
         device=device,
     )
-    dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     big = torch.finfo(torch.float64).max
-    lo = torch.tensor([result.norm_min if result.count else big], dtype=torch.float64)
-    hi = torch.tensor([result.norm_max], dtype=torch.float64)
+    lo = torch.tensor([mine.norm_min if mine.count else big], dtype=torch.float64)
+    hi = torch.tensor([mine.norm_max], dtype=torch.float64)
     lo, hi = lo.to(device), hi.to(device)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     sums = flat_views(flat.cpu(), {name: result.sums[name].shape for name in names})
-    count, nonfinite, clipped, norm_sum, norm_sum_sq, loss_sum, tokens, skipped = stats.tolist()
-    return ClippedSum(
-        sums=sums,
+    count, nonfinite, clipped, norm_sum, norm_sum_sq, loss_sum, tokens, skipped = totals.tolist()
+    stats = UnitStats(
         count=int(count),
         nonfinite=int(nonfinite),
         clipped=int(clipped),
@@ -208,5 +209,5 @@ def all_reduce_result(result: ClippedSum, device: torch.device) -> ClippedSum:
         norm_sum_sq=norm_sum_sq,
         loss_sum=loss_sum,
         tokens=int(tokens),
-        skipped_examples=int(skipped),
     )
+    return ClippedSum(sums, stats, skipped_examples=int(skipped))

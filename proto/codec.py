@@ -11,6 +11,8 @@
   that closes them.
 - :func:`partial_from_result`: a ``Result`` and its reassembled tensors -> the coordinator's
   :class:`~userdp.server.aggregation.PartialSum`.
+- ``_stats_fields`` / ``_stats_from_result``: :class:`~userdp.strategies.unit_stats.UnitStats`
+  <-> the ``Result`` fields that carry it, the only mapping between the two.
 - :func:`example_unit_id` / :func:`parse_example_unit_id`: example unit ids
   ``"<user id>/<example index>"``, the strategy API's own (:mod:`userdp.strategies.base`),
   re-exported here for the two ends.
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.tensors import WireTensor, tensors_chunks
 from userdp.strategies.base import example_unit_id, parse_example_unit_id
+from userdp.strategies.unit_stats import UnitStats
 
 if TYPE_CHECKING:
     from userdp.clients.partial import ClippedSum
@@ -162,6 +165,35 @@ def result_parts(
         yield pb.ResultPart(task_id=task.task_id, attempt=task.attempt, chunk=chunk)
 
 
+def _stats_fields(stats: UnitStats) -> dict[str, Any]:
+    """The ``Result`` fields carrying ``stats`` (keyword arguments of ``pb.Result``)."""
+    return {
+        "count": stats.count,
+        "nonfinite": stats.nonfinite,
+        "clipped": stats.clipped,
+        "norms": pb.NormStats(
+            min=stats.norm_min, max=stats.norm_max, sum=stats.norm_sum, sum_sq=stats.norm_sum_sq
+        ),
+        "loss_sum": stats.loss_sum,
+        "tokens": stats.tokens,
+    }
+
+
+def _stats_from_result(result: pb.Result) -> UnitStats:
+    """The :class:`UnitStats` a ``Result`` carries (inverse of ``_stats_fields``)."""
+    return UnitStats(
+        count=result.count,
+        nonfinite=result.nonfinite,
+        clipped=result.clipped,
+        norm_min=result.norms.min,
+        norm_max=result.norms.max,
+        norm_sum=result.norms.sum,
+        norm_sum_sq=result.norms.sum_sq,
+        loss_sum=result.loss_sum,
+        tokens=result.tokens,
+    )
+
+
 def result_proto(task: pb.Task, partial: ClippedSum, compute_seconds: float) -> pb.Result:
     """The ``Result`` closing a task's parts: the task's labels and the clipped sum's statistics."""
     return pb.Result(
@@ -170,17 +202,7 @@ def result_proto(task: pb.Task, partial: ClippedSum, compute_seconds: float) -> 
         step=task.step,
         model_version=task.model_version,
         num_tensors=len(partial.sums),
-        count=partial.count,
-        nonfinite=partial.nonfinite,
-        clipped=partial.clipped,
-        norms=pb.NormStats(
-            min=partial.norm_min,
-            max=partial.norm_max,
-            sum=partial.norm_sum,
-            sum_sq=partial.norm_sum_sq,
-        ),
-        loss_sum=partial.loss_sum,
-        tokens=partial.tokens,
+        **_stats_fields(partial.stats),
         compute_seconds=compute_seconds,
         unit_ids=task.unit_ids,
     )
@@ -201,14 +223,6 @@ def partial_from_result(
         worker_id=worker_id,
         unit_ids=tuple(result.unit_ids),
         tensors=tensors,
-        count=result.count,
-        nonfinite=result.nonfinite,
-        clipped=result.clipped,
-        norm_min=result.norms.min,
-        norm_max=result.norms.max,
-        norm_sum=result.norms.sum,
-        norm_sum_sq=result.norms.sum_sq,
-        loss_sum=result.loss_sum,
-        tokens=result.tokens,
+        stats=_stats_from_result(result),
         compute_seconds=result.compute_seconds,
     )

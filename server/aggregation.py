@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from userdp.proto.tensors import FLOAT_DTYPES, WireTensor
 from userdp.server.planning import ShardGroup
+from userdp.strategies.unit_stats import UnitStats
 
 NORM_TOLERANCE = 1e-3
 """Relative slack on the ‖partial‖ ≤ count · C check (float32 sums of clipped vectors)."""
@@ -75,15 +76,7 @@ class PartialSum:
     worker_id: str
     unit_ids: tuple[str, ...]
     tensors: Mapping[str, WireTensor | torch.Tensor]
-    count: int
-    nonfinite: int = 0
-    clipped: int = 0
-    norm_min: float = math.inf
-    norm_max: float = 0.0
-    norm_sum: float = 0.0
-    norm_sum_sq: float = 0.0
-    loss_sum: float = 0.0
-    tokens: int = 0
+    stats: UnitStats
     compute_seconds: float = 0.0
 
 
@@ -103,15 +96,8 @@ class GatheredSum:
 
     sums: dict[str, torch.Tensor]
     units: int
-    count: int
-    nonfinite: int
-    clipped: int
-    norm_min: float
-    norm_max: float
-    norm_sum: float
-    norm_sum_sq: float
-    loss_sum: float
-    tokens: int
+    """Units of the accepted tasks (checked against ``stats.count + stats.nonfinite``)."""
+    stats: UnitStats
     attempts: int
     """Tasks issued (first tries and re-issues)."""
     failed_tasks: int
@@ -177,18 +163,10 @@ class StepGather:
         self._sums = {
             name: torch.zeros(spec.shape, dtype=torch.float64) for name, spec in template.items()
         }
-        self._stats = GatheredSum(
+        self._gathered = GatheredSum(
             sums=self._sums,
             units=0,
-            count=0,
-            nonfinite=0,
-            clipped=0,
-            norm_min=math.inf,
-            norm_max=0.0,
-            norm_sum=0.0,
-            norm_sum_sq=0.0,
-            loss_sum=0.0,
-            tokens=0,
+            stats=UnitStats(),
             attempts=0,
             failed_tasks=0,
             compute_seconds=0.0,
@@ -226,7 +204,7 @@ class StepGather:
             state.task_id = task_id
         units = tuple(u for s in states for u in s.group.unit_ids)
         self._tasks[task_id] = _TaskState(task_id, attempt, worker_id, tuple(group_ids), units, now)
-        self._stats.attempts += 1
+        self._gathered.attempts += 1
         return task_id, attempt
 
     def fail(self, task_id: str, attempt: int, reason: str) -> bool:
@@ -236,7 +214,7 @@ class StepGather:
         if task is None or not task.live or task.attempt != attempt:
             return False
         task.live = False
-        self._stats.failed_tasks += 1
+        self._gathered.failed_tasks += 1
         for group_id in task.groups:
             state = self._groups[group_id]
             state.task_id = None
@@ -291,19 +269,10 @@ class StepGather:
         task.live = False
         for group_id in task.groups:
             self._groups[group_id].done = True
-        s = self._stats
-        s.units += len(task.unit_ids)
-        s.count += partial.count
-        s.nonfinite += partial.nonfinite
-        s.clipped += partial.clipped
-        if partial.count:
-            s.norm_min = min(s.norm_min, partial.norm_min)
-            s.norm_max = max(s.norm_max, partial.norm_max)
-        s.norm_sum += partial.norm_sum
-        s.norm_sum_sq += partial.norm_sum_sq
-        s.loss_sum += partial.loss_sum
-        s.tokens += partial.tokens
-        s.compute_seconds += partial.compute_seconds
+        gathered = self._gathered
+        gathered.units += len(task.unit_ids)
+        gathered.stats += partial.stats
+        gathered.compute_seconds += partial.compute_seconds
         return Verdict(True, False, "accepted")
 
     def _check(self, partial: PartialSum, unit_ids: tuple[str, ...]) -> str | None:
@@ -311,9 +280,9 @@ class StepGather:
             return f"model version {partial.model_version}, expected {self.model_version}"
         if tuple(partial.unit_ids) != unit_ids:
             return "unit ids differ from the task's"
-        n = len(unit_ids)
-        if partial.count < 0 or partial.nonfinite < 0 or partial.count + partial.nonfinite != n:
-            return f"count {partial.count} + nonfinite {partial.nonfinite} != {n} units"
+        n, count, nonfinite = len(unit_ids), partial.stats.count, partial.stats.nonfinite
+        if count < 0 or nonfinite < 0 or count + nonfinite != n:
+            return f"count {count} + nonfinite {nonfinite} != {n} units"
         if set(partial.tensors) != set(self.template):
             missing = sorted(set(self.template) - set(partial.tensors))[:3]
             extra = sorted(set(partial.tensors) - set(self.template))[:3]
@@ -331,11 +300,10 @@ class StepGather:
             if not bool(torch.isfinite(t).all()):
                 return f"tensor {name!r} has non-finite values"
             squared += float(torch.sum(t.to(torch.float64) ** 2))
-        bound = contribution_bound(partial.count, self.clip_norm, self.estimate_probes)
+        bound = contribution_bound(count, self.clip_norm, self.estimate_probes)
         if math.sqrt(squared) > bound:
             what = (
-                f"the bound of {partial.count} units clipped by {self.estimate_probes}-probe "
-                "norm estimates"
+                f"the bound of {count} units clipped by {self.estimate_probes}-probe norm estimates"
                 if self.estimate_probes
                 else "count*clip_norm"
             )
@@ -356,7 +324,7 @@ class StepGather:
             raise RuntimeError(f"step {self.step}: shard groups not done")
         if self._contributed != set(self._unit_owner):
             raise ExactlyOnceViolation(f"step {self.step}: contributed units != cohort units")
-        return self._stats
+        return self._gathered
 
 
 def _as_torch(value: WireTensor | torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,7 @@ from userdp.server.startup import WorkerProgress
 from userdp.strategies.base import ClipStatistics
 from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep
 from userdp.strategies.step import run_step as run_strategy_step
+from userdp.strategies.unit_stats import UnitStats
 
 log = logging.getLogger(__name__)
 
@@ -144,18 +145,16 @@ class CoordinatorSettings:
 
 @dataclass
 class StepReport:
+    """What one released step did: its units and their statistics, tasks and phase times."""
+
     step: int
     model_version: int
     units: int
     expected_cohort_size: float
-    count: int
-    nonfinite: int
-    clipped: int
+    stats: UnitStats
     attempts: int
     failed_tasks: int
     shard_groups: int
-    loss_mean: float
-    tokens: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -305,7 +304,7 @@ class Coordinator:
                 name: t.to(torch.promote_types(self.params[name].dtype, torch.float32))
                 for name, t in gathered.sums.items()
             }
-            return Gathered(summed, ClipStatistics(gathered.count, gathered.clipped))
+            return Gathered(summed, ClipStatistics(gathered.stats.count, gathered.stats.clipped))
 
         replay = self._charged_unreleased == step  # charged before a crash, never released
         planned, _, _ = run_strategy_step(
@@ -341,7 +340,7 @@ class Coordinator:
             "step %d: %d units, loss %.4f, %d attempts, %.3fs",
             step,
             report.units,
-            report.loss_mean,
+            report.stats.loss_mean,
             report.attempts,
             sum(times.values()),
         )
@@ -393,13 +392,9 @@ def _report(
         model_version=version,
         units=gathered.units,
         expected_cohort_size=float(getattr(cohort, "expected_size", math.nan)),
-        count=gathered.count,
-        nonfinite=gathered.nonfinite,
-        clipped=gathered.clipped,
+        stats=gathered.stats,
         attempts=gathered.attempts,
         failed_tasks=gathered.failed_tasks,
         shard_groups=shard_groups,
-        loss_mean=gathered.loss_sum / gathered.tokens if gathered.tokens else math.nan,
-        tokens=gathered.tokens,
         seconds=dict(times),
     )

@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from userdp.strategies.errors import StrategyError
+from userdp.strategies.population import parse_example_unit_id
+
 
 @dataclass(frozen=True)
 class Population:
@@ -40,12 +43,16 @@ class Population:
         return PopulationCounts(self.users, counts)
 
     def shard_of_unit(self, unit_id: str) -> str:
-        """Shard of a unit: a user id, or ``<user id>/<example index>`` for example units."""
+        """Shard of a unit: a user id, or ``<user id>/<example index>`` for example units
+        (:func:`~userdp.strategies.population.parse_example_unit_id`); KeyError if neither."""
         shard = self.shard_of_user.get(unit_id)
         if shard is not None:
             return shard
-        user, sep, _ = unit_id.rpartition("/")
-        if sep and user in self.shard_of_user:
+        try:
+            user, _ = parse_example_unit_id(unit_id)
+        except StrategyError:
+            raise KeyError(unit_id) from None
+        if user in self.shard_of_user:
             return self.shard_of_user[user]
         raise KeyError(unit_id)
 

@@ -2,7 +2,9 @@
 order and, for example-level strategies, how many examples each user has; never rows.
 
 An example unit (ELS, one example of the capped subset D_sub) is named ``"<user id>/<example
-index>"`` (:func:`example_unit_id`), the form ``userdp.server.population.Population`` parses.
+index>"`` (:func:`example_unit_id`); :func:`parse_example_unit_id` is its one parser, used by the
+coordinator to find a unit's shard (``userdp.server.population.Population``) and by the worker to
+select the example.
 """
 
 from __future__ import annotations

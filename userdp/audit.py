@@ -158,7 +158,7 @@ def run_audit(
         if real:
             result = compute(spec, current_step[0], real, current)
             sums = {k: v.clone() for k, v in result.sums.items()}
-            count, clipped = result.count, result.clipped
+            count, clipped = result.stats.count, result.stats.clipped
         if fake:
             acc = Accumulator({parameter: current[parameter]}, spec.clip_norm)
             for cid in fake:
@@ -166,7 +166,7 @@ def run_audit(
                 grad[coordinate[cid]] = canary_norm
                 add_clipped_unit(acc, {parameter: grad.view_as(current[parameter])}, 0.0, 0)
             sums[parameter] += acc.sums[parameter]
-            count, clipped = count + acc.count, clipped + acc.clipped
+            count, clipped = count + acc.stats.count, clipped + acc.stats.clipped
         return sums, ClipStatistics(count, clipped)
 
     scores = np.zeros(canaries)

@@ -10,7 +10,6 @@ send) in one process, without gRPC or retries. It checkpoints like the coordinat
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,17 +87,17 @@ def run_in_process(
     from userdp.accounting.ledger import BudgetExceededError
     from userdp.server.checkpoint import save_checkpoint
     from userdp.strategies.base import ClipStatistics
+    from userdp.strategies.unit_stats import UnitStats
 
     setup, config = loop.setup, loop.run_config
     params = setup.trainable
     compute = InProcessWorker(config, setup)
-    step_stats: dict[str, float] = {}
+    step_stats: dict[str, Any] = {}
 
     def worker(spec: Any, unit_ids: Any, current: dict[str, torch.Tensor]) -> tuple[dict, Any]:
-        result = compute(spec, int(step_stats["step"]), list(unit_ids), current)
-        for key in ("loss_sum", "tokens", "nonfinite"):
-            step_stats[key] += getattr(result, key)
-        return dict(result.sums), ClipStatistics(result.count, result.clipped)
+        result = compute(spec, step_stats["step"], list(unit_ids), current)
+        step_stats["stats"] += result.stats
+        return dict(result.sums), ClipStatistics(result.stats.count, result.stats.clipped)
 
     checkpoint_dir = loop.out / "checkpoints"
     start = _resume_in_process(checkpoint_dir, params, setup.strategy, loop.ledger)
@@ -116,7 +115,7 @@ def run_in_process(
     stopped = "finished"
     try:
         for step in range(start, loop.steps):
-            step_stats.update(step=step, loss_sum=0.0, tokens=0, nonfinite=0)
+            step_stats.update(step=step, stats=UnitStats())
             try:
                 record = run_step(
                     setup.strategy,
@@ -135,16 +134,15 @@ def run_in_process(
             done = step + 1
             if done % config.coordinator.checkpoint_every == 0:
                 save()
-            tokens = int(step_stats["tokens"])
-            loss = step_stats["loss_sum"] / tokens if tokens else math.nan
+            stats = step_stats["stats"]
             loop.on_step(
                 step,
                 record.units,
                 record.expected_size,
                 record.clipped,
-                int(step_stats["nonfinite"]),
-                loss,
-                tokens,
+                stats.nonfinite,
+                stats.loss_mean,
+                stats.tokens,
                 params,
             )
         save()

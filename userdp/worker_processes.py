@@ -154,10 +154,10 @@ def serve_workers(loop: RunLoop, running: Any, spawn: bool) -> tuple[dict[str, t
                 report.step,
                 report.units,
                 report.expected_cohort_size,
-                report.clipped,
-                report.nonfinite,
-                report.loss_mean,
-                report.tokens,
+                report.stats.clipped,
+                report.stats.nonfinite,
+                report.stats.loss_mean,
+                report.stats.tokens,
                 setup.trainable,
             )
 

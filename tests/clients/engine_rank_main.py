@@ -71,7 +71,7 @@ def main(out_dir: str, stage_or_json: str, engine_name: str, fail_rank: int = -1
         ids = torch.as_tensor(units[0].examples[0], dtype=torch.long)[None]
         engine.deepspeed_engine.backward(engine.module(input_ids=ids, labels=ids).loss)
     out = Path(out_dir)
-    stats = {k: v for k, v in asdict(result).items() if k != "sums"}
+    stats = {**asdict(result.stats), "skipped_examples": result.skipped_examples}
     stats.update(
         rank=rank,
         world=world,

@@ -52,14 +52,14 @@ def test_loop_matches_an_independent_reference():
     assert min(norms) < 3.5 < max(norms), "the case must mix clipped and unclipped units"
     got = engine.clipped_sum(units, 3.5)
     assert_sums_close(got.sums, expected)
-    assert got.count == 5 and got.nonfinite == 0
-    assert got.clipped == sum(n > 3.5 for n in norms)
-    assert got.norm_min == pytest.approx(min(norms), rel=1e-4)
-    assert got.norm_max == pytest.approx(max(norms), rel=1e-4)
-    assert got.norm_sum == pytest.approx(sum(norms), rel=1e-4)
-    assert got.norm_sum_sq == pytest.approx(sum(n * n for n in norms), rel=1e-4)
-    assert got.tokens == sum(len(e) - 1 for u in units for e in u.examples)
-    assert got.loss_sum / got.tokens == pytest.approx(math.log(259), rel=0.1)
+    assert got.stats.count == 5 and got.stats.nonfinite == 0
+    assert got.stats.clipped == sum(n > 3.5 for n in norms)
+    assert got.stats.norm_min == pytest.approx(min(norms), rel=1e-4)
+    assert got.stats.norm_max == pytest.approx(max(norms), rel=1e-4)
+    assert got.stats.norm_sum == pytest.approx(sum(norms), rel=1e-4)
+    assert got.stats.norm_sum_sq == pytest.approx(sum(n * n for n in norms), rel=1e-4)
+    assert got.stats.tokens == sum(len(e) - 1 for u in units for e in u.examples)
+    assert got.stats.loss_sum / got.stats.tokens == pytest.approx(math.log(259), rel=0.1)
 
 
 def test_sums_are_cpu_float32_for_trainable_parameters_only_tied_once():
@@ -78,7 +78,7 @@ def test_a_huge_gradient_contributes_exactly_norm_c():
         engine.module.transformer.wte.weight.mul_(1e3)  # huge logits -> huge gradient
     unit = random_units(1, seed=3)
     got = engine.clipped_sum(unit, 0.5)
-    assert got.norm_max > 100 and got.clipped == 1
+    assert got.stats.norm_max > 100 and got.stats.clipped == 1
     assert total_norm(got.sums) == pytest.approx(0.5, rel=1e-5)
 
 
@@ -89,9 +89,9 @@ def test_worker_returns_the_plain_sum_not_a_mean():
     parts = [engine.clipped_sum([u], 0.3) for u in units]
     summed = {n: sum(p.sums[n] for p in parts) for n in together.sums}
     assert_sums_close(together.sums, summed)
-    assert together.count == 4
+    assert together.stats.count == 4
     # all four clipped: the sum of four norm-C vectors is far above C (it was not divided)
-    assert together.clipped == 4 and total_norm(together.sums) > 0.3 * 1.5
+    assert together.stats.clipped == 4 and total_norm(together.sums) > 0.3 * 1.5
 
 
 def test_uls_averages_before_clipping_copies_do_not_add_weight():
@@ -100,7 +100,7 @@ def test_uls_averages_before_clipping_copies_do_not_add_weight():
     one = engine.clipped_sum([Unit("a", [example])], 1e6)
     fifty = engine.clipped_sum([Unit("a", [example] * 50)], 1e6)
     assert_sums_close(fifty.sums, one.sums, rtol=1e-5)
-    assert fifty.norm_max == pytest.approx(one.norm_max, rel=1e-5)
+    assert fifty.stats.norm_max == pytest.approx(one.stats.norm_max, rel=1e-5)
 
 
 def test_averaging_then_clipping_differs_from_clipping_each_example():
@@ -110,16 +110,18 @@ def test_averaging_then_clipping_differs_from_clipping_each_example():
     rng = np.random.default_rng(7)
     e1, e2 = rng.integers(3, 259, 16), rng.integers(3, 259, 16)
     single = [engine.clipped_sum([Unit("x", [e])], 1e6) for e in (e1, e2)]
-    n1, n2 = single[0].norm_max, single[1].norm_max
+    n1, n2 = single[0].stats.norm_max, single[1].stats.norm_max
     user = engine.clipped_sum([Unit("u", [e1, e2])], 1e6)
     mean = {n: (single[0].sums[n] + single[1].sums[n]) / 2 for n in user.sums}
     assert_sums_close(user.sums, mean, rtol=1e-5)  # unclipped: mean of example gradients
     clip = 0.5 * min(n1, n2)
     uls = engine.clipped_sum([Unit("u", [e1, e2])], clip)
-    g_mean = user.norm_max
+    g_mean = user.stats.norm_max
     expected_uls = {n: t * min(1.0, clip / g_mean) for n, t in mean.items()}
     assert_sums_close(uls.sums, expected_uls, rtol=1e-5)
-    per_example = {n: sum(s.sums[n] * (clip / s.norm_max) for s in single) / 2 for n in user.sums}
+    per_example = {
+        n: sum(s.sums[n] * (clip / s.stats.norm_max) for s in single) / 2 for n in user.sums
+    }
     diff = total_norm({n: uls.sums[n] - per_example[n] for n in user.sums})
     assert diff > 0.05 * clip, "averaging-then-clipping must differ from clipping per example"
 
@@ -146,10 +148,10 @@ def test_nonfinite_unit_contributes_zero_and_is_counted(value):
         got = engine.clipped_sum([clean[0], bad, *clean[1:]], 1.0)
     finally:
         handle.remove()
-    assert got.nonfinite == 1 and got.count == len(clean)
+    assert got.stats.nonfinite == 1 and got.stats.count == len(clean)
     assert_sums_close(got.sums, baseline.sums, rtol=1e-6)
     assert all(torch.isfinite(t).all() for t in got.sums.values())
-    assert math.isfinite(got.loss_sum) and got.tokens == baseline.tokens
+    assert math.isfinite(got.stats.loss_sum) and got.stats.tokens == baseline.stats.tokens
 
 
 def test_token_budget_micro_batching_gives_the_same_sum():
@@ -159,7 +161,7 @@ def test_token_budget_micro_batching_gives_the_same_sum():
     per_call = tiny_engine("loop").clipped_sum(units, 1.0, token_budget=7)
     assert_sums_close(small.sums, big.sums, rtol=1e-5)
     assert_sums_close(per_call.sums, big.sums, rtol=1e-5)
-    assert small.norm_sum == pytest.approx(big.norm_sum, rel=1e-5)
+    assert small.stats.norm_sum == pytest.approx(big.stats.norm_sum, rel=1e-5)
 
 
 def test_short_examples_are_skipped_and_counted():
@@ -170,8 +172,8 @@ def test_short_examples_are_skipped_and_counted():
         1.0,
     )
     ref = engine.clipped_sum([Unit("a", full)], 1.0)
-    assert got.skipped_examples == 3 and got.count == 2 and got.nonfinite == 0
-    assert got.norm_min == 0.0
+    assert got.skipped_examples == 3 and got.stats.count == 2 and got.stats.nonfinite == 0
+    assert got.stats.norm_min == 0.0
     assert_sums_close(got.sums, ref.sums, rtol=1e-6)
 
 

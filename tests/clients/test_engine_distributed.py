@@ -81,14 +81,14 @@ def single_process_loop():
 
 def check_against_loop(tmp_path: Path, stats: list[dict], world: int) -> None:
     reference = single_process_loop()
-    assert 0 < reference.clipped < 7
+    assert 0 < reference.stats.clipped < 7
     for rank, rank_stats in enumerate(stats):
         assert rank_stats["world"] == world
         assert_sums_close(load_file(str(tmp_path / f"sums-{rank}.st")), reference.sums, rtol=2e-5)
         for key in ("count", "nonfinite", "clipped", "tokens"):
-            assert rank_stats[key] == getattr(reference, key), key
+            assert rank_stats[key] == getattr(reference.stats, key), key
         for key in ("norm_min", "norm_max", "norm_sum", "norm_sum_sq", "loss_sum"):
-            assert rank_stats[key] == pytest.approx(getattr(reference, key), rel=1e-5), key
+            assert rank_stats[key] == pytest.approx(getattr(reference.stats, key), rel=1e-5), key
         assert rank_stats["grads_untouched"]
 
 

@@ -44,8 +44,8 @@ def float64_reference(model: torch.nn.Module, units, clip_norm: float) -> dict[s
 def _check(model: torch.nn.Module, units) -> None:
     loop = ClippingEngine(model, engine="loop").clipped_sum(units, CLIP)
     vectorized = ClippingEngine(model, engine="vectorized").clipped_sum(units, CLIP)
-    assert loop.count == vectorized.count == len(units)
-    assert loop.clipped == vectorized.clipped
+    assert loop.stats.count == vectorized.stats.count == len(units)
+    assert loop.stats.clipped == vectorized.stats.clipped
     assert_sums_close(vectorized.sums, loop.sums, rtol=RTOL, atol=0.0)
     reference = float64_reference(model, units, CLIP)
     assert_sums_close(loop.sums, reference, rtol=RTOL, atol=0.0)

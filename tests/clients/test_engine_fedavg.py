@@ -25,7 +25,7 @@ def test_one_local_step_on_all_examples_is_lr_times_the_fedsgd_gradient():
     engine = ClippingEngine(module, engine="loop")
     fedavg = engine.clipped_sum(units, clip_norm, local_steps=1, local_lr=lr)
     fedsgd = engine.clipped_sum(units, clip_norm / lr)
-    assert 0 < fedavg.clipped == fedsgd.clipped < 4
+    assert 0 < fedavg.stats.clipped == fedsgd.stats.clipped < 4
     assert_sums_close(fedavg.sums, {n: lr * t for n, t in fedsgd.sums.items()}, rtol=1e-5)
 
 
@@ -66,7 +66,7 @@ def test_several_local_steps_with_batches_match_a_manual_sgd_loop_and_clip_joint
     clipped = engine.clipped_sum(
         [Unit("u", examples)], norm / 2, local_steps=3, local_lr=0.1, local_batch_size=2
     )
-    assert clipped.clipped == 1
+    assert clipped.stats.clipped == 1
     assert abs(total_norm(clipped.sums) - norm / 2) < 1e-5 * norm
     # the shared model was not modified by local training
     fresh = tiny_model()

@@ -45,17 +45,17 @@ def cpu_loop(units, clip_norm, seed=0):
 def test_cuda_engines_equal_the_cpu_loop_in_float32(engine):
     units = random_units(12, seed=31, max_examples=5)
     reference = cpu_loop(units, 3.5)
-    assert 0 < reference.clipped < len(units)  # both branches of the clip are exercised
+    assert 0 < reference.stats.clipped < len(units)  # both branches of the clip are exercised
     got = ClippingEngine(tiny_model().to(CUDA), engine=engine).clipped_sum(units, 3.5)
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in got.sums.values())
     assert_sums_close(got.sums, reference.sums, rtol=1e-4)
-    assert (got.count, got.clipped, got.nonfinite, got.tokens) == (
-        reference.count,
-        reference.clipped,
-        reference.nonfinite,
-        reference.tokens,
+    assert (got.stats.count, got.stats.clipped, got.stats.nonfinite, got.stats.tokens) == (
+        reference.stats.count,
+        reference.stats.clipped,
+        reference.stats.nonfinite,
+        reference.stats.tokens,
     )
-    assert got.norm_sum == pytest.approx(reference.norm_sum, rel=1e-4)
+    assert got.stats.norm_sum == pytest.approx(reference.stats.norm_sum, rel=1e-4)
 
 
 def test_cuda_vectorized_micro_batches_give_the_same_sum():
@@ -71,7 +71,7 @@ def test_every_unit_contributes_at_most_c_on_cuda():
     engine = ClippingEngine(tiny_model().to(CUDA), engine="vectorized")
     for unit in random_units(6, seed=33, max_examples=3):
         got = engine.clipped_sum([unit], 1e-3)
-        assert got.clipped == 1
+        assert got.stats.clipped == 1
         assert total_norm(got.sums) == pytest.approx(1e-3, rel=1e-4)
 
 
@@ -104,7 +104,7 @@ def test_deepspeed_cuda_bf16_stays_within_the_clip_bound_and_near_fp32():
     units = random_units(8, seed=35)
     for unit in units[:3]:
         one = engine.clipped_sum([unit], 1e-3)
-        assert one.clipped == 1 and total_norm(one.sums) <= 1e-3 * (1 + 1e-4)
+        assert one.stats.clipped == 1 and total_norm(one.sums) <= 1e-3 * (1 + 1e-4)
     got = engine.clipped_sum(units, 1e6)  # nothing clipped: the plain sum of gradients
     reference = cpu_loop(units, 1e6)
     assert all(torch.isfinite(t).all() for t in got.sums.values())
@@ -119,7 +119,7 @@ def test_randomized_engine_on_cuda_equals_loop_when_nothing_is_clipped():
     got = ClippingEngine(tiny_model().to(CUDA), engine="randomized", probes=4).clipped_sum(
         units, 1e6
     )
-    assert got.clipped == 0
+    assert got.stats.clipped == 0
     assert_sums_close(got.sums, cpu_loop(units, 1e6).sums, rtol=1e-4)
 
 
@@ -223,5 +223,5 @@ def test_tensor_core_mode_matches_the_default_within_its_norm_margin():
         sum(float((tc.sums[n] - default.sums[n]).double().pow(2).sum()) for n in tc.sums)
     )
     assert diff <= 2e-3 * scale
-    ratio = tc.norm_sum / default.norm_sum
+    ratio = tc.stats.norm_sum / default.stats.norm_sum
     assert 1 + 0.5 * norms.TENSOR_CORE_NORM_MARGIN < ratio < 1 + 2 * norms.TENSOR_CORE_NORM_MARGIN

@@ -34,7 +34,7 @@ def model():
 def test_identity_probes_make_the_randomized_engine_equal_loop(model):
     units = random_units(6, seed=21, max_examples=5)
     loop = ClippingEngine(model, engine="loop").clipped_sum(units, 3.5)
-    assert 0 < loop.clipped < 6
+    assert 0 < loop.stats.clipped < 6
     engine = ClippingEngine(model, engine="randomized")
     acc = Accumulator(engine.params, 3.5)
     prepared = prepare_units(units, engine.max_positions)
@@ -44,17 +44,19 @@ def test_identity_probes_make_the_randomized_engine_equal_loop(model):
     )
     exact = acc.result()
     assert_sums_close(exact.sums, loop.sums, rtol=2e-5)
-    assert exact.clipped == loop.clipped
-    assert exact.norm_sum == pytest.approx(loop.norm_sum, rel=1e-5)
+    assert exact.stats.clipped == loop.stats.clipped
+    assert exact.stats.norm_sum == pytest.approx(loop.stats.norm_sum, rel=1e-5)
 
 
 def test_nothing_clipped_randomized_equals_loop(model):
     units = random_units(5, seed=22)
     loop = ClippingEngine(model, engine="loop").clipped_sum(units, 1e6)
     rnd = ClippingEngine(model, engine="randomized", probes=4).clipped_sum(units, 1e6)
-    assert rnd.clipped == 0
+    assert rnd.stats.clipped == 0
     assert_sums_close(rnd.sums, loop.sums, rtol=2e-5)
-    assert rnd.norm_sum != pytest.approx(loop.norm_sum, rel=1e-6)  # estimates, not exact norms
+    assert rnd.stats.norm_sum != pytest.approx(
+        loop.stats.norm_sum, rel=1e-6
+    )  # estimates, not exact norms
 
 
 def test_zero_probes_means_exact_norms(model):
@@ -62,19 +64,19 @@ def test_zero_probes_means_exact_norms(model):
     loop = ClippingEngine(model, engine="loop").clipped_sum(units, 3.0)
     exact = ClippingEngine(model, engine="randomized").clipped_sum(units, 3.0, probes=0)
     assert_sums_close(exact.sums, loop.sums, rtol=2e-5)
-    assert exact.norm_sum == pytest.approx(loop.norm_sum, rel=1e-5)
+    assert exact.stats.norm_sum == pytest.approx(loop.stats.norm_sum, rel=1e-5)
 
 
 def test_units_are_clipped_by_the_estimated_norm(model):
     """Contribution = g·C/√n̂, so its norm is C·‖g‖/√n̂ (= C·Z), not C."""
     unit = random_units(1, seed=24)
-    exact_norm = ClippingEngine(model, engine="loop").clipped_sum(unit, 1e6).norm_max
+    exact_norm = ClippingEngine(model, engine="loop").clipped_sum(unit, 1e6).stats.norm_max
     engine = ClippingEngine(model, engine="randomized", probes=2)
     ratios = []
     for seed in range(3):
         got = engine.clipped_sum(unit, 1e-3, probe_seed=seed)
-        estimate = got.norm_max
-        assert got.clipped == 1
+        estimate = got.stats.norm_max
+        assert got.stats.clipped == 1
         assert total_norm(got.sums) == pytest.approx(1e-3 * exact_norm / estimate, rel=1e-4)
         ratios.append(exact_norm / estimate)
     assert max(abs(r - 1) for r in ratios) > 1e-3
@@ -83,10 +85,10 @@ def test_units_are_clipped_by_the_estimated_norm(model):
 def test_fresh_probes_per_call_and_reproducible_only_with_a_test_seed(model):
     units = random_units(2, seed=25)
     engine = ClippingEngine(model, engine="randomized", probes=4)
-    first = engine.clipped_sum(units, 1e6).norm_sum_sq
-    second = engine.clipped_sum(units, 1e6).norm_sum_sq
+    first = engine.clipped_sum(units, 1e6).stats.norm_sum_sq
+    second = engine.clipped_sum(units, 1e6).stats.norm_sum_sq
     assert first != second
-    seeded = [engine.clipped_sum(units, 1e6, probe_seed=7).norm_sum_sq for _ in range(2)]
+    seeded = [engine.clipped_sum(units, 1e6, probe_seed=7).stats.norm_sum_sq for _ in range(2)]
     assert seeded[0] == seeded[1]
     assert GaussianProbes(4).seed != GaussianProbes(4).seed  # os.urandom per task
 
@@ -152,10 +154,10 @@ def test_rank_one_sketch_has_the_chi_square_law_the_accountant_assumes():
 def test_engine_norm_estimate_is_unbiased(model):
     """Statistical, fixed seeds (test-only path): E n̂_u = ‖g_u‖² through the whole engine."""
     unit = random_units(1, seed=26, max_examples=2)
-    exact_sq = ClippingEngine(model, engine="loop").clipped_sum(unit, 1e6).norm_sum_sq
+    exact_sq = ClippingEngine(model, engine="loop").clipped_sum(unit, 1e6).stats.norm_sum_sq
     engine = ClippingEngine(model, engine="randomized", probes=4)
     estimates = np.array(
-        [engine.clipped_sum(unit, 1e6, probe_seed=s).norm_sum_sq for s in range(60)]
+        [engine.clipped_sum(unit, 1e6, probe_seed=s).stats.norm_sum_sq for s in range(60)]
     )
     se = estimates.std(ddof=1) / math.sqrt(len(estimates))
     assert se > 0

@@ -40,14 +40,14 @@ def both(module, units, clip_norm, **kwargs):
 
 def assert_same(loop, vec):
     assert_sums_close(vec.sums, loop.sums, rtol=2e-5)
-    assert (vec.count, vec.nonfinite, vec.clipped, vec.tokens) == (
-        loop.count,
-        loop.nonfinite,
-        loop.clipped,
-        loop.tokens,
+    assert (vec.stats.count, vec.stats.nonfinite, vec.stats.clipped, vec.stats.tokens) == (
+        loop.stats.count,
+        loop.stats.nonfinite,
+        loop.stats.clipped,
+        loop.stats.tokens,
     )
     for key in ("norm_min", "norm_max", "norm_sum", "norm_sum_sq", "loss_sum"):
-        assert getattr(vec, key) == pytest.approx(getattr(loop, key), rel=1e-5), key
+        assert getattr(vec.stats, key) == pytest.approx(getattr(loop.stats, key), rel=1e-5), key
 
 
 def test_ghost_identity_equals_materialized_norm_with_tied_uses():
@@ -97,14 +97,14 @@ def test_vectorized_equals_loop(model, clip_norm):
     # up to 6 examples of up to 24 tokens: units below and above the ghost/materialize switch
     units = random_units(7, seed=11, max_examples=6)
     loop, vec = both(model, units, clip_norm)
-    assert 0 < loop.clipped < 7 if clip_norm == 3.5 else loop.clipped == 0
+    assert 0 < loop.stats.clipped < 7 if clip_norm == 3.5 else loop.stats.clipped == 0
     assert_same(loop, vec)
 
 
 def test_vectorized_equals_loop_with_lora(lora_model):
     units = random_units(5, seed=12)
     loop, vec = both(lora_model, units, 0.05)
-    assert loop.clipped > 0 and all("lora_" in n for n in vec.sums)
+    assert loop.stats.clipped > 0 and all("lora_" in n for n in vec.sums)
     assert_same(loop, vec)
 
 
@@ -125,7 +125,7 @@ def test_vectorized_huge_gradient_contributes_exactly_c():
     with torch.no_grad():
         module.transformer.wte.weight.mul_(1e3)
     got = ClippingEngine(module, engine="vectorized").clipped_sum(random_units(1, seed=3), 0.5)
-    assert got.clipped == 1 and got.norm_max > 100
+    assert got.stats.clipped == 1 and got.stats.norm_max > 100
     assert total_norm(got.sums) == pytest.approx(0.5, rel=1e-5)
 
 
@@ -143,7 +143,7 @@ def test_vectorized_nonfinite_unit_is_dropped_from_a_shared_micro_batch(value):
         )
     finally:
         handle.remove()
-    assert got.nonfinite == 1 and got.count == len(clean)
+    assert got.stats.nonfinite == 1 and got.stats.count == len(clean)
     assert all(torch.isfinite(t).all() for t in got.sums.values())
     assert_sums_close(got.sums, baseline.sums, rtol=2e-5)
 
@@ -209,10 +209,10 @@ def test_generic_modules_are_rerun_per_unit_and_agree_with_loop():
     module = ToyLM()
     units = toy_units(6)
     unclipped = ClippingEngine(module, engine="loop").clipped_sum(units, 1e6)
-    clip_norm = unclipped.norm_sum / unclipped.count  # the mean norm: some units clip
+    clip_norm = unclipped.stats.norm_sum / unclipped.stats.count  # the mean norm: some units clip
     loop = ClippingEngine(module, engine="loop").clipped_sum(units, clip_norm)
     vec = ClippingEngine(module, engine="vectorized").clipped_sum(units, clip_norm)
-    assert 0 < loop.clipped < 6
+    assert 0 < loop.stats.clipped < 6
     assert_same(loop, vec)
     assert float(vec.sums["norm.gain"].abs().sum()) > 0
 
@@ -222,7 +222,7 @@ def test_layouts_the_vectorized_engine_cannot_attribute_are_refused():
     units = [Unit("a", [np.arange(9) % 31] * 3)]  # 3 rows x 8 positions
     with pytest.raises(EngineError, match="use engine 'loop'"):
         ClippingEngine(module, engine="vectorized").clipped_sum(units, 1.0)
-    assert ClippingEngine(module, engine="loop").clipped_sum(units, 1.0).count == 1
+    assert ClippingEngine(module, engine="loop").clipped_sum(units, 1.0).stats.count == 1
 
 
 def test_bf16_model_vectorized_matches_loop_to_bf16_precision():
@@ -231,7 +231,7 @@ def test_bf16_model_vectorized_matches_loop_to_bf16_precision():
     loop, vec = both(module, units, 3.5)
     assert all(t.dtype == torch.float32 for t in vec.sums.values())
     assert_sums_close(vec.sums, loop.sums, rtol=3e-2)
-    assert vec.norm_sum == pytest.approx(loop.norm_sum, rel=3e-2)
+    assert vec.stats.norm_sum == pytest.approx(loop.stats.norm_sum, rel=3e-2)
 
 
 def test_a_parameter_used_outside_its_module_is_detected_not_mis_clipped():
@@ -240,7 +240,7 @@ def test_a_parameter_used_outside_its_module_is_detected_not_mis_clipped():
     engine = ClippingEngine(module, engine="vectorized")
     with pytest.raises(EngineError, match="mix.weight"):
         engine.clipped_sum(toy_units(4), 1.0)
-    assert ClippingEngine(module, engine="loop").clipped_sum(toy_units(4), 1.0).count == 4
+    assert ClippingEngine(module, engine="loop").clipped_sum(toy_units(4), 1.0).stats.count == 4
     checked = ClippingEngine(ToyLM(), engine="vectorized")
     checked.clipped_sum(toy_units(4), 1.0)
     assert checked.attribution_verified
@@ -287,4 +287,4 @@ def test_a_layer_that_mixes_units_tokens_is_detected_not_mis_clipped():
     units = [Unit(f"s{i}", [np.arange(i, i + 9) % 31]) for i in range(4)]  # 4 rows x 8
     with pytest.raises(EngineError, match="mixes units' tokens"):
         ClippingEngine(module, engine="vectorized").clipped_sum(units, 1.0)
-    assert ClippingEngine(module, engine="loop").clipped_sum(units, 1.0).count == 4
+    assert ClippingEngine(module, engine="loop").clipped_sum(units, 1.0).stats.count == 4

@@ -23,6 +23,7 @@ from userdp.clients.worker_service import EngineCompute, _selection_rng
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.server.population import Population
 from userdp.strategies.base import Release
+from userdp.strategies.unit_stats import UnitStats
 
 from tests.server.harness import make_loopback
 from tests.server.standins import uls_strategy
@@ -57,7 +58,7 @@ class TokenCountEngine:
             for name in sums:
                 sums[name] += unit_norm(unit.examples, clip_norm) / total**0.5
         tokens = sum(len(e) for u in units for e in u.examples)
-        return ClippedSum(sums=sums, count=len(units), tokens=tokens)
+        return ClippedSum(sums=sums, stats=UnitStats(count=len(units), tokens=tokens))
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +195,7 @@ def test_end_to_end_over_grpc_with_the_real_engine(shard_dir, tmp_path):
     assert all(call[1] == 0.5 and call[2]["engine"] == "vectorized" for call in engine.calls)
     cohort = uls_strategy(q=0.5).sample_cohort(0, population)
     assert sorted(u.unit_id for u in units) == sorted(cohort.unit_ids)
-    assert report.units == report.count == len(units) and report.clipped > 0
+    assert report.units == report.stats.count == len(units) and report.stats.clipped > 0
     reference = ClippingEngine(reference_engine.module, engine="loop").clipped_sum(units, 0.5)
     expected = {n: t.clone() for n, t in params.items()}
     replay = uls_strategy(q=0.5, clip_norm=0.5, lr=0.1)

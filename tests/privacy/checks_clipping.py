@@ -125,9 +125,9 @@ def check_engine_bounds_each_unit_by_clip_norm(engine: str = "loop") -> None:
             f"engine {engine!r}: unit {unit.unit_id} (‖g‖ = {norm:.4g} > C) contributes norm "
             f"{released:.4g}, not C = {clip:.4g}: clipping is not to C"
         )
-        assert got.clipped == 1 and got.count == 1, (
-            f"engine {engine!r}: unit {unit.unit_id} reported clipped={got.clipped}, "
-            f"count={got.count}"
+        assert got.stats.clipped == 1 and got.stats.count == 1, (
+            f"engine {engine!r}: unit {unit.unit_id} reported clipped={got.stats.clipped}, "
+            f"count={got.stats.count}"
         )
     total = eng.clipped_sum(units, clip)
     assert _norm(total.sums) <= len(units) * clip * (1 + REL_TOL), (
@@ -190,4 +190,4 @@ def check_engine_clips_user_mean_not_examples(engine: str = "loop") -> None:
         f"{clip:.4g}); Σ_e clip(g_e) would have norm {_norm(summed):.4g}: the user was "
         "clipped per example instead of once per user"
     )
-    assert got.count == 1, f"engine {engine!r}: one user counted as {got.count} units"
+    assert got.stats.count == 1, f"engine {engine!r}: one user counted as {got.stats.count} units"

@@ -204,7 +204,7 @@ def check_coordinator_counts_each_unit_once(tmp_path: Path) -> None:
         "precondition: the late result was ready only after the re-issued tasks finished "
         f"({late_log[0][0] - max(retries):+.2f} s); the scenario did not happen (machine overloaded?)"
     )
-    assert report.units == len(cohort) and report.count == len(cohort), (
+    assert report.units == len(cohort) and report.stats.count == len(cohort), (
         f"the step counted {report.units} units for a cohort of {len(cohort)}: a unit was "
         "counted twice after its task was re-issued"
     )

@@ -19,6 +19,7 @@ from userdp.server.aggregation import (
 )
 from userdp.server.planning import plan_groups
 from userdp.server.population import Population
+from userdp.strategies.unit_stats import UnitStats
 
 CLIP = 1.0
 DIM = 16
@@ -55,7 +56,7 @@ def _partial(gather: StepGather, task_id: str, attempt: int, worker: str, scale:
         worker_id=worker,
         unit_ids=units,
         tensors={"w": total * scale},
-        count=len(units),
+        stats=UnitStats(count=len(units)),
     )
 
 
@@ -83,7 +84,7 @@ def _assert_sum_is_each_unit_once(gather: StepGather, cohort: list[str], scenari
         expected += _contribution(unit).double()
     released = result.sums["w"]
     error = float(torch.linalg.vector_norm(released - expected))
-    assert result.units == len(cohort) and result.count == len(cohort), (
+    assert result.units == len(cohort) and result.stats.count == len(cohort), (
         f"{scenario}: {result.units} units counted for a cohort of {len(cohort)}: a unit was "
         "counted twice (or dropped)"
     )

@@ -7,6 +7,7 @@ import pytest
 import torch
 from userdp.server.aggregation import ExactlyOnceViolation, PartialSum, StepGather, TensorSpec
 from userdp.server.planning import ShardGroup, assign_groups, choose_worker, plan_groups
+from userdp.strategies.unit_stats import UnitStats
 
 TEMPLATE = {"w": TensorSpec((3,), "float32")}
 
@@ -25,7 +26,7 @@ def _partial(task_id, attempt, worker, units, value=0.1, **kw):
         worker_id=worker,
         unit_ids=units,
         tensors={"w": torch.full((3,), value)},
-        count=len(units),
+        stats=UnitStats(count=len(units)),
     )
     fields.update(kw)
     return PartialSum(**fields)
@@ -100,7 +101,7 @@ def test_batched_task_failure_returns_every_group_to_pending():
     [
         (dict(unit_ids=("u1",)), "unit ids"),
         (dict(unit_ids=("u1", "u3")), "unit ids"),
-        (dict(count=1), "count"),
+        (dict(stats=UnitStats(count=1)), "count"),
         (dict(model_version=3), "model version"),
         (dict(tensors={"w": torch.zeros(4)}), "shape"),
         (dict(tensors={"w": torch.zeros(3, dtype=torch.float64)}), "dtype"),

@@ -24,7 +24,7 @@ def test_steps_equal_noiseless_single_process_reference(tmp_path):
     for name, value in loop.coordinator.params.items():
         torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=1e-5)
     assert [r.step for r in reports] == [0, 1, 2]
-    assert all(r.units == r.count for r in reports)
+    assert all(r.units == r.stats.count for r in reports)
     assert [r["step"] for r in loop.coordinator.ledger.records] == [0, 1, 2]
 
 

@@ -85,6 +85,7 @@ class ToyCompute:
         import time
 
         from userdp.clients.partial import ClippedSum
+        from userdp.strategies.unit_stats import UnitStats
 
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -95,8 +96,7 @@ class ToyCompute:
             sums["w"] = torch.zeros(7)
         elif self.corrupt == "unclipped":
             sums = {name: s * 100 for name, s in sums.items()}
-        return ClippedSum(
-            sums=sums,
+        stats = UnitStats(
             count=len(task.unit_ids),
             clipped=sum(n > task.clip_norm for n in norms),
             norm_min=min(norms, default=0.0),
@@ -106,6 +106,7 @@ class ToyCompute:
             loss_sum=float(len(norms)),
             tokens=len(norms),
         )
+        return ClippedSum(sums=sums, stats=stats)
 
 
 def main(argv: list[str]) -> int:

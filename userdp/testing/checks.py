@@ -170,6 +170,7 @@ class Kit:
         from userdp.server.aggregation import PartialSum, StepGather, TensorSpec
         from userdp.server.planning import plan_groups
         from userdp.server.population import Population
+        from userdp.strategies.unit_stats import UnitStats
 
         strategy = self.factory()
         users = self.population.user_ids
@@ -216,9 +217,8 @@ class Kit:
         def partial(task_id: str, attempt: int, worker: str) -> PartialSum:
             members = gather.task_units(task_id)
             total = sum((contribution(u) for u in members), torch.zeros(dim))
-            return PartialSum(
-                task_id, attempt, step, 1, worker, members, {"w": total}, count=len(members)
-            )
+            stats = UnitStats(count=len(members))
+            return PartialSum(task_id, attempt, step, 1, worker, members, {"w": total}, stats)
 
         for i, group in enumerate(groups):
             task_id, attempt = gather.issue(f"worker-{i}", [group.group_id], 0.0)
@@ -235,10 +235,10 @@ class Kit:
         assert gather.complete(), "the gather did not complete with every task answered"
         got = gather.result()
         want = sum((contribution(u) for u in units), torch.zeros(dim)).double()
-        assert got.count == len(units) and torch.allclose(
+        assert got.stats.count == len(units) and torch.allclose(
             got.sums["w"].double(), want, rtol=0, atol=1e-6
         ), (
-            f"a duplicated delivery and a late re-issued result gave count {got.count} for "
+            f"a duplicated delivery and a late re-issued result gave count {got.stats.count} for "
             f"{len(units)} units: each unit must count exactly once"
         )
 
