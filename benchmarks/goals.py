@@ -127,6 +127,18 @@ def goals(outcomes: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "within 1e-4 rel. of 10.692",
                 rel <= 1e-4,
             )
+    noise = result("noise")
+    if noise:
+        for row in noise["rows"]:
+            if row["goal_ratio"] is None:
+                continue
+            add(
+                "noise",
+                f"{row['case']} noise, {noise['params']:,} params",
+                f"{row['seconds']:.3f} s = {row['ratio']}× {row['ratio_to']}",
+                f"≤ {row['goal_ratio']}× the fast path (at 100M params)",
+                row["goal_met"] if noise["params"] == 100_000_000 else None,
+            )
     e2e = result("end_to_end")
     if e2e:
         for row in e2e.get("rows", []):

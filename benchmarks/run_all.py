@@ -89,6 +89,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark("strategies", "strategies.py", ("--quick",), ()),
     Benchmark("cli_start", "cli_start.py", ("--repeats", "3"), ()),
+    Benchmark("noise", "noise.py", ("--params", "10000000"), ()),
     Benchmark("end_to_end", "end_to_end.py", ("--quick",), (), gpu=True, timeout_s=3600),
 )
 NAMES = tuple(b.name for b in BENCHMARKS)
