@@ -332,7 +332,7 @@ def group_privacy_epsilon(
     Example level: T-fold Poisson-subsampled Gaussian (q = p, σ), PLD → δ₀(ε₀). A group of G
     examples gets (G·ε₀, δ₀(ε₀)·(e^{Gε₀} − 1)/(e^{ε₀} − 1)) (Vadhan 2017, Lemma 2.2). Returns
     the smallest G·ε₀ over a grid of ε₀ whose group δ is ≤ ``delta``, or ∞ if none is ("the
-    black-box accountant diverged", Fig. 1 of arXiv 2407.07737). Each grid point is itself a
+    black-box accountant diverged", Fig. 1 of "Fine-Tuning Large Language Models with User-Level Differential Privacy"). Each grid point is itself a
     valid guarantee, so the grid only costs tightness.
     """
     example = UlsMechanism(mechanism.noise_multiplier, mechanism.sampling_prob)

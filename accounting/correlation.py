@@ -7,7 +7,7 @@ stream needs the parameters of a recurrence that outputs (C⁻¹Z)_t. Both read 
 :class:`Correlation`, which :func:`from_spec` builds from the
 :class:`~userdp.accounting.mechanisms.CorrelationSpec` the ledger records.
 
-* :class:`BltCorrelation`, buffered linear Toeplitz (arXiv 2404.16706, 2408.08868): c_0 = 1,
+* :class:`BltCorrelation`, buffered linear Toeplitz (Dvijotham et al., "Efficient and Near-Optimal Noise Generation for Streaming Differential Privacy"; McMahan et al., "A Hassle-free Algorithm for Private Learning in Practice: Don't Use Tree Aggregation, Use BLTs"): c_0 = 1,
   c_k = Σ_j ω_j θ_j^{k−1} (k ≥ 1), θ ∈ (0, 1)^d. Streaming with d buffers S_j (start at 0)::
 
       x_t = z_t − Σ_j ω_j S_j ;   S_j ← θ_j S_j + x_t            (x = C⁻¹z exactly)
@@ -91,7 +91,7 @@ def _floats(name: str, values: Any) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class BltCorrelation(Correlation):
-    """BLT C: ``buf_decay`` θ ∈ (0, 1)^d and ``output_scale`` ω, c_0 = 1 (arXiv 2404.16706).
+    """BLT C: ``buf_decay`` θ ∈ (0, 1)^d and ``output_scale`` ω, c_0 = 1 (Dvijotham et al., "Efficient and Near-Optimal Noise Generation for Streaming Differential Privacy").
 
     The streaming recurrence of the module docstring runs on exactly these (θ, ω)."""
 

@@ -110,7 +110,7 @@ class UlsMechanism:
     Each user is included independently with probability q (Poisson); each included user's
     clipped update (norm ≤ 1) is summed and N(0, σ²I) is added:
         returns Σ_{u ∈ cohort} clip(g_u) + z,  z ~ N(0, σ²I),  cohort ~ Poisson(q).
-    Dominating pair: N(0, σ²) vs N(Bern(q), σ²) (Theorem 2 of arXiv 2407.07737).
+    Dominating pair: N(0, σ²) vs N(Bern(q), σ²) (Theorem 2 of "Fine-Tuning Large Language Models with User-Level Differential Privacy").
     """
 
     kind: ClassVar[str] = "uls"
@@ -167,7 +167,7 @@ class ElsMechanism(_PoissonExamplesStep):
     probability p (Poisson), clipped per example and summed, then N(0, σ²I) is added. One user's
     contribution has norm ≤ Binom(G, p), so the step is dominated by the mixture of Gaussians
         N(0, σ²)  vs  Σ_{k=0}^{G} Binom(G, p)(k) · N(k, σ²)
-    (Theorem 1 of arXiv 2407.07737; dp_accounting ``MixtureOfGaussiansDpEvent``).
+    (Theorem 1 of "Fine-Tuning Large Language Models with User-Level Differential Privacy"; dp_accounting ``MixtureOfGaussiansDpEvent``).
     """
 
     kind: ClassVar[str] = "els"
@@ -181,7 +181,7 @@ class GroupPrivacyMechanism(_PoissonExamplesStep):
     clipping, N(0, σ²I)), but the user-level guarantee is derived loosely: the T-step example-level
     (ε₀, δ₀) is converted to (G·ε₀, δ₀·(e^{G ε₀} − 1)/(e^{ε₀} − 1)) for groups of G examples
     (Vadhan 2017), minimized over ε₀. It is never tighter than the ELS mixture accountant; it exists
-    to reproduce the paper's comparison (Fig. 1 of arXiv 2407.07737). Do not report it as the
+    to reproduce the paper's comparison (Fig. 1 of "Fine-Tuning Large Language Models with User-Level Differential Privacy"). Do not report it as the
     guarantee of a run.
     """
 

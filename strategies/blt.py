@@ -104,7 +104,7 @@ def min_sep_sensitivity_squared(coefs: np.ndarray, min_sep: int = 1, participati
 
 
 def omega_from_theta_pair(theta: np.ndarray, theta_hat: np.ndarray) -> np.ndarray:
-    """ω_i = ∏_j (θ_i − θ̂_j) / ∏_{j≠i} (θ_i − θ_j) (Lemma 5.2 of arXiv 2404.16706)."""
+    """ω_i = ∏_j (θ_i − θ̂_j) / ∏_{j≠i} (θ_i − θ_j) (Lemma 5.2 of "Efficient and Near-Optimal Noise Generation for Streaming Differential Privacy")."""
     diff_hat = theta[:, None] - theta_hat[None, :]
     diff = theta[:, None] - theta[None, :]
     np.fill_diagonal(diff, 1.0)
