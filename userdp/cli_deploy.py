@@ -3,7 +3,10 @@
 - ``render --config run.toml --values OUT.yaml`` turns a validated userdp TOML config into values
   for the Helm chart. The chart owns the deployment keys (where shards, certificates, the token and
   the outputs are mounted; the port; the worker count and device): those are moved to the chart's
-  own values or dropped, with one line per key saying so.
+  own values or dropped, with one line per key saying so. The config's ``data.shards`` is a folder
+  on this machine, so render must be told where the shards are in the cluster (:class:`ShardSource`:
+  a claim holding them, or a claim holding the dataset for the shard Job); without ``data.shards``
+  the run uses the synthetic demo corpus, and render says so in a warning.
 - ``secrets --tls-dir DIR --release NAME`` writes the Secret manifests the chart mounts (the
   coordinator's certificate, every worker's certificate, optionally the shared token) from a
   directory made by ``userdp certs dev-ca`` or your own PKI with the same file names.
@@ -22,6 +25,7 @@ import argparse
 import base64
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +47,7 @@ DEPLOY_PATHS: dict[str, str] = {
 
 # Config keys the chart sets itself, and what it sets them to.
 CHART_MANAGED_KEYS: dict[tuple[str, str], str] = {
-    ("data", "shards"): f"{DEPLOY_PATHS['shards']} (the shard Job's output)",
+    ("data", "shards"): f"{DEPLOY_PATHS['shards']} (shards/ on the data volume)",
     ("coordinator", "host"): "0.0.0.0",
     ("coordinator", "port"): "values coordinator.port",
     ("coordinator", "tls_dir"): f"{DEPLOY_PATHS['tls_dir']} when values tls.enabled",
@@ -70,19 +74,125 @@ def worker_ids(release: str, count: int) -> list[str]:
 # ---- render ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ShardSource:
+    """Where the shards are in the cluster: the ``render`` flags behind the chart's data values.
+
+    ``claim`` alone: a PersistentVolumeClaim that already holds ``userdp shard`` output in its
+    ``shards/`` folder (values ``data.persistence.existingClaim``). ``input_claim`` with
+    ``input_path``, ``user_column`` and ``text_column``: the shard Job runs ``userdp shard`` on that
+    dataset (values ``shardJob.input`` ...), into ``claim`` when given. ``demo``: the synthetic demo
+    corpus (values ``shardJob.demo``). Nothing given: the config decides (no ``data.shards``: demo).
+    """
+
+    claim: str | None = None
+    input_claim: str | None = None
+    input_path: str | None = None
+    user_column: str | None = None
+    text_column: str | None = None
+    tokenizer: str | None = None
+    format: str | None = None
+    demo: bool = False
+
+    @property
+    def given(self) -> bool:
+        """True when the flags say where the shards are (the config's data.shards is not asked)."""
+        return bool(self.claim or self.input_claim or self.demo)
+
+
+SHARD_SOURCE_FLAGS = (
+    "--shards-claim CLAIM (a PersistentVolumeClaim holding that `userdp shard` output in shards/) "
+    "or --shard-input-claim CLAIM --shard-input-path PATH --user-column COLUMN --text-column "
+    "COLUMN (a claim holding the dataset, which the shard Job shards in the cluster)"
+)
+
+
+def shard_values(source: ShardSource, config_shards: str | None, demo_users: int) -> dict[str, Any]:
+    """The chart's data values (``data.persistence``, ``shardJob``) for ``source``.
+
+    Raises ValueError, naming the flags to give, for a config whose ``data.shards`` names a local
+    folder while ``source`` says nothing (the cluster cannot see that folder), and for incomplete
+    or contradictory flags. Falls back to the demo corpus only when the config has no
+    ``data.shards`` either, as a local run would; :func:`demo_warning` then has a line to print.
+    """
+    input_flags = {
+        "--shard-input-path": source.input_path,
+        "--user-column": source.user_column,
+        "--text-column": source.text_column,
+        "--tokenizer": source.tokenizer,
+        "--format": source.format,
+    }
+    if source.input_claim is None:
+        stray = [flag for flag, value in input_flags.items() if value is not None]
+        if stray:
+            raise ValueError(
+                f"{', '.join(stray)} describe the dataset of --shard-input-claim CLAIM"
+            )
+    else:
+        required = ("--shard-input-path", "--user-column", "--text-column")
+        missing = [flag for flag in required if not input_flags[flag]]
+        if missing:
+            raise ValueError(
+                f"--shard-input-claim {source.input_claim} needs {', '.join(missing)} "
+                "(the dataset's file in the claim and its user and text columns)"
+            )
+        if source.demo:
+            raise ValueError(
+                "--demo and --shard-input-claim: train on the demo corpus or on your dataset"
+            )
+    if not source.given and config_shards is not None:
+        raise ValueError(
+            f"data.shards = {config_shards!r} is a folder on this machine, which the cluster "
+            f"cannot see: give {SHARD_SOURCE_FLAGS}; --demo trains on the synthetic demo corpus"
+        )
+    values: dict[str, Any] = {}
+    if source.claim:
+        values["data"] = {"persistence": {"existingClaim": source.claim}}
+    if source.demo or not source.given:
+        values["shardJob"] = {"demo": True, "demoUsers": demo_users}
+    elif source.input_claim:
+        job: dict[str, Any] = {
+            "demo": False,
+            "input": {"existingClaim": source.input_claim, "path": source.input_path},
+            "userColumn": source.user_column,
+            "textColumn": source.text_column,
+        }
+        if source.tokenizer:
+            job["tokenizer"] = source.tokenizer
+        if source.format:
+            job["format"] = source.format
+        values["shardJob"] = job
+    else:
+        values["shardJob"] = {"demo": False}
+    return values
+
+
+def demo_warning(values: dict[str, Any]) -> str | None:
+    """The line ``render`` prints on stderr when ``values`` train on the demo corpus, else None."""
+    job = values.get("shardJob", {})
+    if not job.get("demo"):
+        return None
+    return (
+        f"WARNING: shardJob.demo=true: the run trains on the synthetic demo corpus "
+        f"({job.get('demoUsers', 400)} users), NOT on user data; to train on your dataset give "
+        "--shards-claim or --shard-input-claim (userdp deploy render --help)"
+    )
+
+
 def render_values(
     config_path: str | Path,
     *,
     image: str | None = None,
     gpus: int | None = None,
     auth: str | None = None,
+    shards: ShardSource = ShardSource(),
 ) -> tuple[dict[str, Any], list[str]]:
     """Chart values for the TOML config at ``config_path`` and notes on the keys the chart owns.
 
     The config is validated first (ConfigError names a bad key). ``config`` in the result holds
     only the keys the file sets, minus the chart-managed ones. ``auth`` is ``"mtls"`` or
     ``"token"``; by default the config's choice (a token file without tls_dir means token), else
-    mTLS.
+    mTLS. ``shards`` says where the shards are in the cluster (:func:`shard_values`).
     """
     import tomllib
 
@@ -121,11 +231,7 @@ def render_values(
     if plugin_files:
         values["plugin"] = {"files": plugin_files}
     notes += plugin_notes
-    if config.data.shards is None:
-        notes.append(
-            "data.shards is not set: in the cluster the shard Job writes the demo corpus by "
-            "default (shardJob.demo=false and shardJob.input.* select a real dataset)"
-        )
+    values.update(shard_values(shards, config.data.shards, config.data.demo_users))
     return values, notes
 
 
@@ -213,12 +319,29 @@ def _render(args: argparse.Namespace) -> int:
 
     from userdp.config import parse_config
 
-    values, notes = render_values(args.config, image=args.image, gpus=args.gpus, auth=args.auth)
+    shards = ShardSource(
+        claim=args.shards_claim,
+        input_claim=args.shard_input_claim,
+        input_path=args.shard_input_path,
+        user_column=args.user_column,
+        text_column=args.text_column,
+        tokenizer=args.tokenizer,
+        format=args.format,
+        demo=args.demo,
+    )
+    values, notes = render_values(
+        args.config, image=args.image, gpus=args.gpus, auth=args.auth, shards=shards
+    )
     parse_config(effective_config(values))  # what the pods will read must validate too
     header = (
         f"# Helm values for deploy/helm/userdp, from {args.config} (userdp deploy render).\n"
         "# helm install RELEASE deploy/helm/userdp -f THIS_FILE\n"
     )
+    warning = demo_warning(values)
+    if warning:
+        header += (
+            "# shardJob.demo: true -- the run trains on the synthetic demo corpus, not user data.\n"
+        )
     text = header + yaml.safe_dump(values, sort_keys=False, default_flow_style=False)
     if args.values == "-":
         sys.stdout.write(text)
@@ -227,6 +350,8 @@ def _render(args: argparse.Namespace) -> int:
         print(f"wrote {args.values}")
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
 
 
@@ -393,7 +518,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render = sub.add_parser(
         "render",
         help="write Helm values (deploy/helm/userdp) for a userdp TOML config",
-        description="Validate --config and write chart values; keys the chart sets are reported.",
+        description=(
+            "Validate --config and write chart values; keys the chart sets are reported. "
+            "The config's data.shards is a folder on this machine: say where the shards are in "
+            "the cluster with --shards-claim (a claim already holding them) or "
+            "--shard-input-claim (a claim holding the dataset the shard Job shards); without "
+            "them render refuses (exit 2). A config without data.shards, or --demo, trains on "
+            "the synthetic demo corpus, and render prints a WARNING line saying so."
+        ),
     )
     render.add_argument("--config", required=True, help="userdp TOML config")
     render.add_argument("--values", required=True, help="output values file ('-' = stdout)")
@@ -406,6 +538,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("mtls", "token"),
         help="how workers authenticate (default: token if the config has only "
         "auth_token_file, else mtls)",
+    )
+    data = render.add_argument_group(
+        "where the shards are in the cluster (required when the config sets data.shards)"
+    )
+    data.add_argument(
+        "--shards-claim",
+        metavar="CLAIM",
+        help="PersistentVolumeClaim with the `userdp shard` output in its shards/ folder (values "
+        "data.persistence.existingClaim; the shard Job verifies it); with --shard-input-claim "
+        "or --demo, the claim the shard Job writes into",
+    )
+    data.add_argument(
+        "--shard-input-claim",
+        metavar="CLAIM",
+        help="PersistentVolumeClaim holding your dataset: the shard Job runs `userdp shard` on "
+        "it (values shardJob.input.existingClaim)",
+    )
+    data.add_argument(
+        "--shard-input-path",
+        metavar="PATH",
+        help="the Parquet/JSONL/CSV/Arrow file or folder, relative to that claim's root",
+    )
+    data.add_argument(
+        "--user-column", metavar="COLUMN", help="the dataset's user id column (the privacy unit)"
+    )
+    data.add_argument("--text-column", metavar="COLUMN", help="the dataset's text column")
+    data.add_argument(
+        "--tokenizer", metavar="SPEC", help="byte, bpe:N or /input/<tokenizer dir> (default byte)"
+    )
+    data.add_argument(
+        "--format", choices=("auto", "parquet", "jsonl", "csv", "arrow"), help="default auto"
+    )
+    data.add_argument(
+        "--demo",
+        action="store_true",
+        help="train on the synthetic demo corpus (shardJob.demo=true), not on user data",
     )
     render.set_defaults(handler=_render)
 

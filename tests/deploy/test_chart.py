@@ -1,7 +1,9 @@
-"""The Helm chart renders (Helm's engine) into objects that pass the Kubernetes schemas, in every
-supported configuration, and has the deployment's shape: one coordinator that never overlaps
-with another (Recreate) and keeps its ledger on a volume, GPU workers in a StatefulSet, a PDB,
-the shard Job, mTLS material mounted only where it belongs."""
+"""The Helm chart renders (Helm's engine) into objects that pass the Kubernetes schemas and
+``kubectl apply --dry-run=client``, in every supported configuration, and has the deployment's
+shape: one coordinator that never overlaps with another (Recreate) and keeps its ledger on a
+volume, GPU workers in a StatefulSet, a PDB, the shard Job, mTLS material mounted only where it
+belongs. The shards come from exactly one source the values name (an existing claim, the shard Job
+on the user's dataset, or the demo corpus when asked for); with none the chart refuses."""
 
 from __future__ import annotations
 
@@ -17,15 +19,30 @@ from userdp.config import parse_config
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "userdp"
 
+# The three data sources. Tests about other things train on the demo corpus, named explicitly.
+DEMO = {"shardJob": {"demo": True}}
+EXISTING_SHARDS = {"data": {"persistence": {"existingClaim": "shards"}}}
+DATASET = {
+    "shardJob": {
+        "input": {"existingClaim": "raw", "path": "chats/train.parquet"},
+        "userColumn": "author",
+        "textColumn": "body",
+    }
+}
+
 VARIANTS = {
-    "defaults": {},
-    "cpu-workers": {"workers": {"gpus": 0, "replicas": 3, "antiAffinity": "none"}},
-    "hard-anti-affinity": {"workers": {"antiAffinity": "hard", "gpus": 8}},
+    "demo": DEMO,
+    "existing-shards": EXISTING_SHARDS,
+    "dataset": DATASET,
+    "cpu-workers": {**DEMO, "workers": {"gpus": 0, "replicas": 3, "antiAffinity": "none"}},
+    "hard-anti-affinity": {**DEMO, "workers": {"antiAffinity": "hard", "gpus": 8}},
     "token-created": {
+        **DEMO,
         "tls": {"enabled": False},
         "authToken": {"enabled": True, "value": "0123456789abcdef0123"},
     },
     "token-existing": {
+        **DEMO,
         "tls": {"enabled": False},
         "authToken": {"enabled": True, "existingSecret": "my-token"},
     },
@@ -35,6 +52,7 @@ VARIANTS = {
     },
     "no-persistence-no-job": {
         "coordinator": {"persistence": {"enabled": False}, "pdb": {"enabled": True}},
+        "data": {"persistence": {"existingClaim": "shards"}},
         "shardJob": {"enabled": False},
         "workers": {"pdb": {"enabled": False}},
     },
@@ -50,7 +68,9 @@ VARIANTS = {
             "datasetName": "chats",
         }
     },
+    "dataset-into-existing-claim": {**DATASET, **EXISTING_SHARDS},
     "scheduling": {
+        **DEMO,
         "imagePullSecrets": [{"name": "registry"}],
         "image": {"repository": "registry.example.com/ml/userdp", "tag": "0.1.0-cu128"},
         "workers": {
@@ -88,8 +108,8 @@ def test_every_rendered_object_passes_the_kubernetes_schemas(
         validate_k8s(obj)
 
 
-def test_default_install_has_every_piece(render_chart) -> None:
-    objects = render_chart()
+def test_demo_install_has_every_piece(render_chart) -> None:
+    objects = render_chart(DEMO)
     assert objects.kinds() == sorted(
         [
             "ConfigMap",
@@ -106,7 +126,7 @@ def test_default_install_has_every_piece(render_chart) -> None:
 
 
 def test_one_coordinator_never_two_and_its_ledger_is_on_a_persistent_volume(render_chart) -> None:
-    objects = render_chart()
+    objects = render_chart(DEMO)
     deployment = objects.find("Deployment", "-coordinator")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
@@ -137,9 +157,92 @@ def test_existing_state_claim_is_used_and_not_created(render_chart) -> None:
     assert claims == {"data": "shards", "state": "ledger"}
 
 
+def test_the_demo_corpus_is_never_the_default(render_chart) -> None:
+    from helm_python import HelmError
+
+    defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    assert defaults["shardJob"]["demo"] is False
+    with pytest.raises(HelmError) as refused:
+        render_chart({})
+    message = str(refused.value).splitlines()[-1]
+    assert "no training data: set data.persistence.existingClaim" in message
+    for value in ("shardJob.input.existingClaim", "shardJob.input.path", "shardJob.demo=true"):
+        assert value in message
+    for values in ({"shardJob": {"enabled": False}}, {"shardJob": {"demo": False}}):
+        with pytest.raises(HelmError, match="no training data"):
+            render_chart(values)
+
+
+def _data_volumes(objects) -> dict[str, dict]:
+    """Workload kind -> its ``data`` volume."""
+    return {
+        obj["kind"]: next(v for v in objects.pod_spec(obj)["volumes"] if v["name"] == "data")
+        for obj in objects
+        if obj["kind"] in {"Deployment", "StatefulSet", "Job"}
+    }
+
+
+@pytest.mark.parametrize("source", ["demo", "existing-shards", "dataset"])
+def test_each_data_source_is_what_the_pods_mount_and_the_job_runs(
+    render_chart, validate_k8s, source
+) -> None:
+    objects = render_chart(VARIANTS[source])
+    for obj in objects:
+        validate_k8s(obj)
+    job = objects.find("Job", "-shard")
+    shard = objects.container(job, "shard")
+    argv = shard["args"]  # after `userdp` (the image's entry point or the Job's script)
+    volumes = _data_volumes(objects)
+    claims = {kind: v["persistentVolumeClaim"]["claimName"] for kind, v in volumes.items()}
+    assert len(set(claims.values())) == 1, claims  # the Job and every reader see one volume
+    assert _config_of(objects)["data"]["shards"] == DEPLOY_PATHS["shards"]
+    if source == "demo":
+        assert argv[argv.index("--demo") + 1] == DEPLOY_PATHS["shards"]
+        notes = " ".join(objects.notes.split())
+        assert "WARNING: shardJob.demo=true: this release trains on the synthetic demo" in notes
+        assert "NOT on your data" in notes
+    else:
+        assert "--demo" not in argv and "WARNING" not in objects.notes
+    if source == "existing-shards":
+        # Nothing is written: the claim is mounted read-only everywhere and only verified.
+        assert "command" not in shard
+        assert shard["args"] == ["shard", "verify", DEPLOY_PATHS["shards"]]
+        assert set(claims.values()) == {"shards"}
+        pvcs = [o["metadata"]["name"] for o in objects if o["kind"] == "PersistentVolumeClaim"]
+        assert not [name for name in pvcs if name.endswith("-data")]
+        assert all(v["persistentVolumeClaim"]["readOnly"] for v in volumes.values())
+        (mount,) = [m for m in shard["volumeMounts"] if m["name"] == "data"]
+        assert mount["readOnly"] is True
+        assert "the claim shards must hold it in shards/" in str(
+            objects.pod_spec(objects.find("StatefulSet", "-worker"))["initContainers"][0]["command"]
+        )
+    if source == "dataset":
+        assert argv[1] == "/input/chats/train.parquet"
+        assert argv[argv.index("--user-column") + 1] == "author"
+        assert argv[argv.index("--text-column") + 1] == "body"
+        assert argv[argv.index("--out") + 1] == DEPLOY_PATHS["shards"]
+        inputs = [v for v in objects.pod_spec(job)["volumes"] if v["name"] == "input"]
+        assert inputs == [
+            {"name": "input", "persistentVolumeClaim": {"claimName": "raw", "readOnly": True}}
+        ]
+        assert "from raw:chats/train.parquet" in objects.notes
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_variant_applies_with_kubectl_dry_run(render_chart, kubectl_dry_run, variant) -> None:
+    values = VARIANTS[variant]
+    objects = render_chart(values)
+    for out in kubectl_dry_run(objects):  # one per Kubernetes version served
+        assert out.count("created (dry run)") == len(objects), out
+        assert "deployment.apps/demo-userdp-coordinator created (dry run)" in out
+        assert "statefulset.apps/demo-userdp-worker created (dry run)" in out
+        job_enabled = values.get("shardJob", {}).get("enabled", True)
+        assert ("job.batch/demo-userdp-shard created (dry run)" in out) == job_enabled
+
+
 @pytest.mark.parametrize("gpus", [0, 1, 4])
 def test_workers_request_their_gpus_and_the_config_matches(render_chart, gpus) -> None:
-    objects = render_chart({"workers": {"gpus": gpus, "replicas": 5}})
+    objects = render_chart({**DEMO, "workers": {"gpus": gpus, "replicas": 5}})
     sts = objects.find("StatefulSet", "-worker")
     assert sts["spec"]["replicas"] == 5
     resources = objects.container(sts, "worker")["resources"]
@@ -156,7 +259,7 @@ def test_workers_request_their_gpus_and_the_config_matches(render_chart, gpus) -
 
 
 def test_workers_have_stable_identity_and_shared_shards(render_chart) -> None:
-    objects = render_chart()
+    objects = render_chart(DEMO)
     sts = objects.find("StatefulSet", "-worker")
     headless = objects.find("Service", "-worker")
     assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
@@ -191,7 +294,7 @@ def test_workers_have_stable_identity_and_shared_shards(render_chart) -> None:
     ],
 )
 def test_worker_anti_affinity_option(render_chart, mode, field) -> None:
-    objects = render_chart({"workers": {"antiAffinity": mode}})
+    objects = render_chart({**DEMO, "workers": {"antiAffinity": mode}})
     sts = objects.find("StatefulSet", "-worker")
     pod = objects.pod_spec(sts)
     if field is None:
@@ -205,7 +308,7 @@ def test_worker_anti_affinity_option(render_chart, mode, field) -> None:
 
 
 def test_disruption_budgets_select_the_right_pods(render_chart) -> None:
-    objects = render_chart({"coordinator": {"pdb": {"enabled": True}}})
+    objects = render_chart({**DEMO, "coordinator": {"pdb": {"enabled": True}}})
     workers_pdb = objects.find("PodDisruptionBudget", "-worker")
     sts = objects.find("StatefulSet", "-worker")
     selector = workers_pdb["spec"]["selector"]["matchLabels"]
@@ -219,7 +322,7 @@ def test_disruption_budgets_select_the_right_pods(render_chart) -> None:
 
 
 def test_coordinator_service_reaches_the_coordinator_port(render_chart) -> None:
-    objects = render_chart({"coordinator": {"port": 7443}})
+    objects = render_chart({**DEMO, "coordinator": {"port": 7443}})
     service = objects.find("Service", "-coordinator")
     deployment = objects.find("Deployment", "-coordinator")
     assert service["spec"]["selector"].items() <= (
@@ -243,7 +346,7 @@ def test_configmap_holds_a_valid_userdp_config_with_user_keys_passed_through(ren
         "workers": {"count": 99, "replicas": 2},
         "data": {"shards": "/elsewhere", "seq_len": 256},
     }
-    config = _config_of(render_chart({"config": user, "workers": {"replicas": 3}}))
+    config = _config_of(render_chart({**DEMO, "config": user, "workers": {"replicas": 3}}))
     parsed = parse_config(config)  # what `userdp coordinator --config` will accept
     assert parsed.strategy.name == "els"
     assert config["strategy"]["steps"] == 500 and isinstance(config["strategy"]["steps"], int)
@@ -281,7 +384,7 @@ def test_token_mode_mounts_the_token_and_no_certificates(render_chart) -> None:
 
 
 def test_mtls_mode_has_no_token(render_chart) -> None:
-    objects = render_chart()
+    objects = render_chart(DEMO)
     config = _config_of(objects)
     assert config["coordinator"]["tls_dir"] == DEPLOY_PATHS["tls_dir"]
     assert "auth_token_file" not in config["coordinator"]
@@ -292,7 +395,7 @@ def test_mtls_mode_has_no_token(render_chart) -> None:
 
 
 def test_only_the_releases_workers_may_register(render_chart) -> None:
-    objects = render_chart({"workers": {"replicas": 3}})
+    objects = render_chart({**DEMO, "workers": {"replicas": 3}})
     args = objects.container(objects.find("Deployment", "-coordinator"), "coordinator")["args"]
     allowed = args[args.index("--allow-workers") + 1].split(",")
     name = objects.find("StatefulSet", "-worker")["metadata"]["name"]
@@ -300,7 +403,7 @@ def test_only_the_releases_workers_may_register(render_chart) -> None:
 
 
 def test_each_pod_mounts_only_its_own_tls_material(render_chart) -> None:
-    objects = render_chart()
+    objects = render_chart(DEMO)
     fullname = chart_fullname("demo")
     deployment = objects.find("Deployment", "-coordinator")
     (tls,) = [v for v in objects.pod_spec(deployment)["volumes"] if v["name"] == "tls"]
@@ -324,7 +427,7 @@ def test_each_pod_mounts_only_its_own_tls_material(render_chart) -> None:
 
 def test_pods_run_as_the_image_user_without_privileges(render_chart) -> None:
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
-    objects = render_chart()
+    objects = render_chart(DEMO)
     for obj in objects:
         if obj["kind"] not in {"Deployment", "StatefulSet", "Job"}:
             continue
@@ -347,8 +450,8 @@ def test_config_changes_restart_the_pods(render_chart) -> None:
             for kind, suffix in (("Deployment", "-coordinator"), ("StatefulSet", "-worker"))
         }
 
-    before = checksums({})
-    after = checksums({"config": {"strategy": {"steps": 7}}})
+    before = checksums(DEMO)
+    after = checksums({**DEMO, "config": {"strategy": {"steps": 7}}})
     assert before["Deployment"] != after["Deployment"]
     assert before["StatefulSet"] != after["StatefulSet"]
 
@@ -364,21 +467,39 @@ def test_config_changes_restart_the_pods(render_chart) -> None:
         ({"config": {"strategy": {"steps": [[1], 2]}}}, "/config/strategy/steps"),
         ({"config": {"strategy": {"params": {"x": {"y": 1}}}}}, "/config/strategy/params/x"),
         ({"plugin": {"files": {"../evil.sh": "x"}}}, "invalid propertyName '../evil.sh'"),
-        # the templates' own checks
-        ({"shardJob": {"demo": False}}, "shardJob: set shardJob.demo=true"),
         (
-            {"tls": {"enabled": False}, "authToken": {"enabled": True, "value": "short"}},
+            {"data": {"persistence": {"existingClaim": "My_Shards"}}},
+            "at '/data/persistence/existingClaim': 'My_Shards' does not match pattern",
+        ),
+        ({**DATASET, "shardJob": {"input": {"path": "../../etc"}}}, "/shardJob/input/path"),
+        # the templates' own checks
+        (
+            {"shardJob": {"input": {"existingClaim": "raw"}}},
+            "shardJob.input: also set shardJob.input.path, shardJob.userColumn, "
+            "shardJob.textColumn",
+        ),
+        (
+            {"shardJob": {**DATASET["shardJob"], "demo": True}},
+            "shardJob.demo=true and shardJob.input are both set",
+        ),
+        (
+            {"shardJob": {"enabled": False, "demo": True}},
+            "shardJob.enabled=false, but only the shard Job writes the shards",
+        ),
+        (
+            {**DEMO, "tls": {"enabled": False}, "authToken": {"enabled": True, "value": "short"}},
             "at least 16 characters",
         ),
         (
             {
+                **DEMO,
                 "tls": {"enabled": False},
                 "authToken": {"enabled": True, "value": "x" * 20, "existingSecret": "t"},
             },
             "not both",
         ),
-        ({"authToken": {"enabled": True}}, "tls.enabled and authToken.enabled: choose one"),
-        ({"tls": {"enabled": False}}, "workers must authenticate"),
+        ({**DEMO, "authToken": {"enabled": True}}, "tls.enabled and authToken.enabled: choose one"),
+        ({**DEMO, "tls": {"enabled": False}}, "workers must authenticate"),
     ],
 )
 def test_bad_values_fail_the_render_with_a_message(render_chart, values, message) -> None:

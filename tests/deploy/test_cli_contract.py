@@ -18,10 +18,13 @@ from userdp.cli import build_parser
 from userdp.cli_deploy import DEPLOY_PATHS
 
 SHARD_JOB_SCRIPT = 'if [ -f "$1/manifest.json" ]; then exec userdp shard verify "$1"; fi'
+# The chart has no default data source; tests about other things use the demo corpus.
+DEMO = {"shardJob": {"demo": True}}
 
 VARIANTS = [
-    {},
+    DEMO,
     {
+        **DEMO,
         "tls": {"enabled": False},
         "authToken": {"enabled": True, "existingSecret": "t"},
         "workers": {"gpus": 0, "verifyShards": True},
@@ -41,6 +44,8 @@ VARIANTS = [
         "coordinator": {"port": 6000},
         "workers": {"healthPort": 9000},
     },
+    # shards already on a claim: the Job runs `userdp shard verify` only
+    {"data": {"persistence": {"existingClaim": "shards"}}},
 ]
 
 
@@ -133,7 +138,7 @@ def test_every_userdp_command_line_in_the_manifests_parses(render_chart, variant
 
 
 def test_manifest_commands_are_registered_in_the_cli(render_chart) -> None:
-    commands = {argv[0] for _, argv, _, _ in userdp_command_lines(render_chart())}
+    commands = {argv[0] for _, argv, _, _ in userdp_command_lines(render_chart(DEMO))}
     missing = sorted(commands - _subcommands(build_parser()))
     if missing:
         pytest.skip(f"userdp {', '.join(missing)} not in COMMAND_MODULES of userdp/cli.py yet")
@@ -141,7 +146,7 @@ def test_manifest_commands_are_registered_in_the_cli(render_chart) -> None:
 
 @pytest.mark.parametrize("tls", [True, False])
 def test_parsed_worker_and_coordinator_args_mean_what_the_pod_provides(render_chart, tls) -> None:
-    values = {"workers": {"replicas": 3, "healthPort": 9100}, "coordinator": {"port": 6100}}
+    values = {**DEMO, "workers": {"replicas": 3, "healthPort": 9100}, "coordinator": {"port": 6100}}
     if not tls:
         values |= {"tls": {"enabled": False}, "authToken": {"enabled": True}}
     objects = render_chart(values)
@@ -174,7 +179,7 @@ def test_parsed_worker_and_coordinator_args_mean_what_the_pod_provides(render_ch
 
 
 def test_config_path_is_where_the_configmap_is_mounted(render_chart) -> None:
-    objects = render_chart()
+    objects = render_chart(DEMO)
     configmap = objects.find("ConfigMap", "-config")
     with_config = [line for line in userdp_command_lines(objects) if "--config" in line[1]]
     assert {argv[0] for _, argv, _, _ in with_config} == {"coordinator", "worker"}
@@ -189,7 +194,7 @@ def test_config_path_is_where_the_configmap_is_mounted(render_chart) -> None:
 
 
 def test_shard_paths_agree_between_job_workers_and_config(render_chart) -> None:
-    objects = render_chart()
+    objects = render_chart(DEMO)
     lines = userdp_command_lines(objects)
     (job,) = [argv for where, argv, _, _ in lines if argv[0] == "shard" and "verify" not in argv]
     assert job[job.index("--demo") + 1] == DEPLOY_PATHS["shards"]
@@ -202,7 +207,7 @@ def test_shard_paths_agree_between_job_workers_and_config(render_chart) -> None:
 
 def test_coordinator_port_probe_and_service_agree(render_chart) -> None:
     token = {"tls": {"enabled": False}, "authToken": {"enabled": True}}
-    for values in ({}, {**token, "coordinator": {"port": 6000}}):
+    for values in (DEMO, {**DEMO, **token, "coordinator": {"port": 6000}}):
         objects = render_chart(values)
         deployment = objects.find("Deployment", "-coordinator")
         container = objects.container(deployment, "coordinator")
@@ -226,7 +231,7 @@ def test_coordinator_port_probe_and_service_agree(render_chart) -> None:
 
 
 def test_worker_health_port_probes_and_coordinator_address_agree(render_chart) -> None:
-    objects = render_chart({"workers": {"healthPort": 9000}, "coordinator": {"port": 6000}})
+    objects = render_chart({**DEMO, "workers": {"healthPort": 9000}, "coordinator": {"port": 6000}})
     sts = objects.find("StatefulSet", "-worker")
     container = objects.container(sts, "worker")
     (port,) = container["ports"]

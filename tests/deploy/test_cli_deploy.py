@@ -14,6 +14,7 @@ from userdp.cli import main
 from userdp.cli_deploy import (
     CHART_MANAGED_KEYS,
     DEPLOY_PATHS,
+    ShardSource,
     chart_fullname,
     effective_config,
     probe,
@@ -22,6 +23,9 @@ from userdp.cli_deploy import (
     worker_ids,
 )
 from userdp.config import ConfigError
+
+# The chart has no default data source; tests about other things use the demo corpus.
+DEMO = {"shardJob": {"demo": True}}
 
 RUN_TOML = """
 [strategy]
@@ -152,9 +156,144 @@ def test_rendered_values_round_trip_through_the_chart(render_chart, validate_k8s
     assert tomllib.loads(text) == effective_config(token_values)
 
 
+def _render_cli(capsys, config: Path, *flags: str) -> tuple[int, str, str]:
+    """``userdp deploy render --config CONFIG --values - FLAGS`` -> (exit code, stdout, stderr)."""
+    code = main(["deploy", "render", "--config", str(config), "--values", "-", *flags])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_render_without_data_shards_trains_on_the_demo_corpus_and_says_so_loudly(
+    tmp_path: Path, capsys
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(RUN_TOML + "\n[data]\ndemo_users = 60\n")
+    code, out, err = _render_cli(capsys, config)
+    assert code == 0
+    values = yaml.safe_load(out)
+    assert values["shardJob"] == {"demo": True, "demoUsers": 60}
+    assert "# shardJob.demo: true -- the run trains on the synthetic demo corpus" in out
+    (warning,) = [line for line in err.splitlines() if line.startswith("WARNING")]
+    assert "synthetic demo corpus (60 users), NOT on user data" in warning
+    assert "--shards-claim" in warning and "--shard-input-claim" in warning
+    # --demo asks for it explicitly, even with data.shards set; the warning stays.
+    config.write_text(RUN_TOML + '\n[data]\nshards = "shards/chats"\n')
+    code, out, err = _render_cli(capsys, config, "--demo")
+    assert code == 0 and yaml.safe_load(out)["shardJob"]["demo"] is True
+    assert any(line.startswith("WARNING: shardJob.demo=true") for line in err.splitlines())
+
+
+def test_render_with_data_shards_refuses_without_the_shards_place_in_the_cluster(
+    tmp_path: Path, capsys
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(RUN_TOML + '\n[data]\nshards = "shards/chats"\n')
+    out_file = tmp_path / "values.yaml"
+    argv = ["deploy", "render", "--config", str(config), "--values", str(out_file)]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert not out_file.exists() and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("userdp deploy: error: data.shards = 'shards/chats' is a folder on")
+    assert "--shards-claim CLAIM" in line
+    assert "--shard-input-claim CLAIM --shard-input-path PATH --user-column COLUMN" in line
+    assert "WARNING" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--shard-input-claim", "raw"], "needs --shard-input-path, --user-column, --text-column"),
+        (
+            ["--shard-input-claim", "raw", "--shard-input-path", "a.jsonl", "--user-column", "u"],
+            "needs --text-column",
+        ),
+        (["--user-column", "u", "--shards-claim", "s"], "--user-column describe the dataset"),
+        (
+            ["--demo", "--shard-input-claim", "raw", "--shard-input-path", "a.jsonl"]
+            + ["--user-column", "u", "--text-column", "t"],
+            "--demo and --shard-input-claim",
+        ),
+    ],
+)
+def test_render_refuses_incomplete_or_contradictory_data_flags(
+    tmp_path: Path, capsys, flags: list[str], message: str
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(RUN_TOML + '\n[data]\nshards = "shards/chats"\n')
+    code, out, err = _render_cli(capsys, config, *flags)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert message in line
+
+
+_DATASET_FLAGS = ["--shard-input-claim", "raw", "--shard-input-path", "chats/train.parquet"]
+_DATASET_FLAGS += ["--user-column", "author", "--text-column", "body", "--tokenizer", "bpe:4096"]
+SOURCE_FLAGS = {
+    "existing-shards": ["--shards-claim", "chat-shards"],
+    "dataset": _DATASET_FLAGS,
+    "dataset-into-claim": [*_DATASET_FLAGS, "--shards-claim", "chat-shards"],
+    "demo": ["--demo"],
+}
+
+
+def _render_source(tmp_path: Path, capsys, source: str) -> tuple[dict, str]:
+    """(values, stderr) of ``deploy render`` for a config with data.shards and ``source``'s flags."""
+    config = tmp_path / "run.toml"
+    config.write_text(RUN_TOML + '\n[data]\nshards = "shards/chats"\nseq_len = 64\n')
+    code, out, err = _render_cli(capsys, config, *SOURCE_FLAGS[source])
+    assert code == 0, err
+    return yaml.safe_load(out), err
+
+
+@pytest.mark.parametrize("source", ["existing-shards", "dataset", "dataset-into-claim"])
+def test_render_flags_place_the_shards_and_the_chart_follows(
+    tmp_path: Path, capsys, render_chart, validate_k8s, source
+) -> None:
+    values, err = _render_source(tmp_path, capsys, source)
+    assert "WARNING" not in err
+    assert "note: data.shards = 'shards/chats' is set by the chart: /data/shards" in err
+    assert values["shardJob"]["demo"] is False
+    assert values["config"]["data"] == {"seq_len": 64}
+    if source != "dataset":
+        assert values["data"] == {"persistence": {"existingClaim": "chat-shards"}}
+    else:
+        assert "data" not in values
+    if source != "existing-shards":
+        assert values["shardJob"]["input"] == {
+            "existingClaim": "raw",
+            "path": "chats/train.parquet",
+        }
+        assert values["shardJob"]["tokenizer"] == "bpe:4096"
+    objects = render_chart(values)
+    for obj in objects:
+        validate_k8s(obj)
+    args = objects.container(objects.find("Job", "-shard"), "shard")["args"]
+    if source == "existing-shards":
+        assert args == ["shard", "verify", DEPLOY_PATHS["shards"]]
+    else:
+        assert args[:2] == ["shard", "/input/chats/train.parquet"]
+        assert args[args.index("--tokenizer") + 1] == "bpe:4096"
+
+
+@pytest.mark.parametrize("source", sorted(SOURCE_FLAGS))
+def test_rendered_values_of_every_data_source_apply_with_kubectl_dry_run(
+    tmp_path: Path, capsys, render_chart, kubectl_dry_run, source
+) -> None:
+    values, _ = _render_source(tmp_path, capsys, source)
+    for out in kubectl_dry_run(render_chart(values)):
+        assert "job.batch/demo-userdp-shard created (dry run)" in out
+
+
+def test_shard_source_flags_are_not_needed_without_data_shards(run_toml: Path) -> None:
+    values, _ = render_values(run_toml, shards=ShardSource(claim="chat-shards"))
+    assert values["shardJob"] == {"demo": False}
+    assert values["data"] == {"persistence": {"existingClaim": "chat-shards"}}
+
+
 def test_chart_fullname_matches_the_chart(render_chart) -> None:
     for release in ("demo", "my-userdp", "userdp"):
-        objects = render_chart({}, release=release)
+        objects = render_chart(DEMO, release=release)
         sts = objects.find("StatefulSet", "-worker")
         assert sts["metadata"]["name"] == f"{chart_fullname(release)}-worker"
         assert worker_ids(release, 2) == [f"{sts['metadata']['name']}-{i}" for i in range(2)]
@@ -178,12 +317,12 @@ def test_secrets_hold_exactly_what_the_pods_mount(
     for secret in secrets.values():
         validate_k8s(secret)
         assert secret["metadata"]["namespace"] == "ml"
-    token_mode = render_chart({"tls": {"enabled": False}, "authToken": {"enabled": True}})
+    token_mode = render_chart({**DEMO, "tls": {"enabled": False}, "authToken": {"enabled": True}})
     deployment = token_mode.find("Deployment", "-coordinator")
     volumes = {v["name"]: v for v in token_mode.pod_spec(deployment)["volumes"]}
     token_secret = secrets[volumes["token"]["secret"]["secretName"]]
     assert {i["key"] for i in volumes["token"]["secret"]["items"]} == set(token_secret["data"])
-    objects = render_chart()
+    objects = render_chart(DEMO)
     deployment = objects.find("Deployment", "-coordinator")
     volumes = {v["name"]: v for v in objects.pod_spec(deployment)["volumes"]}
     coordinator_secret = secrets[volumes["tls"]["secret"]["secretName"]]

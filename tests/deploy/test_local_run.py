@@ -105,7 +105,7 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
 
 
 def test_the_shard_job_container_shards_then_only_verifies(tmp_path: Path, render_chart) -> None:
-    objects = render_chart({"shardJob": {"demoUsers": 12, "numShards": 2}})
+    objects = render_chart({"shardJob": {"demo": True, "demoUsers": 12, "numShards": 2}})
     data = Pod(tmp_path, "job", {"/data": tmp_path / "data"})
     job = objects.find("Job", "-shard")
     shard = objects.container(job, "shard")
@@ -144,7 +144,7 @@ def test_the_rendered_pods_run_a_training_job_and_survive_a_coordinator_restart(
         },
         "coordinator": {"port": port},
         "workers": {"replicas": 2, "gpus": 0},
-        "shardJob": {"demoUsers": 30, "numShards": 2},
+        "shardJob": {"demo": True, "demoUsers": 30, "numShards": 2},
     }
     objects = render_chart(values)
     shared = {

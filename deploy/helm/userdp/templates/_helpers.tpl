@@ -74,6 +74,44 @@ shared token otherwise, and a worker takes --tls-dir or --token-file, not both.
 {{- end -}}
 {{- end -}}
 
+{{/*
+Where the shards come from. The values must name one source; there is no default:
+  existing - data.persistence.existingClaim already holds `userdp shard` output in shards/ (the
+             shard Job, when enabled, only verifies it);
+  input    - the shard Job runs `userdp shard` on the user's dataset (shardJob.input);
+  demo     - the shard Job writes the synthetic demo corpus (shardJob.demo=true, explicitly).
+Returns the source's name; fails with the values to set when none or a contradictory one is given.
+*/}}
+{{- define "userdp.dataSource" -}}
+{{- $job := .Values.shardJob -}}
+{{- $input := or $job.input.existingClaim $job.input.path -}}
+{{- if and $job.demo $input -}}
+{{- fail "shardJob.demo=true and shardJob.input are both set: train on the demo corpus or on your dataset, not both (unset shardJob.input.* or set shardJob.demo=false)" -}}
+{{- end -}}
+{{- if $input -}}
+{{- $missing := list -}}
+{{- if not $job.input.existingClaim -}}{{- $missing = append $missing "shardJob.input.existingClaim" -}}{{- end -}}
+{{- if not $job.input.path -}}{{- $missing = append $missing "shardJob.input.path" -}}{{- end -}}
+{{- if not $job.userColumn -}}{{- $missing = append $missing "shardJob.userColumn" -}}{{- end -}}
+{{- if not $job.textColumn -}}{{- $missing = append $missing "shardJob.textColumn" -}}{{- end -}}
+{{- if $missing -}}
+{{- fail (printf "shardJob.input: also set %s (the shard Job runs `userdp shard` on your dataset)" (join ", " $missing)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (not $job.enabled) (or $job.demo $input) -}}
+{{- fail "shardJob.enabled=false, but only the shard Job writes the shards of shardJob.demo or shardJob.input: keep shardJob.enabled=true, or give data.persistence.existingClaim (a volume already holding the shards) alone" -}}
+{{- end -}}
+{{- if $job.demo -}}
+demo
+{{- else if $input -}}
+input
+{{- else if .Values.data.persistence.existingClaim -}}
+existing
+{{- else -}}
+{{- fail "no training data: set data.persistence.existingClaim (a volume holding `userdp shard` output in shards/), or shardJob.input.existingClaim, shardJob.input.path, shardJob.userColumn and shardJob.textColumn (your dataset, sharded by the shard Job), or shardJob.demo=true (the synthetic demo corpus)" -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "userdp.coordinatorAddress" -}}
 {{- printf "%s:%d" (include "userdp.coordinatorName" .) (int .Values.coordinator.port) -}}
 {{- end -}}

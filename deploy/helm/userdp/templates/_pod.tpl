@@ -1,7 +1,12 @@
 {{/* Pieces shared by the coordinator, worker and shard-job pods. */}}
 
-{{/* An init container that waits until the shard Job's atomic rename made manifest.json appear. */}}
+{{/* An init container that waits until manifest.json is there: written last (an atomic rename) by
+the shard Job, or already on data.persistence.existingClaim. */}}
 {{- define "userdp.waitForShards" -}}
+{{- $where := "the shard Job writes it" -}}
+{{- if eq (include "userdp.dataSource" .) "existing" -}}
+{{- $where = printf "the claim %s must hold it in shards/" .Values.data.persistence.existingClaim -}}
+{{- end -}}
 - name: wait-for-shards
   image: {{ include "userdp.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -10,7 +15,7 @@
     - -c
     - >-
       until [ -f {{ include "userdp.path.shards" . }}/manifest.json ]; do
-      echo "waiting for {{ include "userdp.path.shards" . }}/manifest.json (the shard Job writes it)";
+      echo "waiting for {{ include "userdp.path.shards" . }}/manifest.json ({{ $where }})";
       sleep 10; done
   securityContext:
     {{- include "userdp.containerSecurityContext" . | nindent 4 }}
