@@ -88,6 +88,7 @@ def serve(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_partial_bytes: int = 1 << 34,
     max_workers: int = 256,
+    manifest_sha256: str = "",
 ) -> RunningServer:
     """Start serving on ``host:port`` (0 = a free port); each worker stream holds one thread."""
     if tls is None and authorizer.mtls:
@@ -104,6 +105,7 @@ def serve(
         shard_sha256,
         max_partial_bytes=max_partial_bytes,
         max_message_bytes=max_message_bytes,
+        manifest_sha256=manifest_sha256,
     )
     add_coordinator_service(service, server)
     health_servicer = health.HealthServicer()

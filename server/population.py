@@ -22,6 +22,9 @@ class Population:
     shard_of_user: Mapping[str, str]
     shard_sha256: Mapping[str, str]
     examples_of_user: Mapping[str, int] = field(default_factory=dict)
+    manifest_sha256: str = ""
+    """sha256 of the shard set's ``manifest.json``; workers must hold the same file ("" = not
+    checked)."""
 
     @functools.cached_property
     def users(self) -> tuple[str, ...]:
@@ -58,7 +61,10 @@ class Population:
 
     @classmethod
     def from_manifest(
-        cls, manifest: Any, examples_of_user: Mapping[str, int] | None = None
+        cls,
+        manifest: Any,
+        examples_of_user: Mapping[str, int] | None = None,
+        manifest_sha256: str = "",
     ) -> Population:
         """From a parsed shard manifest (``userdp.clients.shard_format.Manifest``: ``shards``
         with ``name``/``sha256``, ``user_shards`` user -> shard index); ``examples_of_user`` from
@@ -68,4 +74,5 @@ class Population:
             shard_of_user={u: names[i] for u, i in manifest.user_shards.items()},
             shard_sha256={entry.name: entry.sha256 for entry in manifest.shards},
             examples_of_user=dict(examples_of_user or {}),
+            manifest_sha256=manifest_sha256,
         )

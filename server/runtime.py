@@ -94,6 +94,7 @@ def start_coordinator(
         publisher,
         authorizer,
         population.shard_sha256,
+        manifest_sha256=population.manifest_sha256,
         host=config.coordinator.host,
         port=config.coordinator.port,
         tls=tls,

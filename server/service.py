@@ -111,11 +111,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         max_partial_bytes: int,
         max_message_bytes: int,
         heartbeat_interval_s: float = 5.0,
+        manifest_sha256: str = "",
     ) -> None:
         self.registry = registry
         self.publisher = publisher
         self.authorizer = authorizer
         self.shard_sha256 = dict(shard_sha256)
+        self.manifest_sha256 = manifest_sha256
         self.max_partial_bytes = max_partial_bytes
         self.max_message_bytes = max_message_bytes
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -227,6 +229,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return None
 
     def _check_shards(self, reg: pb.Register) -> str | None:
+        """A worker must hold the coordinator's shard set: the same ``manifest.json`` (when both
+        sides know its sha256) and, for each shard it holds, the manifest's sha256."""
+        theirs, ours = reg.shard_manifest_sha256, self.manifest_sha256
+        if theirs and ours and theirs != ours:
+            return (
+                f"worker {reg.worker_id} holds a different shard set: its manifest.json sha256 "
+                f"{theirs[:12]}... != the coordinator's {ours[:12]}...; give the worker the "
+                "coordinator's data.shards folder (the same `userdp shard` output)"
+            )
         for holding in reg.shards:
             expected = self.shard_sha256.get(holding.name)
             if expected is None:

@@ -269,6 +269,7 @@ def default_delta(num_users: int) -> float:
 def prepare_run(config: Any, quiet: bool = True) -> RunSetup:
     """Data, user split, population, δ, calibrated strategy and initial model of ``config``."""
     from userdp.clients.model import build_model, model_shape, split_parameters
+    from userdp.clients.shard_format import file_sha256
     from userdp.clients.shard_store import ShardStore
     from userdp.server.population import Population
 
@@ -285,6 +286,7 @@ def prepare_run(config: Any, quiet: bool = True) -> RunSetup:
         shard_of_user={u: s for u, s in full.shard_of_user.items() if u in train_set},
         shard_sha256=full.shard_sha256,
         examples_of_user={u: counts[u].n_examples for u in train},
+        manifest_sha256=file_sha256(shard_dir / "manifest.json"),
     )
     strategy, options, delta = strategy_from_config(config, len(train))
     model = build_model(

@@ -134,6 +134,7 @@ def make_loopback(
         publisher,
         authorizer or Authorizer.insecure(),
         population.shard_sha256,
+        manifest_sha256=population.manifest_sha256,
         tls=tls,
         port=port,
         max_message_bytes=max_message_bytes,

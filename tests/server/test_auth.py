@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
@@ -12,6 +13,7 @@ from userdp.proto.channels import read_tls_files
 from userdp.server.auth import Authorizer
 from userdp.server.certs import make_dev_ca
 
+from . import toy
 from .harness import make_loopback
 
 ALL = ["shard-00000", "shard-00001", "shard-00002", "shard-00003"]
@@ -59,6 +61,23 @@ def test_shard_with_wrong_sha256_is_refused(tmp_path):
         client = loop.add_worker("w0", ALL, holdings=[("shard-00000", "0" * 64)])
         error = _refusal(client)
         assert error.code == grpc.StatusCode.FAILED_PRECONDITION and "sha256" in error.details
+    finally:
+        loop.close()
+
+
+def test_worker_with_another_manifest_is_refused(tmp_path):
+    """Same shard names and hashes, but another manifest.json (another `userdp shard` run):
+    refused, naming both hashes; the coordinator's own manifest is accepted."""
+    population = dataclasses.replace(toy.toy_population(), manifest_sha256="a" * 64)
+    loop = make_loopback(tmp_path, population=population)
+    try:
+        client = loop.add_worker("w0", ALL, manifest_sha256="b" * 64)
+        error = _refusal(client)
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "different shard set" in error.details and "bbbbbbbbbbbb" in error.details
+        loop.add_worker("w1", ALL, manifest_sha256="a" * 64)
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(1)
     finally:
         loop.close()
 
