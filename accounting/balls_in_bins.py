@@ -12,6 +12,11 @@ Randomness: a seed gives two independent streams (children 0 and 1 of ``SeedSequ
 the estimate stream (ε/δ̂ estimates and calibration) and the verify stream. Calibration bisects σ
 on fixed estimate-stream samples (common random numbers); verification draws only the verify
 stream, which calibration never touches. Each sample's W is shared by both directions.
+
+Calibration aims below the design δ (``safety``·δ) by a KL-Chernoff margin and the verification
+is sized for power at the design δ, so that with the default sample counts a calibrated σ passes
+its fresh check with probability ≥ 0.99; the certificate (a σ whose true δ exceeds δ passes with
+probability ≤ δ) does not depend on the counts.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ __all__ = [
     "VerificationFailedError",
     "VerificationResult",
     "calibrate_noise_multiplier",
+    "calibration_samples",
+    "calibration_target",
     "correlation_matrix",
     "delta_estimate",
     "dominating_pair",
@@ -59,6 +66,10 @@ __all__ = [
 ]
 
 DEFAULT_NUM_SAMPLES = 2**20
+DEFAULT_SAFETY = 0.8  # the paper's δ′ = 0.8·δ (its §5.2): the design δ of a calibrated σ
+DEFAULT_REJECTION_PROB = 0.01  # designed probability that the fresh check rejects it
+_TARGET_FLOOR = 0.75  # default num_samples keeps calibration_target ≥ this · safety·δ
+_TINY = 1e-300
 
 
 class VerificationFailedError(BallsInBinsError):
@@ -179,29 +190,84 @@ def verify(
     correlation: Any = None,
     num_samples: int | None = None,
     seed: Any = None,
-    safety: float = 0.8,
+    safety: float = DEFAULT_SAFETY,
+    rejection_prob: float = DEFAULT_REJECTION_PROB,
 ) -> VerificationResult:
     """Estimate-Verify-Release check of (ε, δ) at σ on FRESH samples (the verify streams of
     ``seed``, independent of every calibration/estimate draw with the same seed).
 
-    Passes iff for both directions δ̂ < δ and exp(−m·KL(δ̂ ‖ δ)) ≤ δ; then releasing only on a pass
-    is (ε, δ)-DP (Theorem 2.1 of "Near Exact Privacy Amplification for Matrix Mechanisms",
-    Theorem 9 of Wang et al. 2023, with τδ = δ). ``num_samples`` defaults to
-    :func:`~userdp.accounting.monte_carlo.evr_min_samples` (δ, ``safety``): enough for δ̂ =
-    safety·δ to pass.
+    Certificate: passes iff for both directions δ̂ < δ and exp(−m·KL(δ̂ ‖ δ)) ≤ δ, so a σ whose
+    true δ exceeds ``delta`` passes with probability ≤ δ whatever m is, and releasing only on a
+    pass is (ε, δ)-DP (Theorem 2.1 of "Near Exact Privacy Amplification for Matrix Mechanisms",
+    Theorem 9 of Wang et al. 2023, with τδ = δ).
+
+    Power: ``num_samples`` defaults to :func:`~userdp.accounting.monte_carlo.evr_samples`
+    (δ, ``safety``, ``rejection_prob``/2): a σ whose true δ is ≤ safety·δ in both directions
+    passes with probability ≥ 1 − ``rejection_prob``.
     """
     sigma = positive_float("noise_multiplier", noise_multiplier, BallsInBinsError)
     epsilon = non_negative_float("epsilon", epsilon, BallsInBinsError)
     delta = probability("delta", delta, BallsInBinsError, upper_open=True)
+    safety = probability("safety", safety, BallsInBinsError, upper_open=True)
+    rejection_prob = probability(
+        "rejection_prob", rejection_prob, BallsInBinsError, upper_open=True
+    )
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
-    m = mc.evr_min_samples(delta, safety) if num_samples is None else num_samples
-    m = positive_int("num_samples", m, BallsInBinsError)
+    if num_samples is None:
+        num_samples = mc.evr_samples(delta, safety, rejection_prob / 2)
+    m = positive_int("num_samples", num_samples, BallsInBinsError)
     sampler = _Sampler(pair, m, seed, _VERIFY)
     y_pq, y_qp = sampler.losses(sigma)
     d_pq = mc.delta_from_losses(y_pq, epsilon, m)[0]
     d_qp = mc.delta_from_losses(y_qp, epsilon, m)[0]
     passed = mc.evr_passes(d_pq, m, delta) and mc.evr_passes(d_qp, m, delta)
     return VerificationResult(passed, epsilon, delta, sigma, d_pq, d_qp, m)
+
+
+def calibration_target(
+    delta: float,
+    num_samples: int,
+    *,
+    safety: float = DEFAULT_SAFETY,
+    rejection_prob: float = DEFAULT_REJECTION_PROB,
+) -> float:
+    """The estimate δ̂ that :func:`calibrate_noise_multiplier` solves for: the largest δ̂ on
+    ``num_samples`` samples that still shows, by KL-Chernoff at failure ``rejection_prob``/4 per
+    direction, that the true δ is ≤ ``safety``·δ
+    (:func:`~userdp.accounting.monte_carlo.kl_lower_threshold`)."""
+    delta = probability("delta", delta, BallsInBinsError, upper_open=True)
+    safety = probability("safety", safety, BallsInBinsError, upper_open=True)
+    rejection_prob = probability(
+        "rejection_prob", rejection_prob, BallsInBinsError, upper_open=True
+    )
+    num_samples = positive_int("num_samples", num_samples, BallsInBinsError)
+    try:
+        goal = mc.kl_lower_threshold(safety * delta, num_samples, rejection_prob / 4)
+    except ValueError:
+        goal = 0.0
+    if not goal > 0.0:
+        default = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
+        raise BallsInBinsError(
+            f"num_samples={num_samples} is too few to calibrate at delta={delta}: no estimate "
+            f"shows δ ≤ safety·δ; use num_samples >= {default} (the default)"
+        )
+    return goal
+
+
+def calibration_samples(
+    delta: float, *, safety: float = DEFAULT_SAFETY, rejection_prob: float = DEFAULT_REJECTION_PROB
+) -> int:
+    """The default estimate-stream sample count of :func:`calibrate_noise_multiplier`: at least
+    ``DEFAULT_NUM_SAMPLES``, and enough that :func:`calibration_target` is ≥ 3/4 of safety·δ
+    (2.2·10⁷ at δ = 1e-5; the confidence margin then costs 1.3–1.5 % of σ)."""
+    delta = probability("delta", delta, BallsInBinsError, upper_open=True)
+    safety = probability("safety", safety, BallsInBinsError, upper_open=True)
+    rejection_prob = probability(
+        "rejection_prob", rejection_prob, BallsInBinsError, upper_open=True
+    )
+    design = safety * delta
+    floor = math.log(4.0 / rejection_prob) / mc.kl_bernoulli(_TARGET_FLOOR * design, design)
+    return max(DEFAULT_NUM_SAMPLES, math.ceil(floor))
 
 
 def calibrate_noise_multiplier(
@@ -212,33 +278,47 @@ def calibrate_noise_multiplier(
     *,
     bin_semantics: str = "fixed",
     correlation: Any = None,
-    num_samples: int = DEFAULT_NUM_SAMPLES,
+    num_samples: int | None = None,
     seed: Any = None,
-    safety: float = 0.8,
+    safety: float = DEFAULT_SAFETY,
+    rejection_prob: float = DEFAULT_REJECTION_PROB,
     verify_samples: int | None = None,
     check: bool = True,
     rtol: float = 1e-3,
 ) -> float:
-    """σ for (target_epsilon, delta): bisection (in log σ) on δ̂(σ) = ``safety``·δ with common
-    random numbers, then the EVR check of :func:`verify` at δ on fresh samples.
+    """σ for (target_epsilon, delta), certified by Estimate-Verify-Release.
 
-    ``verify_samples`` defaults to ``evr_min_samples(delta, safety)`` (5.4·10⁷ at δ = 1e-5).
-    Raises :class:`VerificationFailedError` if the fresh check fails. ``check=False`` skips the
-    verification: the result is then only an estimate, not a guarantee.
+    Estimate: bisection in log σ on ``num_samples`` estimate-stream samples (common random
+    numbers) for max(δ̂_PQ, δ̂_QP)(σ) = :func:`calibration_target` (δ, ``num_samples``), so that
+    each direction's true δ at the returned σ is ≤ ``safety``·δ except with probability
+    ``rejection_prob``/4 (KL-Chernoff, as δ̂(σ) decreases in σ on fixed draws).
+    ``num_samples`` defaults to :func:`calibration_samples` (δ).
+    Verify: :func:`verify` at ``delta`` on fresh samples, ``verify_samples`` defaulting to
+    ``evr_samples(delta, safety, rejection_prob/4)`` (1.5·10⁸ at δ = 1e-5).
+
+    With ``verify_samples=None`` the check passes with probability ≥ 1 − ``rejection_prob``
+    (0.99), at any ``num_samples``; whatever the counts, a σ whose true δ exceeds ``delta``
+    passes with probability ≤ δ. Raises :class:`VerificationFailedError` if the check fails (σ
+    is never raised and re-checked). ``check=False`` skips it: the result is then only an
+    estimate, not a guarantee.
     """
     target = non_negative_float("target_epsilon", target_epsilon, BallsInBinsError)
     delta = probability("delta", delta, BallsInBinsError, upper_open=True)
-    if not 0.0 < safety <= 1.0:
-        raise BallsInBinsError(f"safety={safety!r} is out of range; expected a float in (0, 1]")
+    safety = probability("safety", safety, BallsInBinsError, upper_open=True)
+    rejection_prob = probability(
+        "rejection_prob", rejection_prob, BallsInBinsError, upper_open=True
+    )
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
+    if num_samples is None:
+        num_samples = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
     m = positive_int("num_samples", num_samples, BallsInBinsError)
+    goal = calibration_target(delta, m, safety=safety, rejection_prob=rejection_prob)
     root = _root_seed(seed)
     sampler = _Sampler(pair, m, root, _ESTIMATE)
-    goal = safety * delta
 
-    def excess(log_sigma: float) -> float:
+    def excess(log_sigma: float) -> float:  # log δ̂ − log goal: nearly linear in log σ
         est = _estimate(sampler, math.exp(log_sigma), target, 0.5)
-        return est.delta - goal
+        return math.log(max(est.delta, _TINY)) - math.log(goal)
 
     # Upper bracket: the unamplified Gaussian σ. H(P,Q) ≤ H(worst single mode, Q), since the
     # hockey-stick divergence is convex in P (and, for the reverse direction, in Q).
@@ -248,7 +328,7 @@ def calibrate_noise_multiplier(
             break
         hi += math.log(2.0)
     else:
-        raise BallsInBinsError("calibration found no σ with δ̂ ≤ safety·δ; use more num_samples")
+        raise BallsInBinsError("calibration found no σ with δ̂ ≤ its target; use more num_samples")
     lo = hi - math.log(4.0)
     for _ in range(60):
         if excess(lo) > 0.0:
@@ -270,12 +350,15 @@ def calibrate_noise_multiplier(
             num_samples=verify_samples,
             seed=root,
             safety=safety,
+            rejection_prob=rejection_prob / 2,
         )
         if not result.passed:
             raise VerificationFailedError(
                 f"EVR check failed at noise_multiplier={sigma:.6g}: fresh δ̂ = "
                 f"{max(result.delta_pq, result.delta_qp):.3g} with {result.num_samples} samples "
-                f"does not certify delta={delta}; raise verify_samples or lower safety"
+                f"does not certify delta={delta} (at the default verify_samples this has "
+                f"probability <= rejection_prob={rejection_prob}); another try is a new EVR test "
+                "and spends its own delta"
             )
     return sigma
 

@@ -11,7 +11,7 @@ Two bin semantics, NOT interchangeable (the sampler and the accountant must agre
 * ``"fixed"`` — bins drawn once for the whole run (Def. 3.1 of that paper; the b-min-sep
   structure matrix mechanisms need). Its Lemma 3.2: dominated by the b-mode mixture
       P = (1/b) Σᵢ N(mᵢ, σ²Iₙ)  vs  Q = N(0, σ²Iₙ),   mᵢ = Σⱼ |C|[:, b·j + i].
-* ``"per-epoch"`` — bins redrawn every epoch (random allocation, Chua et al. arXiv 2412.16802).
+* ``"per-epoch"`` — bins redrawn every epoch (random allocation, Chua et al., "Balls-and-Bins Sampling for DP-SGD").
   Only C = identity is supported: the epochs are then independent one-epoch mechanisms with
   orthonormal modes, so the run is dominated by the E-fold product of the one-epoch pair and the
   privacy loss is the SUM of E independent one-epoch losses (exact composition, sampled).

@@ -2,23 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
+import dp_accounting
 import pytest
+from dp_accounting.pld import PLDAccountant
 from userdp.accounting import (
+    BallsInBinsMechanism,
     CalibrationError,
     ElsMechanism,
     InvalidMechanismError,
     UlsMechanism,
     api,
+    balls_in_bins,
     calibrate_noise_multiplier,
     calibration,
     epsilon,
     max_steps,
 )
 
+from tests.accounting.test_balls_in_bins import Z_TOL
+
 # Cheap settings for tests about the search and the cache rather than about the numbers.
 FAST = {"rtol": 1e-2, "value_discretization_interval": 1e-3, "search_discretization_interval": None}
+
+# Balls-in-bins calibration (Choquette-Choo et al., "Near Exact Privacy Amplification for Matrix
+# Mechanisms"): σ solves δ̂(σ) = balls_in_bins.calibration_target(δ, num_samples) at ε = target on
+# the estimate stream (a KL-Chernoff margin below safety·δ, safety = 0.8), then
+# Estimate-Verify-Release checks (ε, δ) on fresh samples, at the default count, which passes a
+# calibrated σ with probability ≥ 0.99.
+BIB_DELTA = 1e-2
+BIB_SAFETY = 0.8
 
 
 @pytest.fixture(autouse=True)
@@ -169,18 +185,21 @@ def test_largest_true_search() -> None:
     assert calibration._largest_true(lambda n: True, 77) == 77
 
 
-def test_max_steps_for_balls_in_bins_counts_whole_epochs(monkeypatch) -> None:
-    import sys
-    import types
-
-    from userdp.accounting import BallsInBinsMechanism
-
-    module = types.ModuleType("userdp.accounting.balls_in_bins")
-    module.epsilon = lambda sigma, bins, epochs, delta, **kw: 0.5 * epochs
-    monkeypatch.setitem(sys.modules, "userdp.accounting.balls_in_bins", module)
-    mech = BallsInBinsMechanism(1.0, 10, 8)
-    assert max_steps(mech, 1.6, 1e-6, use_cache=False) == 30  # 3 epochs of 10 bins
-    assert max_steps(mech, 100.0, 1e-6, use_cache=False) == 80  # capped at bins × epochs
+def test_max_steps_for_balls_in_bins_counts_whole_epochs() -> None:
+    # C = I, fixed bins: E epochs at σ are one epoch at σ/√E on the same draws, so ε̂ grows
+    # with the epochs, and a target between ε̂(2 epochs) and ε̂(3 epochs) allows 2 whole epochs.
+    mech = BallsInBinsMechanism(1.0, 10, 8, "fixed")
+    samples = {"num_samples": 2**14, "seed": 5}
+    one, two, three = (epsilon(mech, 10 * e, 1e-3, **samples) for e in (1, 2, 3))
+    assert one < two < three
+    target = (two + three) / 2
+    steps = max_steps(mech, target, 1e-3, use_cache=False, **samples)
+    assert steps == 20
+    assert epsilon(mech, steps, 1e-3, **samples) <= target < epsilon(mech, 21, 1e-3, **samples)
+    assert max_steps(mech, one / 2, 1e-3, use_cache=False, **samples) == 0
+    # Capped at bins × epochs, and at the whole epochs below ``limit``.
+    assert max_steps(mech, 1e3, 1e-3, use_cache=False, **samples) == 80
+    assert max_steps(mech, 1e3, 1e-3, limit=35, use_cache=False, **samples) == 30
 
 
 def test_template_may_be_a_dict_without_sigma() -> None:
@@ -218,24 +237,63 @@ def test_conjecture_1_spot_check(target, uls_expected) -> None:
     assert els <= 32 * uls
 
 
-def test_balls_in_bins_calibration_is_delegated_to_its_monte_carlo_module(monkeypatch) -> None:
-    import sys
-    import types
-
-    from userdp.accounting import BallsInBinsMechanism
-
-    calls = []
-
-    def fake_calibrate(target, delta, bins, epochs, **kwargs):
-        calls.append((target, delta, bins, epochs, kwargs))
-        return 1.25
-
-    module = types.ModuleType("userdp.accounting.balls_in_bins")
-    module.calibrate_noise_multiplier = fake_calibrate
-    monkeypatch.setitem(sys.modules, "userdp.accounting.balls_in_bins", module)
+def test_balls_in_bins_calibration_is_the_smallest_private_sigma_on_its_samples() -> None:
     template = BallsInBinsMechanism(1.0, 8, 4, "fixed")
-    sigma = calibrate_noise_multiplier(template, 2.0, 1e-5, 24, use_cache=False, seed=7)
-    assert sigma == 1.25
-    assert calls == [
-        (2.0, 1e-5, 8, 3, {"bin_semantics": "fixed", "correlation": None, "rtol": 1e-4, "seed": 7})
-    ]
+    samples = {"num_samples": 2**14, "seed": 7}
+    rtol = 1e-3
+
+    def calibrate(target: float, steps: int) -> float:
+        return calibrate_noise_multiplier(
+            template,
+            target,
+            BIB_DELTA,
+            steps,
+            rtol=rtol,
+            use_cache=False,
+            **samples,
+        )
+
+    goal = balls_in_bins.calibration_target(BIB_DELTA, samples["num_samples"])
+    assert goal < BIB_SAFETY * BIB_DELTA
+
+    def eps(sigma: float) -> float:  # the same accountant on the same (estimate-stream) draws
+        mechanism = dataclasses.replace(template, noise_multiplier=sigma)
+        return epsilon(mechanism, 24, goal, **samples)
+
+    sigma = calibrate(1.0, 24)
+    assert eps(sigma) <= 1.0 < eps(sigma * (1 - 2 * rtol))
+    # 17 to 24 steps are 3 whole epochs of 8 bins; with C = I and fixed bins, 3 epochs at σ are
+    # 1 epoch at σ/√3 on the same draws, so the 3-epoch σ is √3 times the 1-epoch σ.
+    assert calibrate(1.0, 17) == sigma
+    assert sigma / calibrate(1.0, 8) == pytest.approx(math.sqrt(3), rel=rtol)
+    assert calibrate(2.0, 24) < sigma
+
+
+@pytest.mark.parametrize("semantics", ["fixed", "per-epoch"])
+def test_one_bin_calibration_agrees_with_the_gaussian_accountant(semantics) -> None:
+    # One bin puts every user in every step: Poisson sampling with q = 1, the Gaussian mechanism
+    # composed T times, which dp_accounting accounts for as one Gaussian at σ/√T. At the
+    # calibrated σ its δ must equal the δ̂ ≈ calibration_target the calibration solved for,
+    # within that δ̂'s Monte Carlo error: with common random numbers the error hardly changes over
+    # the narrow range of σ the search can land in, so at the chosen σ it is one standard
+    # error's worth, as at a fixed σ.
+    steps, target = 4, 1.0
+    samples = {"num_samples": 2**18, "seed": 3}
+    sigma = calibrate_noise_multiplier(
+        BallsInBinsMechanism(1.0, 1, steps, semantics),
+        target,
+        BIB_DELTA,
+        steps,
+        use_cache=False,
+        **samples,
+    )
+    solved = balls_in_bins.delta_estimate(
+        sigma, 1, steps, target, bin_semantics=semantics, **samples
+    )
+    assert solved.delta <= balls_in_bins.calibration_target(BIB_DELTA, samples["num_samples"])
+    accountant = PLDAccountant()
+    accountant.compose(
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), steps)
+    )
+    assert abs(accountant.get_delta(target) - solved.delta) <= Z_TOL * solved.stderr
+    assert accountant.get_epsilon(BIB_DELTA) <= target

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-import types
 
 import dp_accounting
 import pytest
@@ -17,6 +16,7 @@ from userdp.accounting import (
     NotComposableError,
     RandomizedClippingMechanism,
     UlsMechanism,
+    balls_in_bins,
     compose_delta,
     compose_epsilon,
     delta,
@@ -24,6 +24,8 @@ from userdp.accounting import (
     epsilon,
 )
 from userdp.accounting.api import AccountantUnavailableError
+
+from tests.accounting.test_balls_in_bins import Z_TOL
 
 
 def _pld_accountant_epsilon(phases, target_delta: float, vdi: float = 1e-4) -> float:
@@ -129,33 +131,49 @@ def test_monte_carlo_mechanisms_do_not_compose_with_pld_phases() -> None:
         delta(GroupPrivacyMechanism(1.0, 0.1, 4), 10, 1.0)
 
 
-def test_balls_in_bins_dispatch_passes_epochs_and_semantics(monkeypatch) -> None:
-    calls = []
-
-    def fake_epsilon(noise_multiplier, bins, epochs, delta, **kwargs):
-        calls.append((noise_multiplier, bins, epochs, delta, kwargs))
-        return 1.5
-
-    module = types.ModuleType("userdp.accounting.balls_in_bins")
-    module.epsilon = fake_epsilon
-    monkeypatch.setitem(sys.modules, "userdp.accounting.balls_in_bins", module)
+def test_balls_in_bins_charges_whole_epochs() -> None:
+    # C = I, fixed bins: the modes are orthogonal with norm √E, so E epochs at σ are one epoch at
+    # σ/√E (the same draws, so equal up to float rounding). 21 to 30 steps of 10 bins are 3 epochs.
+    samples = {"num_samples": 2**14, "seed": 3}
     mech = BallsInBinsMechanism(2.0, 10, 4, "fixed")
-    assert epsilon(mech, 25, 1e-6, num_samples=1024, seed=3) == 1.5
-    assert calls == [
-        (2.0, 10, 3, 1e-6, {"bin_semantics": "fixed", "correlation": None,
-                            "num_samples": 1024, "seed": 3})
-    ]  # fmt: skip
-    with pytest.raises(InvalidMechanismError, match="steps=41"):
-        epsilon(mech, 41, 1e-6)
+    three = epsilon(mech, 25, 1e-3, **samples)
+    assert epsilon(mech, 21, 1e-3, **samples) == three == epsilon(mech, 30, 1e-3, **samples)
+    one_at_scaled_noise = BallsInBinsMechanism(2.0 / math.sqrt(3), 10, 1, "fixed")
+    assert three == pytest.approx(epsilon(one_at_scaled_noise, 10, 1e-3, **samples), rel=1e-6)
+    assert epsilon(mech, 20, 1e-3, **samples) < three < epsilon(mech, 31, 1e-3, **samples)
+    # Bins redrawn every epoch amplify each epoch; fixed bins repeat the same step each epoch.
+    per_epoch = BallsInBinsMechanism(2.0, 10, 4, "per-epoch")
+    assert epsilon(per_epoch, 25, 1e-3, **samples) < three
     # A ledger with one record per release merges into one whole-run phase.
-    calls.clear()
-    assert compose_epsilon([(mech, 1)] * 25, 1e-6) == 1.5
-    assert calls[0][2] == 3
+    assert compose_epsilon([(mech, 1)] * 25, 1e-3, **samples) == three
+    with pytest.raises(InvalidMechanismError, match="steps=41"):
+        epsilon(mech, 41, 1e-3)
+
+
+@pytest.mark.parametrize("semantics", ["fixed", "per-epoch"])
+def test_balls_in_bins_with_one_bin_is_the_gaussian_mechanism(semantics) -> None:
+    # One bin puts every user in every step: Poisson sampling with q = 1, the Gaussian mechanism
+    # composed T times, which dp_accounting accounts for independently of the Monte Carlo. ε̂ is
+    # where δ̂ = δ on the samples; dp_accounting's δ at ε̂ must be δ within δ̂'s Monte Carlo error
+    # (a smooth function of ε on fixed draws, so at ε̂ as at a fixed ε).
+    sigma, steps, target_delta = 1.5, 4, 1e-2
+    samples = {"num_samples": 2**18, "seed": 11}
+    eps = epsilon(BallsInBinsMechanism(sigma, 1, steps, semantics), steps, target_delta, **samples)
+    estimate = balls_in_bins.delta_estimate(
+        sigma, 1, steps, eps, bin_semantics=semantics, **samples
+    )
+    accountant = PLDAccountant()
+    accountant.compose(
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), steps)
+    )
+    assert abs(accountant.get_delta(eps) - target_delta) <= Z_TOL * estimate.stderr
 
 
 def test_missing_accountant_module_is_a_clear_error(monkeypatch) -> None:
+    # An install without an accountant module (None in sys.modules makes its import fail as a
+    # missing module would) gets one error naming the mechanism kind and the module.
     monkeypatch.setitem(sys.modules, "userdp.accounting.randomized_clipping", None)
-    with pytest.raises((AccountantUnavailableError, ImportError)):
+    with pytest.raises(AccountantUnavailableError, match="'randomized-clipping' needs"):
         epsilon(RandomizedClippingMechanism(1.0, 0.1, 4), 10, 1e-6)
 
 
