@@ -8,7 +8,9 @@ users, builds the strategy (σ calibrated to the target when not given), the led
 security choice) and runs until ``strategy.steps`` steps are done or the budget is exhausted;
 then it drains the workers (they exit 0). Interrupted (SIGTERM or SIGINT, also when started as a
 background job with SIGINT ignored), it saves a checkpoint and leaves the workers waiting for a
-restart (each for at most its ``--reconnect-timeout``).
+restart (each for at most its ``--reconnect-timeout``). A run that took steps leaves, beside the
+ledger and checkpoints in ``output.dir``, the config as run, the privacy report and the exported
+model (:func:`_write_outputs`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,36 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         coordinator.save()
         running.stop(finished)
+    if coordinator.step:
+        _write_outputs(setup, out, coordinator.params)
     return 0
+
+
+def _write_outputs(setup, out: Path, params) -> None:
+    """What a finished run leaves beside its ledger and checkpoints: ``config.toml`` (as run, σ
+    and δ resolved), ``strategy_facts.json``, the exported model with its release state, and
+    ``privacy_report.{json,md}`` recomputed from the ledger."""
+    from userdp.clients.model import build_model, load_parameters, model_shape
+    from userdp.export import export_model
+    from userdp.run_outputs import render_report, write_config, write_facts, write_release_state
+    from userdp.simulation import resolved_config
+
+    run_config = resolved_config(setup.config, setup, out, "external")
+    write_config(run_config, out)
+    write_facts(setup.strategy.facts(), out, len(setup.population.users))
+    report = render_report(out, run_config, setup.delta)
+    model = build_model(setup.config.model, model_shape(setup.manifest, setup.config.data.seq_len))
+    load_parameters(model, setup.frozen)
+    load_parameters(model, params)
+    model_dir = export_model(model, out, setup.manifest.tokenizer, setup.shard_dir)
+    write_release_state(model_dir, out / "ledger.jsonl", report["epsilon"], setup.delta)
+    logging.getLogger("userdp.coordinator").info(
+        "privacy report: %s (epsilon %.4g at delta %.3g); model: %s",
+        out / "privacy_report.md",
+        report["epsilon"],
+        setup.delta,
+        model_dir,
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

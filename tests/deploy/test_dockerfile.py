@@ -106,8 +106,12 @@ def test_build_args_select_cuda_or_cpu_and_match_the_ci_pins(instructions) -> No
         "DS_WARM_OPS",
         "USERDP_EXTRAS",
         "USERDP_UID",
+        "PYTHON_SOURCE",
+        "UV_VERSION",
+        "TORCH_FIND_LINKS",
     ):
         assert name in args, f"build arg {name} missing"
+    assert args["PYTHON_SOURCE"] == "uv" and args["TORCH_FIND_LINKS"] == ""
     assert "cuda" in args["BASE_IMAGE"] and "devel" in args["BASE_IMAGE"]  # nvcc for DS ops
     assert args["TORCH_INDEX_URL"].startswith("https://download.pytorch.org/whl/cu")
     assert args["DS_ACCELERATOR"] == "cuda"
@@ -121,7 +125,15 @@ def test_build_args_select_cuda_or_cpu_and_match_the_ci_pins(instructions) -> No
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     assert project["requires-python"] == f">={args['PYTHON_VERSION']}"
     froms = [i.value for i in instructions if i.keyword == "FROM"]
-    assert froms[-1] == "${BASE_IMAGE}"
+    assert froms == ["${BASE_IMAGE}"], "one stage, from the base image only (no other registry)"
+
+
+def test_the_registry_free_build_script_passes_only_declared_build_args(instructions) -> None:
+    """scripts/image.sh builds without a registry: every --build-arg it passes is an ARG here."""
+    script = (REPO_ROOT / "scripts" / "image.sh").read_text()
+    passed = set(re.findall(r"--build-arg (\w+)=", script))
+    assert {"BASE_IMAGE", "PYTHON_SOURCE", "TORCH_FIND_LINKS", "TORCH_VERSION"} <= passed
+    assert passed <= set(_args(instructions)), passed - set(_args(instructions))
 
 
 def _dockerignore_patterns() -> list[str]:

@@ -271,6 +271,10 @@ def test_the_rendered_pods_run_a_training_job_and_survive_a_coordinator_restart(
         assert len(_ledger_steps(ledger)) == 2
         checkpoints = ledger.parent / "checkpoints"
         assert any(checkpoints.iterdir())
+        report = json.loads((ledger.parent / "privacy_report.json").read_text())
+        assert report["steps"] == 2 and report["epsilon"] > 0
+        assert (ledger.parent / "model" / "config.json").is_file()
+        assert "noise_multiplier = 1.0" in (ledger.parent / "config.toml").read_text()
 
         # 5. Restart with one more step: resume from checkpoint + ledger; restarted workers
         # (as the StatefulSet restarts them) are resynced to the checkpointed model.
