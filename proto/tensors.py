@@ -53,7 +53,8 @@ class WireTensor:
 
     dtype: str
     shape: tuple[int, ...]
-    data: bytes | bytearray
+    data: bytes | bytearray | np.ndarray
+    """The raw bytes (anything with the buffer protocol; a uint8 array when reassembled)."""
 
     def numpy(self) -> np.ndarray:
         """A numpy view (bfloat16 comes back as its uint16 bit pattern; use :meth:`torch`)."""
@@ -143,7 +144,7 @@ class TensorAssembler:
     def __init__(self, max_total_bytes: int = 1 << 40, max_tensors: int = 1 << 20) -> None:
         self.max_total_bytes = max_total_bytes
         self.max_tensors = max_tensors
-        self._buffers: dict[str, bytearray] = {}
+        self._buffers: dict[str, np.ndarray] = {}
         self._meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
         self._received: dict[str, int] = {}
         self._total = 0
@@ -173,7 +174,8 @@ class TensorAssembler:
                 )
             self._total += expected
             self._meta[name] = (dtype, shape, expected)
-            self._buffers[name] = bytearray(expected)
+            # uninitialized: every byte is written by a chunk before finish() accepts the tensor
+            self._buffers[name] = np.empty(expected, dtype=np.uint8)
             self._received[name] = 0
         elif meta != (dtype, shape, expected):
             raise TensorDecodeError(
@@ -189,7 +191,7 @@ class TensorAssembler:
         end = received + len(data)
         if end > expected or (len(data) == 0 and expected > 0):
             raise TensorDecodeError(f"tensor {name!r}: chunk overflows {expected} bytes")
-        self._buffers[name][received:end] = data
+        self._buffers[name][received:end] = np.frombuffer(data, dtype=np.uint8)
         self._received[name] = end
 
     def names(self) -> list[str]:
