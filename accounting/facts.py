@@ -98,6 +98,10 @@ class PrivacyFacts:
         object.__setattr__(self, "adjacency", _member(Adjacency, "adjacency", self.adjacency))
         object.__setattr__(self, "sampled", _member(Unit, "sampled", self.sampled))
         object.__setattr__(self, "caveats", tuple(self.caveats))
+        if self.secure_noise not in (True, False, None):
+            raise ValueError(
+                f"secure_noise={self.secure_noise!r} is not allowed; expected True, False or None"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {

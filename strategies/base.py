@@ -41,7 +41,12 @@ from userdp.accounting.facts import Adjacency, PrivacyFacts, Sampling, Unit
 from userdp.accounting.mechanisms import Mechanism
 from userdp.strategies import tensors as T
 from userdp.strategies.errors import StrategyError
-from userdp.strategies.noise import FAST_NOISE_CAVEAT, GaussianNoise, NoiseMechanism
+from userdp.strategies.noise import (
+    DETERMINISTIC_NOISE_CAVEAT,
+    FAST_NOISE_CAVEAT,
+    GaussianNoise,
+    NoiseMechanism,
+)
 from userdp.strategies.optimizers import ServerOptimizer, Sgd
 from userdp.strategies.population import (
     PopulationCounts,
@@ -326,8 +331,14 @@ class Strategy(ABC):
         """Sampling scheme, adjacency and whether an accountant matches it (all stated by the
         sampler), which units are sampled, the noise generator's mode, and :meth:`caveats` (plus
         one when the noise is not secure). The privacy unit is the user."""
-        secure = getattr(getattr(self.noise, "rng", None), "secure", None)
-        caveats = self.caveats() + ((FAST_NOISE_CAVEAT,) if secure is False else ())
+        rng = getattr(self.noise, "rng", None)
+        secure = getattr(rng, "secure", None)
+        caveats = self.caveats()
+        if getattr(rng, "deterministic", False):  # a fixed test seed: the noise is known
+            secure = False
+            caveats += (DETERMINISTIC_NOISE_CAVEAT,)
+        elif secure is False:
+            caveats += (FAST_NOISE_CAVEAT,)
         return PrivacyFacts(
             unit=Unit.USER,
             sampling=self.sampler.sampling,

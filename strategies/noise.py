@@ -30,7 +30,13 @@ import numpy as np
 from userdp.strategies import tensors as T
 from userdp.strategies.secure_random import SecureNormal, add_on_grid
 
-__all__ = ["FAST_NOISE_CAVEAT", "GaussianNoise", "NoiseMechanism", "NoiseRng"]
+__all__ = [
+    "DETERMINISTIC_NOISE_CAVEAT",
+    "FAST_NOISE_CAVEAT",
+    "GaussianNoise",
+    "NoiseMechanism",
+    "NoiseRng",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,10 @@ FAST_NOISE_CAVEAT = (
     "cryptographic keystream, and releases were not rounded onto a grid "
     "(privacy.secure_noise = false): an adversary who can predict the generator, or read the "
     "low-order bits of released floats, can learn more than ε allows"
+)
+DETERMINISTIC_NOISE_CAVEAT = (
+    "The noise came from a fixed test seed (NoiseRng.for_testing): anyone who knows the seed can "
+    "subtract it, so this run is NOT private whatever ε says"
 )
 
 
@@ -75,8 +85,7 @@ class NoiseRng:
         return self._test_seed is not None
 
     def _seed(self, entropy: int | list[int]) -> None:
-        self._entropy = entropy
-        if self.secure:  # the AES key is a hash of the entropy; it is never stored elsewhere
+        if self.secure:  # the AES key is a hash of the entropy; neither is kept anywhere else
             self._secure = SecureNormal(hashlib.sha256(repr(entropy).encode()).digest())
             return
         self._root = np.random.SeedSequence(entropy)
@@ -127,6 +136,8 @@ class NoiseRng:
         if self.secure:
             return add_on_grid(value, std, z)
         if T.is_torch(value):
+            if not value.is_floating_point():  # noise is never truncated to an integer type
+                value = value.double()
             return value + (std * z).to(value.dtype)
         return np.asarray(value) + std * z
 

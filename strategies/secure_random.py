@@ -4,20 +4,20 @@ Two weaknesses of textbook floating-point noise are closed here.
 
 * **Predictable generators.** PCG64 or a Mersenne twister can be reconstructed from enough of
   their outputs, and the noisy releases are outputs. :class:`SecureNormal` takes its bits from
-  AES-256 in counter mode keyed with 32 bytes of ``os.urandom`` (the ``cryptography`` package):
+  AES-256 in counter mode keyed from 256 bits of ``os.urandom`` (the ``cryptography`` package):
   without the key the stream cannot be told apart from uniform bits.
 * **Least significant bits.** In floating point the set of values ``x + noise`` can take depends
   on ``x``, so the low-order bits of a release can identify the input (Mironov, "On Significance
   of the Least Significant Bits for Differential Privacy", CCS 2012, §3). :func:`add_on_grid`
   rounds every release to the grid γℤ, γ = 2^(⌊log₂ std⌋ − GRID_BITS): the values a release can
-  take no longer depend on the input.
+  take do not depend on the input.
 
 The Gaussian draw is Box–Muller in float64 on 53-bit uniforms, with the radius' uniform refined
 to 106 bits when it is below 2⁻²¹, so the tail reaches |z| ≈ 12.1 (the ideal Gaussian puts less
 than 10⁻³² beyond it). Accounting needs no change: rounding the Gaussian mechanism's output is
 post-processing. What remains of floating point is the rounding of ``x + std·z`` at the edges of a
 grid cell: each grid value's probability differs from the ideal mechanism's by a relative error of
-order 2⁻⁵²·(|x|/γ + 2^GRID_BITS·|z|), far below anything an accountant resolves; this module does
+order 2⁻⁵²·(|x|/γ + 2^(GRID_BITS+1)·|z|), far below anything an accountant resolves; this module does
 not claim bit-exact sampling (an exact discrete Gaussian, Canonne, Kamath & Steinke, "The Discrete
 Gaussian for Differential Privacy", NeurIPS 2020, costs integer arithmetic per coordinate).
 """
@@ -39,7 +39,7 @@ most γ²/4 ≤ std²·2⁻¹⁸ to the release, and keeps cell edges far from f
 _CHUNK = 1 << 16  # Box–Muller pairs per block: small buffers, few Python iterations
 _MASK53 = (1 << 53) - 1
 _TWO_M53 = 2.0**-53
-_REFINE_BELOW = float(1 << 32)  # u₁ < 2⁻²¹: draw 53 more bits for its tail
+_REFINE_BELOW = float(1 << 32)  # u₁ ≤ 2⁻²¹: draw 53 more bits for its tail
 _GRID_CHUNK = 1 << 20  # coordinates per block when rounding onto the grid
 
 
@@ -53,8 +53,8 @@ def grid_step(std: float) -> float:
 class SecureNormal:
     """Standard normal draws from an AES-256-CTR keystream.
 
-    ``key`` (32 bytes) is for tests only: the default key comes from ``os.urandom`` and is never
-    written anywhere.
+    ``key``: 32 bytes (:class:`~userdp.strategies.noise.NoiseRng` passes a SHA-256 of 256 bits of
+    ``os.urandom``, or of a test seed); None draws one from ``os.urandom``. Never written anywhere.
     """
 
     def __init__(self, key: bytes | None = None) -> None:

@@ -36,6 +36,7 @@ VARIANTS = {
     "dataset": DATASET,
     "cpu-workers": {**DEMO, "workers": {"gpus": 0, "replicas": 3, "antiAffinity": "none"}},
     "hard-anti-affinity": {**DEMO, "workers": {"antiAffinity": "hard", "gpus": 8}},
+    "four-gpu-workers": {**DEMO, "workers": {"gpus": 4}},  # torchrun, one rank per GPU
     "token-created": {
         **DEMO,
         "tls": {"enabled": False},

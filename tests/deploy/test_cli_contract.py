@@ -1,6 +1,7 @@
 """The manifests and the CLI cannot drift apart: every ``userdp`` command line the chart renders
-(container args, the shard Job's script, exec probes, with Kubernetes' ``$(VAR)`` expansion)
-parses with ``userdp.cli.build_parser()``; the config path it passes is where the ConfigMap is
+(container args, the shard Job's script, exec probes, the worker's launcher, with Kubernetes'
+``$(VAR)`` expansion) parses with ``userdp.cli.build_parser()``; the launcher's own arguments
+parse with torch's ``torchrun`` parser; the config path it passes is where the ConfigMap is
 mounted; probe ports and services are the ones the coordinator and worker serve."""
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ VARIANTS = [
     },
     # shards already on a claim: the Job runs `userdp shard verify` only
     {"data": {"persistence": {"existingClaim": "shards"}}},
+    # four GPUs per worker: `torchrun ... --no-python userdp worker ...`, one rank per GPU
+    {**DEMO, "workers": {"gpus": 4}},
 ]
+LAUNCHER = "torchrun"
 
 
 def _subcommands(parser) -> set[str]:
@@ -102,6 +106,9 @@ def userdp_command_lines(objects) -> list[tuple[str, list[str], dict[str, Any], 
                 found.append((where, args, c, obj))  # the image's ENTRYPOINT is userdp
             elif command[0] == "userdp":
                 found.append((where, command[1:] + args, c, obj))
+            elif command[0] == LAUNCHER:
+                launcher = torchrun_args(command[1:] + args)
+                found.append((f"{where} ({LAUNCHER})", launcher.training_script_args, c, obj))
             elif command[:2] == ["/bin/sh", "-c"] and 'exec userdp "$@"' in command[2]:
                 assert command[2].startswith(SHARD_JOB_SCRIPT), command[2]
                 positional = command[4:]  # $0 is command[3]
@@ -113,6 +120,19 @@ def userdp_command_lines(objects) -> list[tuple[str, list[str], dict[str, Any], 
                     argv = [_expand(p, env) for p in probe["exec"]["command"][1:]]
                     found.append((f"{where} {kind}", argv, c, obj))
     return found
+
+
+def torchrun_args(argv: list[str]):
+    """``torchrun``'s arguments parsed by torch's own launcher parser; the program it runs must
+    be the ``userdp`` entry point (``--no-python userdp``)."""
+    from torch.distributed.run import get_args_parser
+
+    try:
+        parsed = get_args_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"`{LAUNCHER} {' '.join(argv)}` does not parse")
+    assert parsed.no_python and parsed.training_script == "userdp", argv
+    return parsed
 
 
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
@@ -244,3 +264,36 @@ def test_worker_health_port_probes_and_coordinator_address_agree(render_chart) -
     service = objects.find("Service", "-coordinator")
     expected = f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
     assert args[args.index("--coordinator") + 1] == expected
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4])
+def test_a_worker_with_several_gpus_runs_one_rank_per_gpu_with_the_same_userdp_args(
+    render_chart, gpus
+) -> None:
+    """workers.gpus > 1: the launcher starts one `userdp worker` process per GPU in the pod
+    (standalone rendezvous on localhost), with exactly the args of a one-GPU worker, and waits
+    the pod's grace period after SIGTERM before killing the ranks; gpus <= 1: the image's
+    ENTRYPOINT runs `userdp worker` itself, as the one-GPU chart always did."""
+    objects = render_chart({**DEMO, "workers": {"gpus": gpus}})
+    sts = objects.find("StatefulSet", "-worker")
+    container = objects.container(sts, "worker")
+    one_gpu = objects.container(
+        render_chart({**DEMO, "workers": {"gpus": 1}}).find("StatefulSet", "-worker"), "worker"
+    )
+    assert "command" not in one_gpu  # the image's ENTRYPOINT, userdp
+    if gpus <= 1:
+        assert "command" not in container and container["args"] == one_gpu["args"]
+        return
+    launcher = torchrun_args(container["command"][1:] + container["args"])
+    assert container["command"][0] == LAUNCHER
+    assert launcher.training_script_args == one_gpu["args"]
+    assert launcher.standalone and launcher.nnodes == "1" and launcher.max_restarts == 0
+    assert launcher.nproc_per_node == str(gpus)
+    grace = objects.pod_spec(sts)["terminationGracePeriodSeconds"]
+    assert int(launcher.shutdown_timeout) == grace
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    # one health port, rank 0's: the probes are those of a one-GPU worker
+    for key in ("ports", "startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[key] == one_gpu[key], key
+    parsed = full_parser().parse_args(launcher.training_script_args)
+    assert parsed.command == "worker" and parsed.health_port == 8081

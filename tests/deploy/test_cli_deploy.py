@@ -122,6 +122,19 @@ def test_render_cli_writes_values_and_rejects_bad_configs(tmp_path: Path, run_to
     assert main(["deploy", "render", "--config", str(run_toml), "--values", "-", "--gpus", "-1"])
 
 
+def test_render_gpus_reach_the_workers_launcher(tmp_path: Path, render_chart, run_toml) -> None:
+    """`--gpus 4`: the values ask for four GPUs per worker and the chart runs four ranks."""
+    out = tmp_path / "values.yaml"
+    argv = ["deploy", "render", "--config", str(run_toml), "--values", str(out), "--gpus", "4"]
+    assert main(argv) == 0
+    values = yaml.safe_load(out.read_text())
+    assert values["workers"]["gpus"] == 4
+    objects = render_chart(values)
+    worker = objects.container(objects.find("StatefulSet", "-worker"), "worker")
+    assert worker["command"][0] == "torchrun" and "--nproc-per-node=4" in worker["command"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
 def test_render_picks_token_auth_when_the_config_has_only_a_token(tmp_path: Path) -> None:
     path = tmp_path / "token.toml"
     path.write_text('[coordinator]\nauth_token_file = "t.txt"\n')

@@ -227,7 +227,7 @@ def check_noise_fresh_after_resume() -> None:
 COUNT_STDDEV = 2.0  # adaptive clipping's σ_b; 2σ_b = 4 > z = 2
 
 
-def adaptive_strategy(shapes_small: bool = False) -> AdaptiveClipping:
+def adaptive_strategy(production_noise: bool = False) -> AdaptiveClipping:
     return AdaptiveClipping(
         noise_multiplier=SIGMA,
         initial_clip_norm=CLIP,
@@ -236,7 +236,7 @@ def adaptive_strategy(shapes_small: bool = False) -> AdaptiveClipping:
         clip_lr=0.0,  # C stays at CLIP, so every step's expected std is the same
         sampling_prob=Q,
         seed=SAMPLER_SEED,
-        noise=test_rng(),
+        noise=None if production_noise else test_rng(),
         optimizer=Sgd(LR),
     )
 
@@ -297,6 +297,36 @@ def check_production_noise_is_secure_and_on_grid() -> None:
         )
     noise = np.concatenate([(released[n] - summed[n]).ravel() for n in SHAPES])
     assert_gaussian_noise(noise, SIGMA * CLIP, "secure noise on the grid, ULS step 0")
+    blt = BltDpFtrl(
+        noise_multiplier=SIGMA,
+        clip_norm=CLIP,
+        bins=BINS,
+        epochs=2,
+        banded_coefs=list(BANDED),
+        seed=SAMPLER_SEED,
+        optimizer=Sgd(LR),
+    )
+    for step in range(2):
+        for name, value in blt.add_noise(step, summed, ClipStatistics(20, 0)).items():
+            cells = np.asarray(value, dtype=np.float64) / gamma
+            off = int(np.sum(cells != np.round(cells)))
+            assert off == 0, (
+                f"BLT step {step}, tensor {name!r}: {off} of {cells.size} released values are off "
+                f"the grid {gamma:g}ℤ: correlated noise must be released on the grid too"
+            )
+    # adaptive clipping's noisy count, on the grid of its own std σ_b (read back from the
+    # released fraction b̃ = noisy/E + ½, so up to float rounding of that division)
+    count_gamma = 2.0 ** (math.floor(math.log2(COUNT_STDDEV)) - 8)
+    strategy = adaptive_strategy(production_noise=True)
+    params, pop = {"b": np.zeros(4)}, user_ids()
+    for t in range(50):
+        run_step(strategy, t, params, pop, zero_compute)
+        fraction = strategy.history[-1][2]
+        cells = (fraction - 0.5) * Q * N_USERS / count_gamma
+        assert abs(cells - round(cells)) <= 1e-6, (
+            f"adaptive clipping step {t}: the noisy count {cells * count_gamma!r} is off the grid "
+            f"{count_gamma:g}ℤ: its noise must come from the secure generator, on the grid"
+        )
 
 
 def check_report_names_the_noise_generator() -> None:

@@ -162,6 +162,16 @@ def mutation_noise_off_grid(monkeypatch):
 
 
 @pytest.fixture
+def mutation_noisy_scalar_off_grid(monkeypatch):
+    """A scalar release (adaptive clipping's count) adds the draw in plain floating point."""
+
+    def noisy_scalar(self, value, std):
+        return float(value) + std * self.standard_normal()
+
+    monkeypatch.setattr(NoiseRng, "noisy_scalar", noisy_scalar)
+
+
+@pytest.fixture
 def mutation_fast_noise_by_default(monkeypatch):
     """A generator built without arguments is the fast floating-point one."""
     original = NoiseRng.__init__
@@ -196,14 +206,18 @@ def mutation_facts_claim_secure_noise(monkeypatch):
 def mutation_noise_generator_reseeded_identically(monkeypatch):
     """The noise generator is reset to its initial seed before every draw (every step, every
     tensor gets the same stream)."""
-    original = NoiseRng.normal_like
+    original_seed, original = NoiseRng._seed, NoiseRng.normal_like
+
+    def seed(self, entropy):
+        if not hasattr(self, "_mutation_entropy"):
+            self._mutation_entropy = entropy
+        original_seed(self, entropy)
 
     def normal_like(self, x):
-        if not hasattr(self, "_mutation_entropy"):
-            self._mutation_entropy = self._entropy
-        self._seed(self._mutation_entropy)
+        original_seed(self, self._mutation_entropy)
         return original(self, x)
 
+    monkeypatch.setattr(NoiseRng, "_seed", seed)
     monkeypatch.setattr(NoiseRng, "normal_like", normal_like)
 
 

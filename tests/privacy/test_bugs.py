@@ -214,6 +214,12 @@ CASES: list[Case] = [
     ),
     *_cases(
         "noise released in raw floating point",
+        "mutation_noisy_scalar_off_grid",
+        r"noisy count .* is off the grid",
+        "noise_secure_on_grid",
+    ),
+    *_cases(
+        "noise released in raw floating point",
         "mutation_fast_noise_by_default",
         r"off the grid",
         "noise_secure_on_grid",

@@ -155,6 +155,33 @@ def test_deterministic_secure_rng_replays_only_its_own_stream():
     torch.testing.assert_close(first, want)
 
 
+def test_facts_say_a_fixed_test_seed_is_not_private():
+    from userdp.strategies.builtins import UserLevelSampling
+    from userdp.strategies.noise import DETERMINISTIC_NOISE_CAVEAT, FAST_NOISE_CAVEAT
+
+    def facts(rng):
+        strategy = UserLevelSampling(
+            noise_multiplier=1.0, clip_norm=1.0, sampling_prob=0.1, noise=GaussianNoise(rng)
+        )
+        return strategy.facts()
+
+    for rng in (NoiseRng.for_testing(1, secure=True), NoiseRng.for_testing(1)):
+        stated = facts(rng)
+        assert stated.secure_noise is False and DETERMINISTIC_NOISE_CAVEAT in stated.caveats
+    fast = facts(NoiseRng(secure=False))
+    assert fast.secure_noise is False and FAST_NOISE_CAVEAT in fast.caveats
+    secure = facts(NoiseRng())
+    assert secure.secure_noise is True
+    assert not {FAST_NOISE_CAVEAT, DETERMINISTIC_NOISE_CAVEAT} & set(secure.caveats)
+
+
+def test_fast_release_widens_integer_tensors_instead_of_truncating_the_noise():
+    out = NoiseRng(secure=False).release(
+        torch.zeros(4, dtype=torch.int64), 0.8, torch.ones(4, dtype=torch.float64)
+    )
+    assert out.dtype == torch.float64 and torch.all(out == 0.8)
+
+
 def test_noisy_scalar_is_on_the_grid_and_centred():
     rng = NoiseRng.for_testing(7, secure=True)
     values = np.array([rng.noisy_scalar(1.0 / 3.0, 2.0) for _ in range(4000)])
