@@ -3,7 +3,8 @@
 
 The queries: δ̂(ε) with standard errors and a confidence bound (:func:`delta_estimate`), a point
 estimate of ε(δ) (:func:`epsilon`), the Estimate-Verify-Release check of (ε, δ) on fresh samples
-(:func:`verify`), and σ for a target (:func:`calibrate_noise_multiplier`). The mechanism, its two
+(:func:`verify`), σ for a target (:func:`calibrate_noise_multiplier`), and certified ε and
+epochs (:func:`certified_epsilon`, :func:`certified_max_epochs`). The mechanism, its two
 bin semantics, the dominating pair and how its privacy-loss samples are drawn are in
 :mod:`userdp.accounting.balls_in_bins_losses`; both directions are always estimated and the max
 is used.
@@ -16,7 +17,11 @@ stream, which calibration never touches. Each sample's W is shared by both direc
 Calibration aims below the design δ (``safety``·δ) by a KL-Chernoff margin and the verification
 is sized for power at the design δ, so that with the default sample counts a calibrated σ passes
 its fresh check with probability ≥ 0.99; the certificate (a σ whose true δ exceeds δ passes with
-probability ≤ δ) does not depend on the counts.
+probability ≤ δ) does not depend on the counts. :func:`certified_epsilon` and
+:func:`certified_max_epochs` certify ε and the number of epochs the same way.
+
+One idea — the accountant's queries and the one Estimate-Verify-Release discipline they share
+(estimate stream, calibration target, fresh verification) — hence one module over 400 lines.
 """
 
 from __future__ import annotations
@@ -361,6 +366,142 @@ def calibrate_noise_multiplier(
                 "and spends its own delta"
             )
     return sigma
+
+
+def certified_epsilon(
+    noise_multiplier: float,
+    bins: int,
+    epochs: int,
+    delta: float,
+    *,
+    bin_semantics: str = "fixed",
+    correlation: Any = None,
+    num_samples: int | None = None,
+    seed: Any = None,
+    safety: float = DEFAULT_SAFETY,
+    rejection_prob: float = DEFAULT_REJECTION_PROB,
+    verify_samples: int | None = None,
+) -> float:
+    """ε at σ for ``delta``, certified by Estimate-Verify-Release, as :func:`calibrate_noise_multiplier`
+    certifies σ: the estimate ε̂ is the smallest ε with max(δ̂_PQ, δ̂_QP)(ε) ≤
+    :func:`calibration_target` (δ, ``num_samples``) on estimate-stream samples, so each
+    direction's true δ at ε̂ is ≤ ``safety``·δ except with probability ``rejection_prob``/4; then
+    :func:`verify` checks (ε̂, δ) on fresh samples. Returns ε̂ when the check passes (probability
+    ≥ 1 − ``rejection_prob`` at the default ``verify_samples``; a wrong ε̂ passes with probability
+    ≤ δ), raises :class:`VerificationFailedError` otherwise."""
+    sigma = positive_float("noise_multiplier", noise_multiplier, BallsInBinsError)
+    delta = probability("delta", delta, BallsInBinsError, upper_open=True)
+    if num_samples is None:
+        num_samples = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
+    goal = calibration_target(delta, num_samples, safety=safety, rejection_prob=rejection_prob)
+    root = _root_seed(seed)
+    estimate = epsilon(
+        sigma,
+        bins,
+        epochs,
+        goal,
+        bin_semantics=bin_semantics,
+        correlation=correlation,
+        num_samples=num_samples,
+        seed=root,
+    )
+    result = verify(
+        sigma,
+        bins,
+        epochs,
+        estimate,
+        delta,
+        bin_semantics=bin_semantics,
+        correlation=correlation,
+        num_samples=verify_samples,
+        seed=root,
+        safety=safety,
+        rejection_prob=rejection_prob / 2,
+    )
+    if not result.passed:
+        raise VerificationFailedError(
+            f"EVR check failed at epsilon={estimate:.6g}: fresh δ̂ = "
+            f"{max(result.delta_pq, result.delta_qp):.3g} with {result.num_samples} samples "
+            f"does not certify delta={delta}; another try is a new EVR test and spends its own delta"
+        )
+    return estimate
+
+
+def certified_max_epochs(
+    noise_multiplier: float,
+    bins: int,
+    target_epsilon: float,
+    delta: float,
+    *,
+    max_epochs: int,
+    bin_semantics: str = "fixed",
+    correlation: Any = None,
+    num_samples: int | None = None,
+    seed: Any = None,
+    safety: float = DEFAULT_SAFETY,
+    rejection_prob: float = DEFAULT_REJECTION_PROB,
+    verify_samples: int | None = None,
+) -> int:
+    """The most whole epochs (≤ ``max_epochs``) whose (``target_epsilon``, δ) is certified by
+    Estimate-Verify-Release: the largest E whose estimate at :func:`calibration_target` is within
+    the target (ε̂ grows with E), then ONE fresh :func:`verify` of (target, δ) at that E. 0 when
+    even one epoch exceeds the target; :class:`VerificationFailedError` when the check fails.
+    ``correlation`` (fixed bins) must be given for ``max_epochs`` epochs: each E uses its
+    leading block."""
+    sigma = positive_float("noise_multiplier", noise_multiplier, BallsInBinsError)
+    target = non_negative_float("target_epsilon", target_epsilon, BallsInBinsError)
+    delta = probability("delta", delta, BallsInBinsError, upper_open=True)
+    max_epochs = positive_int("max_epochs", max_epochs, BallsInBinsError)
+    if num_samples is None:
+        num_samples = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
+    goal = calibration_target(delta, num_samples, safety=safety, rejection_prob=rejection_prob)
+    root = _root_seed(seed)
+    matrix = correlation_matrix(correlation, bins * max_epochs)
+
+    def block(e: int) -> Any:
+        return None if matrix is None else matrix[: bins * e, : bins * e]
+
+    def within(e: int) -> bool:
+        eps = epsilon(
+            sigma,
+            bins,
+            e,
+            goal,
+            bin_semantics=bin_semantics,
+            correlation=block(e),
+            num_samples=num_samples,
+            seed=root,
+        )
+        return eps <= target
+
+    if not within(1):
+        return 0
+    lo, hi = 1, max_epochs  # within(lo) holds
+    if within(hi):
+        lo = hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if within(mid) else (lo, mid)
+    result = verify(
+        sigma,
+        bins,
+        lo,
+        target,
+        delta,
+        bin_semantics=bin_semantics,
+        correlation=block(lo),
+        num_samples=verify_samples,
+        seed=root,
+        safety=safety,
+        rejection_prob=rejection_prob / 2,
+    )
+    if not result.passed:
+        raise VerificationFailedError(
+            f"EVR check failed for {lo} epochs at epsilon={target:g}: fresh δ̂ = "
+            f"{max(result.delta_pq, result.delta_qp):.3g} with {result.num_samples} samples "
+            f"does not certify delta={delta}"
+        )
+    return lo
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""Certified balls-in-bins ε and epochs (Estimate-Verify-Release), against an exact accountant
+where one exists and against the uncertified estimate."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import dp_accounting
+import pytest
+from userdp.accounting import balls_in_bins as bib
+
+SIGMA = 1.5
+DELTA = 1e-3
+
+
+def _gaussian_epsilon(sigma: float, steps: int, delta: float) -> float:
+    """ε of ``steps`` compositions of the Gaussian mechanism (sensitivity 1), dp_accounting's
+    exact PLD: balls-in-bins with ONE bin puts every user in every step."""
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.GaussianDpEvent(sigma), steps)
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("semantics", ["fixed", "per-epoch"])
+def test_one_bin_certified_epsilon_is_above_the_exact_gaussian_epsilon(semantics):
+    """Never optimistic: the certified ε is at least dp_accounting's exact ε, and within the
+    margin the certificate needs (the estimate at the calibration target, δ̂ ≈ 0.6·δ here)."""
+    exact = _gaussian_epsilon(SIGMA, 4, DELTA)
+    certified = bib.certified_epsilon(SIGMA, 1, 4, DELTA, bin_semantics=semantics, seed=3)
+    at_design = _gaussian_epsilon(SIGMA, 4, 0.5 * DELTA)  # ε at a δ below the target level
+    assert exact <= certified <= at_design, (exact, certified, at_design)
+
+
+def test_certified_epsilon_is_above_the_estimate_and_passes_a_fresh_check():
+    estimate = bib.epsilon(SIGMA, 4, 5, DELTA, seed=1)
+    certified = bib.certified_epsilon(SIGMA, 4, 5, DELTA, seed=1)
+    assert certified > estimate
+    # an independent check on other fresh samples (another seed's verify stream)
+    assert bib.verify(SIGMA, 4, 5, certified, DELTA, seed=99).passed
+    # 10% below the estimate the true δ is well above δ: the certificate refuses it
+    assert not bib.verify(SIGMA, 4, 5, 0.9 * estimate, DELTA, seed=99).passed
+
+
+def test_a_failed_check_raises_instead_of_returning_an_estimate():
+    with pytest.raises(bib.VerificationFailedError, match="does not certify delta"):
+        bib.certified_epsilon(SIGMA, 4, 5, DELTA, seed=1, verify_samples=100)
+
+
+def test_certified_max_epochs_is_the_largest_within_the_target():
+    target = 3.0
+    epochs = bib.certified_max_epochs(SIGMA, 4, target, DELTA, max_epochs=8, seed=1)
+    assert 1 <= epochs < 8
+    goal = bib.calibration_target(DELTA, bib.calibration_samples(DELTA))
+    assert bib.epsilon(SIGMA, 4, epochs, goal, seed=1) <= target
+    assert bib.epsilon(SIGMA, 4, epochs + 1, goal, seed=1) > target
+    assert bib.verify(SIGMA, 4, epochs, target, DELTA, seed=99).passed
+    assert bib.certified_max_epochs(SIGMA, 4, 0.01, DELTA, max_epochs=8, seed=1) == 0
+    assert bib.certified_max_epochs(SIGMA, 4, 1e3, DELTA, max_epochs=8, seed=1) == 8
+
+
+def _account(*args: str) -> subprocess.CompletedProcess:
+    code = "import sys; from userdp.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, "account", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_cli_certifies_balls_in_bins_and_refuses_certify_elsewhere():
+    common = ["--mechanism", "balls-in-bins", "--noise-multiplier", "1.5", "--bins", "4"]
+    common += ["--epochs", "5", "--bin-semantics", "fixed", "--delta", "1e-3", "--seed", "1"]
+    done = _account("epsilon", *common, "--steps", "20", "--certify", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["certified"] is True and "Estimate-Verify-Release" in result["note"]
+    assert math.isclose(
+        result["epsilon"], bib.certified_epsilon(1.5, 4, 5, 1e-3, seed=1), rel_tol=1e-12
+    )
+    plain = json.loads(_account("epsilon", *common, "--steps", "20", "--json").stdout)
+    assert "certified" not in plain and plain["epsilon"] < result["epsilon"]
+    refused = _account(
+        "epsilon",
+        "--mechanism",
+        "uls",
+        "--noise-multiplier",
+        "1",
+        "--steps",
+        "10",
+        "--sampling-prob",
+        "0.1",
+        "--certify",
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith("accountant is not a Monte Carlo estimate")
