@@ -169,6 +169,18 @@ def any_rank_failed(failed: bool, device: torch.device) -> bool:
     return bool(flag.item() > 0)
 
 
+def raise_if_any_rank_failed(
+    error: BaseException | None, device: torch.device, message: str
+) -> None:
+    """:func:`any_rank_failed` for a step every rank took: when any rank failed, each raises,
+    the failing ones their own ``error``, the others an :class:`EngineError` with ``message``
+    (so no rank goes on alone into a collective the failed one never reaches)."""
+    if any_rank_failed(error is not None, device):
+        if error is not None:
+            raise error
+        raise EngineError(message)
+
+
 def all_reduce_result(result: ClippedSum, device: torch.device) -> ClippedSum:
     """Sum the ranks' clipped partial sums and statistics (min/max for the norm extremes)."""
     dist = torch.distributed

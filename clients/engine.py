@@ -24,8 +24,9 @@ With ``local_steps ≥ 1`` (DP-FedAvg) the clipped quantity is each unit's local
 :func:`build_engine` builds the model of the config (:func:`userdp.clients.model.build_model`)
 and wraps it with DeepSpeed (:mod:`userdp.clients.distributed`). Inside one worker with
 torch.distributed initialized (world size > 1), ``clipped_sum`` is a collective: every rank must
-call it with the same units; ranks split the units and all-reduce the clipped sums. (If one rank
-raises, the others block in the all-reduce: the worker process must treat that as fatal.)
+call it with the same units; ranks split the units and all-reduce the clipped sums, after
+all-reducing a failure flag so that one rank's error fails the call on every rank. A worker's
+ranks are driven by :mod:`userdp.clients.ranks` (rank 0 broadcasts each task to the others).
 An engine is not thread-safe: the vectorized engines attach hooks to the shared module per call.
 """
 
@@ -37,7 +38,12 @@ from typing import Any
 import torch
 from userdp.clients.batching import EngineError, Unit, prepare_units
 from userdp.clients.clipping import Accumulator, ClippedSum, loop_clipped_sum
-from userdp.clients.distributed import all_reduce_result, any_rank_failed, split_units, world
+from userdp.clients.distributed import (
+    all_reduce_result,
+    raise_if_any_rank_failed,
+    split_units,
+    world,
+)
 from userdp.clients.fedavg import fedavg_clipped_sum
 from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.sketch import GaussianProbes
@@ -154,13 +160,12 @@ class ClippingEngine:
         if world_size > 1:
             # every rank learns whether any rank failed BEFORE the result all-reduce: one
             # rank raising alone would leave the others blocked in that collective forever
-            if any_rank_failed(error is not None, self.device):
-                if error is not None:
-                    raise error
-                raise EngineError(
-                    f"rank {rank}: another rank of this worker failed on the same task (its "
-                    "log has the error); this task's result is discarded on every rank"
-                )
+            raise_if_any_rank_failed(
+                error,
+                self.device,
+                f"rank {rank}: another rank of this worker failed on the same task (its log has "
+                "the error); this task's result is discarded on every rank",
+            )
             return all_reduce_result(result, self.device)
         if error is not None:
             raise error

@@ -11,7 +11,8 @@ engine's sum of clipped unit gradients, on the model version the coordinator bro
   step, unit id) — never from anything that touches noise; for unit = example
   (``"<user id>/<index>"``, :func:`userdp.proto.codec.parse_example_unit_id`), that one example.
   The engine returns the plain SUM of clipped unit gradients and its statistics; normalization
-  and noise are the coordinator's.
+  and noise are the coordinator's. In a worker of N ranks every rank calls it with the same task
+  and the engine's sum is their collective (:mod:`userdp.clients.ranks`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from userdp.clients.distributed import raise_if_any_rank_failed, world
 from userdp.clients.model import load_parameters
 from userdp.clients.partial import ClippedSum
 from userdp.clients.selection import select_examples
@@ -71,10 +73,26 @@ class EngineCompute:
         return units
 
     def compute(self, task: pb.Task) -> ClippedSum:
-        decoded = task_from_proto(task)
-        return self.engine.clipped_sum(
-            self._units(decoded), decoded.clip_norm, **decoded.engine_options()
-        )
+        """The task's clipped sum. With world size > 1 every rank of the worker calls this with
+        the same task (:mod:`userdp.clients.ranks`); the ranks agree that each read the units
+        before the engine's collective, so a rank that cannot read them fails the task on every
+        rank instead of leaving the others waiting in the sum."""
+        error: Exception | None = None
+        try:
+            decoded = task_from_proto(task)
+            units = self._units(decoded)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agree
+            error = exc
+        if world()[1] > 1:
+            raise_if_any_rank_failed(
+                error,
+                self.engine.device,
+                f"another rank of this worker could not read the units of task {task.task_id} "
+                "(its log says why)",
+            )
+        if error is not None:
+            raise error
+        return self.engine.clipped_sum(units, decoded.clip_norm, **decoded.engine_options())
 
 
 def build_compute(

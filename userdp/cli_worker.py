@@ -12,6 +12,12 @@ continues. SIGTERM or SIGINT (also when started as a background job with SIGINT 
 gracefully once connected (no new tasks, finish queued ones, exit 0); before that it stops at
 once (exit 130).
 
+Under a launcher (``torchrun --nproc-per-node N ... userdp worker ...``: ``RANK`` and
+``WORLD_SIZE`` set) the worker is N processes, one per device: rank 0 does all of the above and
+is the only one that talks to the coordinator or serves ``--health-port``; the other ranks build
+the same engine and follow rank 0's model versions and tasks (:mod:`userdp.clients.ranks`).
+They ignore SIGTERM and SIGINT and end when rank 0 stops them.
+
 Exit status: 0 when drained (by a signal, or by the coordinator at the end of its run: the worker
 does not reconnect then); 2 for bad input (arguments, config, shards); 3 when the coordinator
 refuses the worker (bad token/certificate, unknown worker id, shards that do not match its
@@ -44,8 +50,39 @@ def _parse_target(value: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from userdp.clients.ranks import launched_rank
+
+    rank, _ = launched_rank()
+    if rank > 0:
+        with stop_signals(_left_to_rank_zero):
+            return _follow(args, rank)
     with stop_signals():  # KeyboardInterrupt until the client can drain
         return _serve(args)
+
+
+def _left_to_rank_zero(signum, frame) -> None:
+    log.info("rank > 0 ignores signal %d: rank 0 drains the worker and then stops it", signum)
+
+
+def _follow(args: argparse.Namespace, rank: int) -> int:
+    """A rank > 0: the engine of the config on the same shards, following rank 0."""
+    from userdp.clients.ranks import bind_local_device, follow
+    from userdp.clients.shard_store import ShardStore
+    from userdp.clients.worker_service import build_compute
+    from userdp.config import Config, load_config
+
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s"
+    )
+    config = load_config(args.config) if args.config else Config()
+    bind_local_device(config.workers.device)
+    names = [n for n in (args.shard_names or "").split(",") if n] or None
+    store = ShardStore(Path(args.shards), shards=names)
+    try:
+        follow(build_compute(config, store))
+    finally:
+        store.close()
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -55,6 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         WorkerHealth,
         WorkerRefusedError,
     )
+    from userdp.clients.ranks import BroadcastCompute, bind_local_device, launched_rank
     from userdp.clients.shard_format import file_sha256
     from userdp.clients.shard_store import ShardStore
     from userdp.clients.startup import StartupReporter
@@ -73,6 +111,9 @@ def _serve(args: argparse.Namespace) -> int:
             f"--reconnect-timeout must be >= 0 seconds (0 = forever), got {args.reconnect_timeout:g}"
         )
     config = load_config(args.config) if args.config else Config()
+    _, world_size = launched_rank()
+    if world_size > 1:
+        bind_local_device(config.workers.device)
     worker_id = args.worker_id or socket.gethostname()
     shard_dir = Path(args.shards)
     names = [n for n in (args.shard_names or "").split(",") if n] or None
@@ -111,32 +152,34 @@ def _serve(args: argparse.Namespace) -> int:
         startup.close()
         store.close()
         raise
-    health = WorkerHealth(args.health_port) if args.health_port is not None else None
-    max_bytes = (args.max_message_mb or config.coordinator.max_message_mb) << 20
-    client = WorkerClient(
-        target,
-        worker_id,
-        holdings,
-        compute,
-        token=token,
-        tls=tls,
-        capabilities=pb.Capabilities(
-            device=config.workers.device,
-            num_devices=1,
-            engines=[config.strategy.engine],
-            max_message_bytes=max_bytes,
-        ),
-        manifest_sha256=file_sha256(shard_dir / "manifest.json"),
-        max_message_bytes=max_bytes,
-        reconnect_timeout_s=args.reconnect_timeout,
-        health=health,
-        on_welcome=startup.stop,
-    )
-
-    def on_stop(signum, frame):
-        threading.Thread(target=client.drain, daemon=True).start()
-
+    ranks = BroadcastCompute(compute) if world_size > 1 else None
+    health = None
     try:
+        health = WorkerHealth(args.health_port) if args.health_port is not None else None
+        max_bytes = (args.max_message_mb or config.coordinator.max_message_mb) << 20
+        client = WorkerClient(
+            target,
+            worker_id,
+            holdings,
+            ranks or compute,
+            token=token,
+            tls=tls,
+            capabilities=pb.Capabilities(
+                device=config.workers.device,
+                num_devices=world_size,
+                engines=[config.strategy.engine],
+                max_message_bytes=max_bytes,
+            ),
+            manifest_sha256=file_sha256(shard_dir / "manifest.json"),
+            max_message_bytes=max_bytes,
+            reconnect_timeout_s=args.reconnect_timeout,
+            health=health,
+            on_welcome=startup.stop,
+        )
+
+        def on_stop(signum, frame):
+            threading.Thread(target=client.drain, daemon=True).start()
+
         with stop_signals(on_stop):
             client.run()
     except WorkerRefusedError as exc:
@@ -146,6 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("worker %s: %s", worker_id, exc)
         return UNREACHABLE_EXIT
     finally:
+        if ranks is not None:
+            ranks.stop()
         startup.close()
         if health is not None:
             health.stop()

@@ -1,0 +1,124 @@
+"""The chart's worker with ``workers.gpus > 1``, run on CPU: its launcher command (``torchrun ...
+--no-python userdp``) starts a 2-rank ``userdp worker`` (DeepSpeed, gloo) that serves a real
+coordinator over gRPC. Without noise (the test-only switch), the run ends with the same model as
+the in-process reference run of the same config, so every released step is the clipped sum of
+each sampled unit counted once; the coordinator's drain ends both ranks and the launcher with
+status 0."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from userdp.proto.channels import WORKER_HEALTH_SERVICE
+
+from userdp.cli_deploy import probe
+from userdp.config import parse_config
+from userdp.run_components import prepare_run
+from userdp.run_outputs import config_toml
+from userdp.simulation import run
+
+RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tmp_path: Path, port: int):
+    return parse_config(
+        {
+            "data": {"demo_users": 40, "seq_len": 32, "eval_fraction": 0.1},
+            "model": {"preset": "gpt2-tiny"},
+            "strategy": {
+                "steps": 2,
+                "sampling_prob": 0.3,
+                "group_size": 2,
+                "engine": "vectorized",
+                "sampler_seed": 0,  # one cohort per step in both runs
+                "server_optimizer": "sgd",
+                "server_lr": 0.5,
+            },
+            "privacy": {"epsilon": 20.0},
+            "workers": {"count": 1, "device": "cpu"},
+            "coordinator": {"host": "127.0.0.1", "port": port, "step_deadline_s": 300.0},
+            "output": {"dir": str(tmp_path / "run"), "seed": 0, "plots": False},
+        }
+    )
+
+
+def _launcher(render_chart) -> list[str]:
+    """The worker container's command for two GPUs, with this venv's torchrun."""
+    objects = render_chart({"shardJob": {"demo": True}, "workers": {"gpus": 2}})
+    sts = objects.find("StatefulSet", "-worker")
+    command = objects.container(sts, "worker")["command"]
+    assert command[0] == "torchrun" and command[-2:] == ["--no-python", "userdp"]
+    return [str(Path(sys.executable).parent / "torchrun"), *command[1:]]
+
+
+@pytest.mark.slow
+def test_the_charts_two_rank_worker_serves_a_coordinator_like_one_process(
+    tmp_path: Path, render_chart
+) -> None:
+    port, health_port = _free_port(), _free_port()
+    config = _config(tmp_path, port)
+    worker_config = tmp_path / "worker.toml"
+    worker_config.write_text(config_toml(config))
+    shards = prepare_run(config).shard_dir
+    argv = _launcher(render_chart) + ["worker", "--coordinator", f"127.0.0.1:{port}"]
+    argv += ["--shards", str(shards), "--config", str(worker_config), "--worker-id", "w0"]
+    argv += ["--health-port", str(health_port), "--reconnect-timeout", "600"]
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log_file:
+        worker = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    ready: list[bool] = []
+    stop_probing = threading.Event()
+
+    def probe_rank_0() -> None:  # the pod's readiness probe, while the run goes on
+        while not stop_probing.wait(0.5) and not ready:
+            if probe(f"127.0.0.1:{health_port}", WORKER_HEALTH_SERVICE, timeout_s=2)[0]:
+                ready.append(True)
+
+    prober = threading.Thread(target=probe_rank_0, daemon=True)
+    prober.start()
+    try:
+        ranked = run(
+            config, tmp_path / "ranks", mode="external", quiet=True, test_only_disable_noise=True
+        )
+        returncode = worker.wait(timeout=180)  # drained at the end of the run
+    finally:
+        stop_probing.set()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    output = log_path.read_text(errors="replace")
+    assert returncode == 0, output[-4000:]
+    assert ready, "rank 0 never served the readiness probe"
+    assert "[rank 1]: stopped by rank 0" in output, output[-4000:]
+    assert ranked.steps_done == 2
+
+    reference = run(
+        config.model_copy(
+            update={"coordinator": config.coordinator.model_copy(update={"port": 0})}
+        ),
+        tmp_path / "local",
+        mode="in-process",
+        quiet=True,
+        test_only_disable_noise=True,
+    )
+    assert reference.steps_done == 2
+    initial = prepare_run(config).trainable
+    for name, value in ranked.params.items():
+        torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(value, initial[name]), f"{name} did not move"
