@@ -27,6 +27,7 @@ from userdp.accounting.mechanisms import (
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     ESTIMATORS,
     BallsInBinsMechanism,
+    CorrelationSpec,
     ElsMechanism,
     GroupPrivacyMechanism,
     InvalidMechanismError,
@@ -85,11 +86,50 @@ def build_mechanism(args: argparse.Namespace, noise_multiplier: float) -> Mechan
         if kind == "balls-in-bins":
             _check_balls_in_bins_rate(args)
             return BallsInBinsMechanism(
-                noise_multiplier, args.bins, args.epochs, bin_semantics=args.bin_semantics
+                noise_multiplier,
+                args.bins,
+                args.epochs,
+                bin_semantics=args.bin_semantics,
+                correlation=parse_correlation(args.correlation),
             )
         return RandomizedClippingMechanism(
             noise_multiplier, args.sampling_prob, args.probes, estimator=args.estimator
         )
+
+
+def parse_correlation(text: str | None) -> CorrelationSpec | None:
+    """``--correlation``: a named family ``NAME:KEY=V1,V2;KEY2=...`` (``blt:buf_decay=0.9,0.5;
+    output_scale=0.3,0.2``, ``banded:coefs=1,0.5``, ``toeplitz:coefs=...``, ``identity``), the
+    JSON form of a ledger's ``correlation`` field, or ``@FILE`` holding that JSON."""
+    if text is None:
+        return None
+    from userdp.accounting.correlation import CorrelationError, from_spec
+
+    source = text
+    try:
+        if text.startswith("@"):
+            source = f"the file {text[1:]}"
+            with open(text[1:], encoding="utf-8") as handle:
+                spec = CorrelationSpec.from_dict(json.load(handle))
+        elif text.lstrip().startswith("{"):
+            spec = CorrelationSpec.from_dict(json.loads(text))
+        else:
+            name, _, rest = text.partition(":")
+            params = {}
+            for item in filter(None, rest.split(";")):
+                key, sep, values = item.partition("=")
+                if not sep:
+                    raise ValueError(f"{item!r} is not KEY=V1,V2,...")
+                params[key.strip()] = [float(v) for v in values.split(",")]
+            spec = CorrelationSpec.of(name.strip(), **params)
+        from_spec(spec)  # a known family with its parameters
+    except (OSError, ValueError, KeyError, TypeError, CorrelationError) as exc:
+        raise AccountCliError(
+            f"--correlation {text!r}: {exc} (in {source}); expected NAME:KEY=V1,V2;... "
+            "(blt:buf_decay=...;output_scale=..., banded:coefs=..., toeplitz:coefs=...), the "
+            'JSON {"name": ..., "params": {...}} or @FILE with that JSON'
+        ) from None
+    return spec
 
 
 def _check_balls_in_bins_rate(args: argparse.Namespace) -> None:
@@ -299,6 +339,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bins", type=int, help="balls-in-bins: steps per epoch")
     parser.add_argument("--epochs", type=int, help="balls-in-bins: epochs")
     parser.add_argument("--bin-semantics", choices=BIN_SEMANTICS, default="per-epoch")
+    parser.add_argument(
+        "--correlation",
+        metavar="SPEC",
+        help="balls-in-bins: the noise correlation C (needs --bin-semantics fixed): "
+        "NAME:KEY=V1,V2;... e.g. blt:buf_decay=0.9,0.5;output_scale=0.3,0.2 or banded:coefs=1,0.5, "
+        "its JSON, or @FILE with the JSON (default: identity, plain DP-SGD)",
+    )
     parser.add_argument("--probes", type=int, help="randomized clipping: probes per norm estimate")
     parser.add_argument("--estimator", choices=ESTIMATORS, default="hutchinson")
     parser.add_argument("--samples", type=int, help="balls-in-bins: Monte Carlo samples")

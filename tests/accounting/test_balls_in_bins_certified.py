@@ -94,3 +94,32 @@ def test_the_cli_certifies_balls_in_bins_and_refuses_certify_elsewhere():
     )
     assert refused.returncode == 2
     assert refused.stderr.strip().endswith("accountant is not a Monte Carlo estimate")
+
+
+def test_the_cli_takes_the_correlation_as_a_named_family_its_json_or_a_file(tmp_path):
+    """The three spellings of the same banded C give the same ε, which is the library's ε for
+    that C; a C with per-epoch bins or a malformed spec is a one-line error (exit 2)."""
+    from userdp.accounting.correlation import BandedCorrelation
+
+    common = ["--mechanism", "balls-in-bins", "--noise-multiplier", "2", "--bins", "2"]
+    common += ["--epochs", "3", "--steps", "6", "--delta", "1e-3", "--seed", "1", "--json"]
+    spec = {"name": "banded", "params": {"coefs": [1.0, 0.5]}}
+    (tmp_path / "c.json").write_text(json.dumps(spec))
+    values = set()
+    for text in ("banded:coefs=1,0.5", json.dumps(spec), f"@{tmp_path / 'c.json'}"):
+        done = _account("epsilon", *common, "--bin-semantics", "fixed", "--correlation", text)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["mechanism"]["correlation"] == spec
+        values.add(result["epsilon"])
+    library = bib.epsilon(2.0, 2, 3, 1e-3, correlation=BandedCorrelation((1.0, 0.5)), seed=1)
+    assert values == {library}
+    assert library > bib.epsilon(2.0, 2, 3, 1e-3, seed=1)  # correlation costs privacy here
+    for bad, message in (
+        (["--correlation", "banded:coefs=1,0.5"], "per-epoch"),  # default bin semantics
+        (["--bin-semantics", "fixed", "--correlation", "blt:buf_decay=0.9"], "output_scale"),
+        (["--bin-semantics", "fixed", "--correlation", "@/nonexistent.json"], "nonexistent"),
+    ):
+        refused = _account("epsilon", *common, *bad)
+        assert refused.returncode == 2 and message in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
