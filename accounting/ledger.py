@@ -15,7 +15,8 @@ File format (one JSON object per line, canonical JSON: sorted keys, no spaces):
 * line 1, the header: ``{"type": "header", "schema_version", "run_id", "budget_epsilon",
   "budget_delta", "created", "prev_hash": "", "hash"}``
 * every other line: ``{"type": "step", "step", "mechanism": <Mechanism.to_dict()>, "time",
-  "run_id", "prev_hash", "hash"}``
+  "run_id", "prev_hash", "hash"}``, and ``"noise"`` (:data:`NOISE_MODES`) when the writer knew
+  the step's noise generator
 
 ``hash`` is sha256 over the canonical JSON of the record without ``hash``; ``prev_hash`` is the
 previous line's ``hash``, so editing, deleting or reordering any line breaks the chain.
@@ -45,6 +46,9 @@ from userdp.accounting.durable import fsync_dir, write_all
 from userdp.accounting.mechanisms import Mechanism, mechanism_from_dict
 
 SCHEMA_VERSION = 1
+NOISE_MODES = ("secure", "fast", "test", "none")
+"""A step record's optional ``noise`` field: the secure generator, the fast floating-point one, a
+fixed test seed, or no noise (a test-only mode); records without it predate the field."""
 
 
 class LedgerError(RuntimeError):
@@ -286,11 +290,19 @@ class Ledger:
         self._passed = (key, after)
         return after
 
-    def append(self, step: int, mechanism: Mechanism, *, enforce_budget: bool = True) -> dict:
+    def append(
+        self,
+        step: int,
+        mechanism: Mechanism,
+        *,
+        enforce_budget: bool = True,
+        noise: str | None = None,
+    ) -> dict:
         """Durably record one released step (write, flush, fsync) and return the record.
 
         Refuses a step number not strictly greater than the last one, and (when the ledger has a
         budget and ``enforce_budget``) a step that would exceed it; both before any write.
+        ``noise`` records the step's noise generator (one of :data:`NOISE_MODES`) for the report.
         """
         if self._lock_fd is None:
             raise LedgerError(f"ledger {self.path} is closed")
@@ -306,6 +318,8 @@ class Ledger:
                 f"step={step} is not after the last recorded step {self.last_step} in "
                 f"{self.path}; a step is released once (a duplicate would spend privacy twice)"
             )
+        if noise is not None and noise not in NOISE_MODES:
+            raise ValueError(f"noise={noise!r} is not allowed; expected one of {NOISE_MODES}")
         mechanism_dict = mechanism.to_dict()
         mechanism_from_dict(mechanism_dict)  # must round-trip or the ledger can't re-account
         if enforce_budget and self.budget is not None:
@@ -319,6 +333,8 @@ class Ledger:
             "run_id": self.run_id,
             "prev_hash": previous["hash"],
         }
+        if noise is not None:
+            record["noise"] = noise
         record["hash"] = record_hash(record)
         self._write_line(record, mode="a")
         self._records.append(record)

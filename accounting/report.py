@@ -233,7 +233,9 @@ def build_report(
 
     ``curve_points`` > 0 adds ε at that many evenly spaced steps (each costs one accounting).
     ``training_users`` (N) puts δ next to 1/N, with a caveat when δ > 1/(10·N).
-    ``secure_noise`` is the strategy's noise generator mode (:class:`PrivacyFacts`).
+    ``secure_noise`` is the strategy's noise generator mode (:class:`PrivacyFacts`); when every
+    step record says which noise it drew (the ledger's ``noise`` field), the records decide, and
+    steps that did not draw secure noise get a caveat.
     """
     header, records = read_ledger(ledger_path)
     if not records:
@@ -252,6 +254,7 @@ def build_report(
                     compose_epsilon(group_phases(records[:k]), delta, **accountant_options),
                 )
             )
+    secure_noise, noise_caveats = _noise_of_records(records, secure_noise)
     last = phases[-1][0]
     return PrivacyReport(
         epsilon=float(eps),
@@ -267,8 +270,9 @@ def build_report(
         clip_norm=clip_norm,
         accounting_matches_sampling=matches,
         caveats=[c for c in (delta_caveat(delta, training_users),) if c]
+        + noise_caveats
         + caveats
-        + list(extra_caveats),
+        + [c for c in extra_caveats if not (noise_caveats and _is_noise_caveat(c))],
         run_id=header["run_id"],
         budget_epsilon=header["budget_epsilon"],
         training_users=training_users,
@@ -276,6 +280,35 @@ def build_report(
         epsilon_curve=curve,
         ledger=ledger_state(records, header),
     )
+
+
+_NOISE_WORDS = {
+    "fast": "fast floating-point noise (privacy.secure_noise = false), not protected against a "
+    "predictable generator or the low-order bits of released floats",
+    "test": "noise from a fixed test seed: NOT PRIVATE, whatever ε says",
+    "none": "NO noise (a test-only mode): NOT PRIVATE",
+}
+
+
+def _noise_of_records(
+    records: list[dict[str, Any]], stated: bool | None
+) -> tuple[bool | None, list[str]]:
+    """(secure_noise, caveats) from the step records' ``noise`` fields when every record has one;
+    otherwise the strategy's ``stated`` mode and no caveat of its own."""
+    modes = [record.get("noise") for record in records]
+    if not modes or None in modes:
+        return stated, []
+    caveats = []
+    for mode, words in _NOISE_WORDS.items():
+        count = modes.count(mode)
+        if count:
+            caveats.append(f"{count} of {len(modes)} released steps drew {words}")
+    return not caveats, caveats
+
+
+def _is_noise_caveat(text: str) -> bool:
+    """A strategy's own noise caveat, replaced by the per-step count from the ledger."""
+    return text.startswith(("The noise came from fast", "The noise came from a fixed test seed"))
 
 
 class ReportStaleError(ValueError):

@@ -36,6 +36,7 @@ __all__ = [
     "GaussianNoise",
     "NoiseMechanism",
     "NoiseRng",
+    "noise_mode",
 ]
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,17 @@ class NoiseRng:
                 value = value.double()
             return value + (std * z).to(value.dtype)
         return np.asarray(value) + std * z
+
+
+def noise_mode(mechanism: Any) -> str | None:
+    """How a noise mechanism draws (the ledger's ``noise`` field): ``"test"`` for a fixed test
+    seed, ``"secure"`` or ``"fast"``; None when it does not use a :class:`NoiseRng`."""
+    rng = getattr(mechanism, "rng", None)
+    if not isinstance(rng, NoiseRng):
+        return None
+    if rng.deterministic:
+        return "test"
+    return "secure" if rng.secure else "fast"
 
 
 class NoiseMechanism(ABC):

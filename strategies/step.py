@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from userdp.accounting.ledger import Ledger
 from userdp.accounting.mechanisms import Mechanism
 from userdp.strategies.base import (
     ClipStatistics,
@@ -36,6 +37,7 @@ from userdp.strategies.base import (
     StrategyError,
     TaskSpec,
 )
+from userdp.strategies.noise import noise_mode
 
 __all__ = [
     "EXACT_ENGINES",
@@ -156,8 +158,14 @@ def finish_step(
     else:
         release = strategy.privatize(step, gathered.sums, gathered.stats, cohort)
     _phase(on_phase, "ledger")
-    if charge and ledger is not None:
-        ledger.append(step, planned.mechanism)  # fsync'd; refuses a step over the budget
+    if charge and ledger is not None:  # fsync'd; refuses a step over the budget
+        if isinstance(ledger, Ledger):  # which noise the step drew, for the report
+            noise = (
+                "none" if test_only_disable_noise else noise_mode(getattr(strategy, "noise", None))
+            )
+            ledger.append(step, planned.mechanism, noise=noise)
+        else:  # any object with append(step, mechanism), e.g. a test's list
+            ledger.append(step, planned.mechanism)
     if on_release is not None:
         on_release(release)
     _phase(on_phase, "update")

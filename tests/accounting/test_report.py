@@ -172,3 +172,51 @@ def test_clipping_summary_says_what_clip_fractions_mean() -> None:
     assert "50% of the sampled units" in mixed and "(per step: 25% to 75%)" in mixed
     assert "Every unit" not in mixed and "No unit" not in mixed
     assert clipping_summary([], 1.0) is None
+
+
+def test_the_step_records_decide_which_noise_the_report_names(tmp_path):
+    """A run that switched to fast noise part-way (e.g. resumed with privacy.secure_noise =
+    false) is reported as not secure whatever the last strategy says, with the step count."""
+    path = tmp_path / "ledger.jsonl"
+    with Ledger.create(path, budget_epsilon=10.0, delta=1e-5) as led:
+        for step, mode in enumerate(("secure", "secure", "fast", "test"), start=1):
+            led.append(step, ULS, noise=mode)
+    stated_fast = "The noise came from fast floating-point generators (a strategy's own caveat)"
+    report = build_report(
+        path,
+        1e-6,
+        unit="user",
+        sampling="poisson",
+        secure_noise=True,
+        extra_caveats=(stated_fast,),
+    )
+    assert report.secure_noise is False
+    assert any(
+        c.startswith("1 of 4 released steps drew fast floating-point") for c in report.caveats
+    )
+    assert any(
+        c.startswith("1 of 4 released steps drew noise from a fixed test seed")
+        for c in report.caveats
+    )
+    assert stated_fast not in report.caveats  # replaced by the per-step count
+    with pytest.raises(ValueError, match="noise='loud' is not allowed"):
+        with Ledger.open(path) as led:
+            led.append(9, ULS, noise="loud")
+
+
+def test_records_without_a_noise_field_leave_the_strategys_statement(ledger_path):
+    for stated in (True, False, None):
+        report = build_report(
+            ledger_path, 1e-6, unit="user", sampling="poisson", secure_noise=stated
+        )
+        assert report.secure_noise is stated
+
+
+def test_all_secure_records_give_a_secure_report_with_no_noise_caveat(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    with Ledger.create(path, budget_epsilon=10.0, delta=1e-5) as led:
+        for step in range(1, 4):
+            led.append(step, ULS, noise="secure")
+    report = build_report(path, 1e-6, unit="user", sampling="poisson", secure_noise=None)
+    assert report.secure_noise is True
+    assert not [c for c in report.caveats if "released steps drew" in c]
