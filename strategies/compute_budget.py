@@ -14,17 +14,32 @@ update is σ(M)·L(G)/M (eq. 6). Two decision rules:
 τ_G = L(2G)/L(G), τ_M = σ(2M)/σ(M). Both estimators are callables supplied by the caller:
 ``norm_of_group_size(G)`` (e.g. median over 128 users at the pre-trained θ, see
 :func:`median_user_norm`) and ``noise_multiplier_of_cohort(M)`` (e.g. a closure over
-``userdp.accounting.calibrate_noise_multiplier`` for fixed ε, δ, T, N).
+``userdp.accounting.calibrate_noise_multiplier`` for fixed ε, δ, T, N); ``userdp plan`` builds
+both from a config (:mod:`userdp.compute_plan`).
+
+For ELS the same paper takes G_ELS ≈ the median number of examples per user, rounded to a power
+of two (:func:`els_group_size`); :func:`els_heuristic` adds the ELS sampling rate with the same
+expected examples per step as a ULS choice (G, M).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["RULES", "BudgetChoice", "Doubling", "estimate_and_double", "median_user_norm"]
+__all__ = [
+    "RULES",
+    "BudgetChoice",
+    "Doubling",
+    "ElsHeuristic",
+    "els_group_size",
+    "els_heuristic",
+    "estimate_and_double",
+    "median_user_norm",
+]
 
 RULES: tuple[str, ...] = ("std-ratio", "paper")
 
@@ -107,3 +122,50 @@ def estimate_and_double(
         else:
             m *= 2
     return BudgetChoice(g, m, rule, tuple(trace))
+
+
+def els_group_size(median_examples: float) -> int:
+    """G_ELS = 2^round(log2(median examples per user)), at least 1 (the ELS heuristic of
+    "Fine-Tuning Large Language Models with User-Level Differential Privacy")."""
+    if not median_examples > 0:
+        raise ValueError(f"the median number of examples per user is {median_examples!r}")
+    return max(1, 2 ** round(math.log2(median_examples)))
+
+
+@dataclass(frozen=True)
+class ElsHeuristic:
+    """G_ELS and the ELS sampling rate p with p·|D_sub| = the ULS plan's expected examples per
+    step, |D_sub| = Σ_u min(n_u, G_ELS) over the training users."""
+
+    median_examples: float
+    group_size: int
+    subset_examples: int
+    expected_examples_per_step: float
+    sampling_prob: float
+
+
+def els_heuristic(
+    median_examples: float,
+    training_counts: Sequence[int],
+    uls_group_size: int,
+    uls_cohort_size: int,
+    selection: str,
+) -> ElsHeuristic:
+    """:class:`ElsHeuristic` for the ULS plan (G, M): its expected examples per step are
+    (M/N)·Σ_u min(n_u, G) (G for every user with ``random_chunk``, which cuts G windows)."""
+    counts = np.asarray(training_counts, dtype=np.int64)
+    group_size = els_group_size(median_examples)
+    per_user = (
+        np.full_like(counts, uls_group_size)
+        if selection == "random_chunk"
+        else np.minimum(counts, uls_group_size)
+    )
+    expected = uls_cohort_size / counts.size * float(per_user.sum())
+    subset = int(np.minimum(counts, group_size).sum())
+    return ElsHeuristic(
+        median_examples=float(median_examples),
+        group_size=group_size,
+        subset_examples=subset,
+        expected_examples_per_step=expected,
+        sampling_prob=min(1.0, expected / subset),
+    )

@@ -26,6 +26,7 @@ from userdp import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "userdp.cli_config",
     "userdp.cli_shard",
+    "userdp.cli_plan",
     "userdp.cli_simulate",
     "userdp.cli_audit",
     "userdp.accounting.cli",
