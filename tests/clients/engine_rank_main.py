@@ -84,6 +84,10 @@ def main(out_dir: str, stage_or_json: str, engine_name: str, fail_rank: int = -1
     )
     (out / f"stats-{rank}.json").write_text(json.dumps(stats))
     save_file({k: v.contiguous() for k, v in result.sums.items()}, str(out / f"sums-{rank}.st"))
+    if world > 1:  # leave together: a rank exiting mid-teardown can make gloo abort another
+        from userdp.clients.ranks import leave_process_group
+
+        leave_process_group()
 
 
 if __name__ == "__main__":
