@@ -9,8 +9,13 @@ Examples::
     userdp account max-steps --mechanism uls --noise-multiplier 1 --sampling-prob 0.01 \\
         --epsilon 8 --delta 1e-6
 
+    userdp account epsilon --mechanism balls-in-bins --noise-multiplier 2 --steps 6 --bins 2 \
+        --epochs 3 --bin-semantics fixed --correlation banded:coefs=1,0.5 --certify
+
 Bad input raises ValueError with the offending flag named; ``userdp`` prints it and exits 2. The
-accountants (dp_accounting, scipy) are imported by the handlers, not at parser build time.
+accountants (dp_accounting, scipy) are imported by the handlers, not at parser build time. One
+idea — the flags of the three queries and their translation into mechanisms — hence one module
+over 400 lines.
 """
 
 from __future__ import annotations
