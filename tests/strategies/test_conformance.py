@@ -152,6 +152,14 @@ class BltNoiseNotCorrelated(BltDpFtrl):
         return {k: v + std * self.noise.rng.normal_like(v) for k, v in summed.items()}
 
 
+class NoiseAddedByHand(WarmupUls):
+    """The right std from the secure generator, but added as x + std·z: off the grid."""
+
+    def add_noise(self, step, summed, stats=None):
+        std = self.noise_multiplier * self.clip_norm
+        return {k: v + std * self.noise.rng.normal_like(v) for k, v in summed.items()}
+
+
 def _warmup(cls):
     return lambda: cls(noise_multiplier=SIGMA, clip_norm=CLIP, sampling_prob=Q, learning_rate=0.5)
 
@@ -165,6 +173,7 @@ BUGS = {
         lambda: BltNoiseNotCorrelated(
             noise_multiplier=SIGMA, clip_norm=CLIP, bins=20, epochs=2, banded_coefs=[1.0, 0.5]
         ),
+        _warmup(NoiseAddedByHand),
     ],
     "normalization": [_warmup(DividesByRealizedCohort)],
     "exactly_once": [_warmup(DuplicateUnits)],

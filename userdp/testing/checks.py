@@ -82,11 +82,13 @@ class Kit:
         strategy = self.factory()
         mechanism = strategy.mechanism()
         sigma = float(mechanism.noise_multiplier)
+        released = []
         for step in range(3 if getattr(mechanism, "correlation", None) is not None else 1):
             planned, release = self.step(strategy, step, _zeros())
             clip = planned.task.clip_norm
             factor, _ = self.innovation(mechanism, step)
             values = _flat(release.noisy_sum)
+            released.append((values, sigma * clip))
             what = (
                 f"step {step}: release with zero contributions (σ = {sigma:g} from the "
                 f"mechanism, C = {clip:g} from the task)"
@@ -95,6 +97,24 @@ class Kit:
                 stats.assert_gaussian_noise(values, sigma * clip * factor, what)
                 continue
             self._check_combined(strategy, planned, values, sigma, clip * factor, what)
+        if strategy.facts().secure_noise:
+            for step, (values, std) in enumerate(released):
+                self._check_on_grid(values, std, step)
+
+    @staticmethod
+    def _check_on_grid(values: np.ndarray, std: float, step: int) -> None:
+        """Secure noise: a release goes through the generator, which rounds it onto the power-of-
+        two grid of its std (:func:`userdp.strategies.secure_random.grid_step`). Checked on the
+        grid 2^16 times finer than σ·C's, so any std down to σ·C/256 passes; noise added by hand
+        (x + std·z) lands on it with probability ~2⁻³⁰ per value."""
+        gamma = 2.0 ** (math.floor(math.log2(std)) - 16)
+        cells = values / gamma
+        off = int(np.count_nonzero(cells != np.round(cells)))
+        assert off == 0, (
+            f"step {step}: {off} of {values.size} released values are off the noise grid although "
+            "the facts say the noise is secure: release noise only through the generator "
+            "(self.noise.add, rng.release, rng.noisy_scalar), never as x + std * z"
+        )
 
     def _check_combined(self, strategy, planned, values, sigma, scale, what) -> None:
         """Sum and statistics together: one Gaussian mechanism of multiplier σ."""
