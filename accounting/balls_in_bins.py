@@ -314,11 +314,7 @@ def calibrate_noise_multiplier(
         "rejection_prob", rejection_prob, BallsInBinsError, upper_open=True
     )
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
-    if num_samples is None:
-        num_samples = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
-    m = positive_int("num_samples", num_samples, BallsInBinsError)
-    goal = calibration_target(delta, m, safety=safety, rejection_prob=rejection_prob)
-    root = _root_seed(seed)
+    m, goal, root = _estimate_setup(delta, num_samples, seed, safety, rejection_prob)
     sampler = _Sampler(pair, m, root, _ESTIMATE)
 
     def excess(log_sigma: float) -> float:  # log δ̂ − log goal: nearly linear in log σ
@@ -344,7 +340,8 @@ def calibrate_noise_multiplier(
     if excess(math.log(sigma)) > 0.0:
         sigma = math.exp(hi)
     if check:
-        result = verify(
+        _certify(
+            f"at noise_multiplier={sigma:.6g}",
             sigma,
             bins,
             epochs,
@@ -352,20 +349,65 @@ def calibrate_noise_multiplier(
             delta,
             bin_semantics=bin_semantics,
             correlation=correlation,
-            num_samples=verify_samples,
+            verify_samples=verify_samples,
             seed=root,
             safety=safety,
-            rejection_prob=rejection_prob / 2,
+            rejection_prob=rejection_prob,
         )
-        if not result.passed:
-            raise VerificationFailedError(
-                f"EVR check failed at noise_multiplier={sigma:.6g}: fresh δ̂ = "
-                f"{max(result.delta_pq, result.delta_qp):.3g} with {result.num_samples} samples "
-                f"does not certify delta={delta} (at the default verify_samples this has "
-                f"probability <= rejection_prob={rejection_prob}); another try is a new EVR test "
-                "and spends its own delta"
-            )
     return sigma
+
+
+def _estimate_setup(
+    delta: float, num_samples: int | None, seed: Any, safety: float, rejection_prob: float
+) -> tuple[int, float, Any]:
+    """(estimate samples, :func:`calibration_target`, root seed) of the certified queries:
+    ``num_samples`` defaults to :func:`calibration_samples` (δ)."""
+    if num_samples is None:
+        num_samples = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
+    m = positive_int("num_samples", num_samples, BallsInBinsError)
+    goal = calibration_target(delta, m, safety=safety, rejection_prob=rejection_prob)
+    return m, goal, _root_seed(seed)
+
+
+def _certify(
+    what: str,
+    sigma: float,
+    bins: int,
+    epochs: int,
+    epsilon: float,
+    delta: float,
+    *,
+    bin_semantics: str,
+    correlation: Any,
+    verify_samples: int | None,
+    seed: Any,
+    safety: float,
+    rejection_prob: float,
+) -> None:
+    """The Verify of Estimate-Verify-Release for the certified queries: :func:`verify` of
+    (``epsilon``, ``delta``) at σ on fresh samples with half of ``rejection_prob``; raises
+    :class:`VerificationFailedError` (naming ``what`` was checked) when it fails."""
+    result = verify(
+        sigma,
+        bins,
+        epochs,
+        epsilon,
+        delta,
+        bin_semantics=bin_semantics,
+        correlation=correlation,
+        num_samples=verify_samples,
+        seed=seed,
+        safety=safety,
+        rejection_prob=rejection_prob / 2,
+    )
+    if not result.passed:
+        raise VerificationFailedError(
+            f"EVR check failed {what}: fresh δ̂ = "
+            f"{max(result.delta_pq, result.delta_qp):.3g} with {result.num_samples} samples "
+            f"does not certify delta={delta} (at the default verify_samples this has "
+            f"probability <= rejection_prob={rejection_prob}); another try is a new EVR test "
+            "and spends its own delta"
+        )
 
 
 def certified_epsilon(
@@ -391,10 +433,7 @@ def certified_epsilon(
     ≤ δ), raises :class:`VerificationFailedError` otherwise."""
     sigma = positive_float("noise_multiplier", noise_multiplier, BallsInBinsError)
     delta = probability("delta", delta, BallsInBinsError, upper_open=True)
-    if num_samples is None:
-        num_samples = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
-    goal = calibration_target(delta, num_samples, safety=safety, rejection_prob=rejection_prob)
-    root = _root_seed(seed)
+    num_samples, goal, root = _estimate_setup(delta, num_samples, seed, safety, rejection_prob)
     estimate = epsilon(
         sigma,
         bins,
@@ -405,7 +444,8 @@ def certified_epsilon(
         num_samples=num_samples,
         seed=root,
     )
-    result = verify(
+    _certify(
+        f"at epsilon={estimate:.6g}",
         sigma,
         bins,
         epochs,
@@ -413,17 +453,11 @@ def certified_epsilon(
         delta,
         bin_semantics=bin_semantics,
         correlation=correlation,
-        num_samples=verify_samples,
+        verify_samples=verify_samples,
         seed=root,
         safety=safety,
-        rejection_prob=rejection_prob / 2,
+        rejection_prob=rejection_prob,
     )
-    if not result.passed:
-        raise VerificationFailedError(
-            f"EVR check failed at epsilon={estimate:.6g}: fresh δ̂ = "
-            f"{max(result.delta_pq, result.delta_qp):.3g} with {result.num_samples} samples "
-            f"does not certify delta={delta}; another try is a new EVR test and spends its own delta"
-        )
     return estimate
 
 
@@ -452,10 +486,7 @@ def certified_max_epochs(
     target = non_negative_float("target_epsilon", target_epsilon, BallsInBinsError)
     delta = probability("delta", delta, BallsInBinsError, upper_open=True)
     max_epochs = positive_int("max_epochs", max_epochs, BallsInBinsError)
-    if num_samples is None:
-        num_samples = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
-    goal = calibration_target(delta, num_samples, safety=safety, rejection_prob=rejection_prob)
-    root = _root_seed(seed)
+    num_samples, goal, root = _estimate_setup(delta, num_samples, seed, safety, rejection_prob)
     matrix = correlation_matrix(correlation, bins * max_epochs)
 
     def block(e: int) -> Any:
@@ -482,7 +513,8 @@ def certified_max_epochs(
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if within(mid) else (lo, mid)
-    result = verify(
+    _certify(
+        f"for {lo} epochs at epsilon={target:g}",
         sigma,
         bins,
         lo,
@@ -490,17 +522,11 @@ def certified_max_epochs(
         delta,
         bin_semantics=bin_semantics,
         correlation=block(lo),
-        num_samples=verify_samples,
+        verify_samples=verify_samples,
         seed=root,
         safety=safety,
-        rejection_prob=rejection_prob / 2,
+        rejection_prob=rejection_prob,
     )
-    if not result.passed:
-        raise VerificationFailedError(
-            f"EVR check failed for {lo} epochs at epsilon={target:g}: fresh δ̂ = "
-            f"{max(result.delta_pq, result.delta_qp):.3g} with {result.num_samples} samples "
-            f"does not certify delta={delta}"
-        )
     return lo
 
 
