@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["Adjacency", "PrivacyFacts", "Sampling", "Unit"]
+__all__ = [
+    "DETERMINISTIC_NOISE_CAVEAT",
+    "FAST_NOISE_CAVEAT",
+    "Adjacency",
+    "PrivacyFacts",
+    "Sampling",
+    "Unit",
+]
 
 
 class Unit(StrEnum):
@@ -68,6 +75,20 @@ def _member(kind: type[StrEnum], field: str, value: Any) -> Any:
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in kind)
         raise ValueError(f"{field}={value!r} is not allowed; expected one of {allowed}") from None
+
+
+# A strategy's noise caveats (PrivacyFacts.caveats); the report replaces them by its per-step count
+# when the ledger's step records say which noise each step drew.
+FAST_NOISE_CAVEAT = (
+    "The noise came from fast floating-point generators (numpy PCG64 / torch), not a "
+    "cryptographic keystream, and releases were not rounded onto a grid "
+    "(privacy.secure_noise = false): an adversary who can predict the generator, or read the "
+    "low-order bits of released floats, can learn more than ε allows"
+)
+DETERMINISTIC_NOISE_CAVEAT = (
+    "The noise came from a fixed test seed (NoiseRng.for_testing): anyone who knows the seed can "
+    "subtract it, so this run is NOT private whatever ε says"
+)
 
 
 @dataclass(frozen=True)

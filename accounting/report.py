@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from userdp.accounting.api import ACCOUNTANT_VERSION, compose_epsilon
-from userdp.accounting.facts import Sampling, Unit
+from userdp.accounting.facts import (
+    DETERMINISTIC_NOISE_CAVEAT,
+    FAST_NOISE_CAVEAT,
+    Sampling,
+    Unit,
+)
 from userdp.accounting.ledger import group_phases, ledger_state, read_ledger
 
 ADD_REMOVE = "add/remove one {unit}"
@@ -272,7 +277,7 @@ def build_report(
         caveats=[c for c in (delta_caveat(delta, training_users),) if c]
         + noise_caveats
         + caveats
-        + [c for c in extra_caveats if not (noise_caveats and _is_noise_caveat(c))],
+        + [c for c in extra_caveats if not (noise_caveats and c in _STRATEGY_NOISE_CAVEATS)],
         run_id=header["run_id"],
         budget_epsilon=header["budget_epsilon"],
         training_users=training_users,
@@ -282,6 +287,8 @@ def build_report(
     )
 
 
+_STRATEGY_NOISE_CAVEATS = (FAST_NOISE_CAVEAT, DETERMINISTIC_NOISE_CAVEAT)
+"""Replaced by the per-step count when the ledger says which noise each step drew."""
 _NOISE_WORDS = {
     "fast": "fast floating-point noise (privacy.secure_noise = false), not protected against a "
     "predictable generator or the low-order bits of released floats",
@@ -304,11 +311,6 @@ def _noise_of_records(
         if count:
             caveats.append(f"{count} of {len(modes)} released steps drew {words}")
     return not caveats, caveats
-
-
-def _is_noise_caveat(text: str) -> bool:
-    """A strategy's own noise caveat, replaced by the per-step count from the ledger."""
-    return text.startswith(("The noise came from fast", "The noise came from a fixed test seed"))
 
 
 class ReportStaleError(ValueError):

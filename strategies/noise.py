@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from userdp.accounting.facts import DETERMINISTIC_NOISE_CAVEAT, FAST_NOISE_CAVEAT
 from userdp.strategies import tensors as T
 from userdp.strategies.secure_random import SecureNormal, add_on_grid
 
@@ -40,17 +41,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-FAST_NOISE_CAVEAT = (
-    "The noise came from fast floating-point generators (numpy PCG64 / torch), not a "
-    "cryptographic keystream, and releases were not rounded onto a grid "
-    "(privacy.secure_noise = false): an adversary who can predict the generator, or read the "
-    "low-order bits of released floats, can learn more than ε allows"
-)
-DETERMINISTIC_NOISE_CAVEAT = (
-    "The noise came from a fixed test seed (NoiseRng.for_testing): anyone who knows the seed can "
-    "subtract it, so this run is NOT private whatever ε says"
-)
 
 
 def _urandom_seed() -> int:
@@ -109,9 +99,7 @@ class NoiseRng:
 
     def noisy_scalar(self, value: float, std: float) -> float:
         """``value + std·z`` for one scalar release (e.g. a noisy count), on the grid if secure."""
-        if self.secure:
-            return float(add_on_grid(np.float64(value), std, self._secure.standard_normal(1)[0]))
-        return float(value) + std * self.standard_normal()
+        return float(self.release(np.float64(value), std, self.standard_normal()))
 
     def normal_like(self, x: Any) -> Any:
         """N(0, 1) draws shaped like ``x`` (secure: float64; fast: ``x``'s float dtype)."""

@@ -181,7 +181,8 @@ def test_the_step_records_decide_which_noise_the_report_names(tmp_path):
     with Ledger.create(path, budget_epsilon=10.0, delta=1e-5) as led:
         for step, mode in enumerate(("secure", "secure", "fast", "test"), start=1):
             led.append(step, ULS, noise=mode)
-    stated_fast = "The noise came from fast floating-point generators (a strategy's own caveat)"
+    from userdp.accounting.facts import FAST_NOISE_CAVEAT as stated_fast
+
     report = build_report(
         path,
         1e-6,
