@@ -277,6 +277,18 @@ def check_adaptive_clipping_noise() -> None:
     )
 
 
+def _assert_on_grid(released: dict, gamma: float, where: str) -> None:
+    for name, value in released.items():
+        cells = np.asarray(value, dtype=np.float64) / gamma
+        off = int(np.sum(cells != np.round(cells)))
+        assert off == 0, (
+            f"{where}, tensor {name!r}: {off} of {cells.size} released values are off the grid "
+            f"{gamma:g}ℤ: the low-order bits of a floating-point release carry its input, so "
+            "production noise (iid or correlated) must come from the secure generator, rounded "
+            "onto the grid"
+        )
+
+
 def check_production_noise_is_secure_and_on_grid() -> None:
     """The default generator is the secure one: each released coordinate of a production strategy
     lies on the grid γℤ, γ = 2^(⌊log₂ σC⌋ − 8) (computed here from σ and C), whatever the low
@@ -287,14 +299,7 @@ def check_production_noise_is_secure_and_on_grid() -> None:
     rng = np.random.default_rng(4)
     summed = {name: rng.normal(size=shape) / 3.0 for name, shape in SHAPES.items()}
     released = strategy.add_noise(0, summed, ClipStatistics(20, 0))
-    for name, value in released.items():
-        cells = np.asarray(value, dtype=np.float64) / gamma
-        off = int(np.sum(cells != np.round(cells)))
-        assert off == 0, (
-            f"tensor {name!r}: {off} of {cells.size} released values are off the grid "
-            f"{gamma:g}ℤ: the low-order bits of a floating-point release carry its input, so "
-            "production noise must come from the secure generator, rounded onto the grid"
-        )
+    _assert_on_grid(released, gamma, "ULS step 0")
     noise = np.concatenate([(released[n] - summed[n]).ravel() for n in SHAPES])
     assert_gaussian_noise(noise, SIGMA * CLIP, "secure noise on the grid, ULS step 0")
     blt = BltDpFtrl(
@@ -307,13 +312,9 @@ def check_production_noise_is_secure_and_on_grid() -> None:
         optimizer=Sgd(LR),
     )
     for step in range(2):
-        for name, value in blt.add_noise(step, summed, ClipStatistics(20, 0)).items():
-            cells = np.asarray(value, dtype=np.float64) / gamma
-            off = int(np.sum(cells != np.round(cells)))
-            assert off == 0, (
-                f"BLT step {step}, tensor {name!r}: {off} of {cells.size} released values are off "
-                f"the grid {gamma:g}ℤ: correlated noise must be released on the grid too"
-            )
+        _assert_on_grid(
+            blt.add_noise(step, summed, ClipStatistics(20, 0)), gamma, f"BLT step {step}"
+        )
     # adaptive clipping's noisy count, on the grid of its own std σ_b (read back from the
     # released fraction b̃ = noisy/E + ½, so up to float rounding of that division)
     count_gamma = 2.0 ** (math.floor(math.log2(COUNT_STDDEV)) - 8)
