@@ -78,8 +78,7 @@ def _write_outputs(setup, out: Path, params) -> None:
     and δ resolved), ``strategy_facts.json``, the exported model with its release state, and
     ``privacy_report.{json,md}`` recomputed from the ledger."""
     from userdp.clients.model import build_model, load_parameters, model_shape
-    from userdp.export import export_model
-    from userdp.run_outputs import render_report, write_config, write_facts, write_release_state
+    from userdp.run_outputs import export_release, render_report, write_config, write_facts
     from userdp.simulation import resolved_config
 
     run_config = resolved_config(setup.config, setup, out, "external")
@@ -88,9 +87,7 @@ def _write_outputs(setup, out: Path, params) -> None:
     report = render_report(out, run_config, setup.delta)
     model = build_model(setup.config.model, model_shape(setup.manifest, setup.config.data.seq_len))
     load_parameters(model, setup.frozen)
-    load_parameters(model, params)
-    model_dir = export_model(model, out, setup.manifest.tokenizer, setup.shard_dir)
-    write_release_state(model_dir, out / "ledger.jsonl", report["epsilon"], setup.delta)
+    model_dir = export_release(model, params, out, setup, report["epsilon"])
     logging.getLogger("userdp.coordinator").info(
         "privacy report: %s (epsilon %.4g at delta %.3g); model: %s",
         out / "privacy_report.md",

@@ -144,6 +144,18 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 RELEASE_STATE = "userdp_release.json"
 
 
+def export_release(model: Any, params: Any, run_dir: Path, setup: Any, epsilon: Any) -> Path:
+    """The trained weights ``params`` loaded into ``model`` and exported to ``RUN/model`` with
+    their release state (:func:`write_release_state` at ε, the setup's δ); returns the folder."""
+    from userdp.clients.model import load_parameters
+    from userdp.export import export_model
+
+    load_parameters(model, params)
+    model_dir = export_model(model, run_dir, setup.manifest.tokenizer, setup.shard_dir)
+    write_release_state(model_dir, run_dir / "ledger.jsonl", epsilon, setup.delta)
+    return model_dir
+
+
 def write_release_state(model_dir: Path, ledger_path: Path, epsilon: Any, delta: float) -> Path:
     """``model/userdp_release.json``: the ledger state (step count, last record hash) and ε, δ
     of the exported weights, so a reader can tell exported weights from a ledger that moved on

@@ -252,14 +252,7 @@ class RunLoop:
             log.info("step %d: loss %.4f, eps %s, %d units", step, loss, self.epsilon, units)
 
     def finish(self, params: dict[str, torch.Tensor], stopped: str) -> RunResult:
-        from userdp.clients.model import load_parameters
-        from userdp.export import export_model
-        from userdp.run_outputs import (
-            render_plots,
-            render_report,
-            write_facts,
-            write_release_state,
-        )
+        from userdp.run_outputs import export_release, render_plots, render_report, write_facts
 
         self.close_progress()
         steps_done = len(self.ledger.records)
@@ -268,11 +261,7 @@ class RunLoop:
         self.epsilon = self._spent()
         self.ledger.close()
         write_facts(self.setup.strategy.facts(), self.out, len(self.setup.population.users))
-        load_parameters(self.model, params)
-        model_dir = export_model(
-            self.model, self.out, self.setup.manifest.tokenizer, self.setup.shard_dir
-        )
-        write_release_state(model_dir, self.out / "ledger.jsonl", self.epsilon, self.setup.delta)
+        export_release(self.model, params, self.out, self.setup, self.epsilon)
         if stopped != "interrupted":
             self._write_samples()
         report = render_report(self.out, self.run_config, self.setup.delta) if steps_done else None
