@@ -9,6 +9,10 @@ bin semantics, the dominating pair and how its privacy-loss samples are drawn ar
 :mod:`userdp.accounting.balls_in_bins_losses`; both directions are always estimated and the max
 is used.
 
+Per-epoch bins compose E independent one-epoch pairs: every query then estimates δ̂ from
+one-epoch draws split into E groups (:mod:`userdp.accounting.composed_losses`), so
+``num_samples`` counts one-epoch draws and the Chernoff bounds and EVR count ⌊num_samples/E⌋.
+
 Randomness: a seed gives two independent streams (children 0 and 1 of ``SeedSequence(seed)``):
 the estimate stream (ε/δ̂ estimates and calibration) and the verify stream. Calibration bisects σ
 on fixed estimate-stream samples (common random numbers); verification draws only the verify
@@ -88,7 +92,11 @@ class VerificationFailedError(BallsInBinsError):
 @dataclass(frozen=True)
 class DeltaEstimate:
     """δ̂ = max(H(P,Q), H(Q,P)) at ``epsilon`` and σ, with standard errors and a one-sided
-    KL-Chernoff upper confidence bound (each direction at failure (1 − confidence)/2)."""
+    KL-Chernoff upper confidence bound (each direction at failure (1 − confidence)/2).
+
+    ``num_samples`` counts the draws (one epoch each for per-epoch bins);
+    ``independent_samples`` is the count the Chernoff bound uses (⌊num_samples/E⌋ for per-epoch
+    bins, see :mod:`userdp.accounting.composed_losses`)."""
 
     epsilon: float
     noise_multiplier: float
@@ -100,6 +108,7 @@ class DeltaEstimate:
     upper_bound: float
     confidence: float
     num_samples: int
+    independent_samples: int
 
     @property
     def stderr(self) -> float:
@@ -142,20 +151,30 @@ def delta_estimate(
     if not 0.0 < confidence < 1.0:
         raise BallsInBinsError(f"confidence={confidence!r} is out of range; expected (0, 1)")
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
-    m = positive_int("num_samples", num_samples, BallsInBinsError)
+    m = _draws("num_samples", num_samples, pair)
     sampler = _Sampler(pair, m, seed, _ESTIMATE)
     return _estimate(sampler, sigma, epsilon, confidence)
 
 
 def _estimate(sampler: _Sampler, sigma: float, epsilon: float, confidence: float) -> DeltaEstimate:
-    m = sampler.num_samples
-    y_pq, y_qp = sampler.losses(sigma)
-    d_pq, se_pq = mc.delta_from_losses(y_pq, epsilon, m)
-    d_qp, se_qp = mc.delta_from_losses(y_qp, epsilon, m)
+    pq, qp = sampler.estimates(sigma)
+    d_pq, se_pq = pq.delta(epsilon)
+    d_qp, se_qp = qp.delta(epsilon)
     failure = (1.0 - confidence) / 2.0
-    ucb = max(mc.kl_upper_confidence_bound(d, m, failure) for d in (d_pq, d_qp))
+    n = pq.num_samples
+    ucb = max(mc.kl_upper_confidence_bound(d, n, failure) for d in (d_pq, d_qp))
     return DeltaEstimate(
-        epsilon, sigma, max(d_pq, d_qp), d_pq, d_qp, se_pq, se_qp, ucb, confidence, m
+        epsilon,
+        sigma,
+        max(d_pq, d_qp),
+        d_pq,
+        d_qp,
+        se_pq,
+        se_qp,
+        ucb,
+        confidence,
+        sampler.num_samples,
+        n,
     )
 
 
@@ -178,10 +197,9 @@ def epsilon(
     sigma = positive_float("noise_multiplier", noise_multiplier, BallsInBinsError)
     delta = probability("delta", delta, BallsInBinsError, upper_open=True)
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
-    m = positive_int("num_samples", num_samples, BallsInBinsError)
+    m = _draws("num_samples", num_samples, pair)
     sampler = _Sampler(pair, m, seed, _ESTIMATE)
-    losses = list(sampler.losses(sigma))
-    return mc.epsilon_from_losses(losses, delta, m)
+    return mc.epsilon_from_estimates(list(sampler.estimates(sigma)), delta)
 
 
 def verify(
@@ -219,13 +237,13 @@ def verify(
     )
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
     if num_samples is None:
-        num_samples = mc.evr_samples(delta, safety, rejection_prob / 2)
-    m = positive_int("num_samples", num_samples, BallsInBinsError)
+        num_samples = pair.compositions * mc.evr_samples(delta, safety, rejection_prob / 2)
+    m = _draws("num_samples", num_samples, pair)
     sampler = _Sampler(pair, m, seed, _VERIFY)
-    y_pq, y_qp = sampler.losses(sigma)
-    d_pq = mc.delta_from_losses(y_pq, epsilon, m)[0]
-    d_qp = mc.delta_from_losses(y_qp, epsilon, m)[0]
-    passed = mc.evr_passes(d_pq, m, delta) and mc.evr_passes(d_qp, m, delta)
+    pq, qp = sampler.estimates(sigma)
+    d_pq, d_qp = pq.point(epsilon), qp.point(epsilon)
+    n = pq.num_samples
+    passed = mc.evr_passes(d_pq, n, delta) and mc.evr_passes(d_qp, n, delta)
     return VerificationResult(passed, epsilon, delta, sigma, d_pq, d_qp, m)
 
 
@@ -314,7 +332,8 @@ def calibrate_noise_multiplier(
         "rejection_prob", rejection_prob, BallsInBinsError, upper_open=True
     )
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
-    m, goal, root = _estimate_setup(delta, num_samples, seed, safety, rejection_prob)
+    m, root = _estimate_setup(delta, num_samples, seed, safety, rejection_prob, pair.compositions)
+    goal = _goal(delta, m, pair.compositions, safety, rejection_prob)
     sampler = _Sampler(pair, m, root, _ESTIMATE)
 
     def excess(log_sigma: float) -> float:  # log δ̂ − log goal: nearly linear in log σ
@@ -358,15 +377,45 @@ def calibrate_noise_multiplier(
 
 
 def _estimate_setup(
-    delta: float, num_samples: int | None, seed: Any, safety: float, rejection_prob: float
-) -> tuple[int, float, Any]:
-    """(estimate samples, :func:`calibration_target`, root seed) of the certified queries:
-    ``num_samples`` defaults to :func:`calibration_samples` (δ)."""
+    delta: float,
+    num_samples: int | None,
+    seed: Any,
+    safety: float,
+    rejection_prob: float,
+    compositions: int,
+) -> tuple[int, Any]:
+    """(estimate draws, root seed) of the certified queries: ``num_samples`` defaults to
+    :func:`calibration_samples` (δ) independent samples, i.e. that many times ``compositions``
+    one-copy draws for a composed pair."""
     if num_samples is None:
-        num_samples = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
+        num_samples = compositions * calibration_samples(
+            delta, safety=safety, rejection_prob=rejection_prob
+        )
     m = positive_int("num_samples", num_samples, BallsInBinsError)
-    goal = calibration_target(delta, m, safety=safety, rejection_prob=rejection_prob)
-    return m, goal, _root_seed(seed)
+    return m, _root_seed(seed)
+
+
+def _goal(delta: float, m: int, compositions: int, safety: float, rejection_prob: float) -> float:
+    """:func:`calibration_target` for ``m`` draws of a pair composed ``compositions`` times: its
+    Chernoff bounds count ⌊m/compositions⌋ samples (:mod:`userdp.accounting.composed_losses`)."""
+    n = m // compositions
+    if n < 1:
+        raise BallsInBinsError(
+            f"num_samples={m} is fewer than the {compositions} epochs of per-epoch bins; "
+            f"use num_samples >= {compositions}"
+        )
+    return calibration_target(delta, n, safety=safety, rejection_prob=rejection_prob)
+
+
+def _draws(name: str, value: Any, pair: DominatingPair) -> int:
+    """A positive draw count that fills every group of a composed pair."""
+    m = positive_int(name, value, BallsInBinsError)
+    if m < pair.compositions:
+        raise BallsInBinsError(
+            f"{name}={m} is fewer than the {pair.compositions} epochs of per-epoch bins; "
+            f"use {name} >= {pair.compositions}"
+        )
+    return m
 
 
 def _certify(
@@ -433,7 +482,10 @@ def certified_epsilon(
     ≤ δ), raises :class:`VerificationFailedError` otherwise."""
     sigma = positive_float("noise_multiplier", noise_multiplier, BallsInBinsError)
     delta = probability("delta", delta, BallsInBinsError, upper_open=True)
-    num_samples, goal, root = _estimate_setup(delta, num_samples, seed, safety, rejection_prob)
+    pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
+    e = pair.compositions
+    num_samples, root = _estimate_setup(delta, num_samples, seed, safety, rejection_prob, e)
+    goal = _goal(delta, num_samples, e, safety, rejection_prob)
     estimate = epsilon(
         sigma,
         bins,
@@ -486,7 +538,10 @@ def certified_max_epochs(
     target = non_negative_float("target_epsilon", target_epsilon, BallsInBinsError)
     delta = probability("delta", delta, BallsInBinsError, upper_open=True)
     max_epochs = positive_int("max_epochs", max_epochs, BallsInBinsError)
-    num_samples, goal, root = _estimate_setup(delta, num_samples, seed, safety, rejection_prob)
+    composed = dominating_pair(bins, max_epochs, bin_semantics=bin_semantics).compositions > 1
+    num_samples, root = _estimate_setup(
+        delta, num_samples, seed, safety, rejection_prob, max_epochs if composed else 1
+    )
     matrix = correlation_matrix(correlation, bins * max_epochs)
 
     def block(e: int) -> Any:
@@ -497,7 +552,7 @@ def certified_max_epochs(
             sigma,
             bins,
             e,
-            goal,
+            _goal(delta, num_samples, e if composed else 1, safety, rejection_prob),
             bin_semantics=bin_semantics,
             correlation=block(e),
             num_samples=num_samples,

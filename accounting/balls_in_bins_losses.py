@@ -17,6 +17,9 @@ Two bin semantics, NOT interchangeable (the sampler and the accountant must agre
   privacy loss is the SUM of E independent one-epoch losses (exact composition, sampled).
   With correlated noise the epochs are coupled and there are b^E patterns; no dominating pair
   is known here, so that combination raises :class:`UnsupportedBinSemanticsError`.
+  The composition is estimated from one-epoch samples split into E independent groups
+  (:mod:`userdp.accounting.composed_losses`): ``num_samples`` counts one-epoch draws, and the
+  Chernoff bounds use ⌊num_samples/E⌋.
 
 Sampling draws the paper's σ-independent samples X = m_k + σZ (its §4.1, Algorithm 2) through
 the Gram matrix G = MᵀM: with k ~ Unif[b], W = MᵀZ ~ N(0, G),
@@ -32,12 +35,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from userdp.accounting import monte_carlo as mc
+from userdp.accounting.composed_losses import ComposedLosses, GroupedHistogram
 from userdp.accounting.correlation import Correlation, CorrelationError, from_spec
 from userdp.accounting.mechanisms import CorrelationSpec
 from userdp.accounting.validation import positive_int
@@ -164,7 +169,8 @@ class _Sampler:
     """Privacy-loss samples of a pair at any σ from FIXED randomness (common random numbers).
 
     The standard normals are regenerated chunk by chunk from per-chunk seeds, so the same
-    object gives the same draws on every call without holding m·b floats in memory.
+    object gives the same draws on every call without holding m·b floats in memory. Each of the
+    ``num_samples`` draws is one copy of the pair (one epoch for per-epoch bins).
     """
 
     def __init__(self, pair: DominatingPair, num_samples: int, seed: Any, purpose: int) -> None:
@@ -181,8 +187,7 @@ class _Sampler:
             self.factor = (v * np.sqrt(np.clip(w, 0.0, None))).T.astype(np.float32)  # W = g @ Lᵀ
         root = _root_seed(seed)
         self.seed = _child(root, purpose)
-        width = self.bins * pair.compositions
-        self.chunk = max(1, min(num_samples, _CHUNK_ELEMENTS // width))
+        self.chunk = max(1, min(num_samples, _CHUNK_ELEMENTS // self.bins))
 
     def _normals(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Chunk ``index`` of the fixed draws: mode indices k and standard normals g."""
@@ -191,12 +196,12 @@ class _Sampler:
             raise IndexError(index)
         size = min(self.chunk, self.num_samples - index * self.chunk)
         rng = np.random.default_rng(_child(self.seed, index))
-        k = rng.integers(0, self.bins, size=(self.pair.compositions, size))
-        g = rng.standard_normal((self.pair.compositions, size, self.bins), dtype=np.float32)
+        k = rng.integers(0, self.bins, size=(1, size))
+        g = rng.standard_normal((1, size, self.bins), dtype=np.float32)
         return k, g
 
     def _chunk_losses(self, index: int, sigma: float) -> tuple[np.ndarray, np.ndarray]:
-        """The positive losses of both directions for chunk ``index`` at σ."""
+        """The losses of one copy of the pair, both directions, for chunk ``index`` at σ."""
         k, g = self._normals(index)
         log_b = math.log(self.bins)
         if self.factor is None:
@@ -208,16 +213,43 @@ class _Sampler:
             with np.errstate(divide="ignore"):
                 rest = lse_base + np.log1p(-np.exp(np.minimum(base_k - lse_base, 0.0)))
             lse_pos = np.logaddexp(rest, base_k + self.diag[k] / sigma**2)
-            y_qp = -(lse_base - log_b).sum(axis=0)
-            y_pq = (lse_pos - log_b).sum(axis=0)
+            y_qp = -(lse_base[0] - log_b)
+            y_pq = lse_pos[0] - log_b
         else:
-            base = g @ self.factor
-            base *= np.float32(1.0 / sigma)
-            base -= (0.5 * self.diag / sigma**2).astype(np.float32)
-            pos = base + (self.pair.gram / sigma**2).astype(np.float32)[k]
-            y_qp = -_logsumexp_rows(base, log_b)
-            y_pq = _logsumexp_rows(pos, log_b)
-        return y_pq[y_pq > 0.0], y_qp[y_qp > 0.0]
+            lse_base, lse_pos = self._dense_lse(index, k, g, sigma)
+            y_qp = -(lse_base - log_b)
+            y_pq = lse_pos - log_b
+        return y_pq, y_qp
+
+    def _dense_lse(
+        self, index: int, k: np.ndarray, g: np.ndarray, sigma: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(log Σ_i e^{base_i}, log Σ_i e^{pos_i}) in float64 for base = W/σ − diag/(2σ²) and
+        pos = base + G[k]/σ² (a general Gram matrix); ``g`` is overwritten.
+
+        Both sums share e^{W/σ}: Σ_i e^{base_i} = e^{W/σ}·a with aᵢ = e^{−Gᵢᵢ/(2σ²)}, and
+        Σ_i e^{pos_i} = (e^{W/σ}·Bᵀ)[k] with B[k, i] = e^{G[k,i]/σ² − Gᵢᵢ/(2σ²)}: one exp pass and
+        two products instead of two max-shifted log-sum-exps. When a weight or e^{W/σ} leaves
+        float32's safe range, or a row sum is not a positive finite number, the chunk takes the
+        max-shifted path on the same draws."""
+        gram = self.pair.gram
+        shift = 0.5 * self.diag / sigma**2
+        pos_logits = gram / sigma**2 - shift
+        if max(float(pos_logits.max()), float((-shift).max())) < 60.0:
+            w = np.matmul(g[0], (self.factor / np.float32(sigma)).astype(np.float32))
+            with np.errstate(over="ignore", under="ignore"):
+                np.exp(w, out=w)
+                q_sum = w @ np.exp(-shift).astype(np.float32)
+                p_sum = np.einsum("ri,ri->r", w, np.exp(pos_logits).astype(np.float32)[k[0]])
+            ok = np.isfinite(q_sum) & np.isfinite(p_sum) & (q_sum > 1e-30) & (p_sum > 1e-30)
+            if np.all(ok):
+                return np.log(q_sum.astype(np.float64)), np.log(p_sum.astype(np.float64))
+            k, g = self._normals(index)
+        base = g @ self.factor
+        base *= np.float32(1.0 / sigma)
+        base -= shift.astype(np.float32)
+        pos = base + (gram / sigma**2).astype(np.float32)[k]
+        return _logsumexp_last(base)[0], _logsumexp_last(pos)[0]
 
     def _diagonal_lse(
         self, index: int, k: np.ndarray, g: np.ndarray, sigma: float
@@ -248,22 +280,44 @@ class _Sampler:
         base_k = np.take_along_axis(base, k[..., None], -1)[..., 0].astype(np.float64)
         return base_k, _logsumexp_last(base)
 
-    def losses(self, sigma: float) -> tuple[np.ndarray, np.ndarray]:
-        """The positive privacy-loss samples (Y > 0) of both directions at σ: (H(P,Q) losses
-        log P/Q under P, H(Q,P) losses log Q/P under Q). The two directions share W (each
-        estimate is unbiased on its own; EVR tests each direction separately).
+    def _chunks(self, sigma: float, positive: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Chunk losses in chunk order, computed on up to ``_THREADS`` threads (numpy's
+        generators and ufuncs release the GIL); each chunk has its own seed, so the output does
+        not depend on the thread count. ``positive`` keeps only the losses > 0."""
 
-        Chunks run on up to ``_THREADS`` threads (numpy's generators and ufuncs release the
-        GIL); each chunk has its own seed and results are joined in chunk order, so the output
-        does not depend on the thread count."""
+        def run(i: int) -> tuple[np.ndarray, np.ndarray]:
+            y_pq, y_qp = self._chunk_losses(i, sigma)
+            return (y_pq[y_pq > 0.0], y_qp[y_qp > 0.0]) if positive else (y_pq, y_qp)
+
         n_chunks = math.ceil(self.num_samples / self.chunk)
         threads = max(1, min(_THREADS, n_chunks))
         if threads == 1:
-            parts = [self._chunk_losses(i, sigma) for i in range(n_chunks)]
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="userdp-bib") as pool:
-                parts = list(pool.map(lambda i: self._chunk_losses(i, sigma), range(n_chunks)))
+            yield from (run(i) for i in range(n_chunks))
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="userdp-bib") as pool:
+            yield from pool.map(run, range(n_chunks))
+
+    def losses(self, sigma: float) -> tuple[np.ndarray, np.ndarray]:
+        """The privacy-loss samples of one copy of the pair at σ, both directions: (H(P,Q) losses
+        log P/Q under P, H(Q,P) losses log Q/P under Q); only the positive ones (Y > 0) when the
+        pair is not composed. The two directions share W (each estimate is unbiased on its own;
+        EVR tests each direction separately)."""
+        parts = list(self._chunks(sigma, positive=self.pair.compositions == 1))
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def estimates(self, sigma: float) -> tuple[mc.SampledLosses | ComposedLosses, ...]:
+        """The δ̂ estimators of the pair at σ, (H(P,Q), H(Q,P)): the sample mean when the pair
+        is not composed, else the grouped composition of the one-copy losses."""
+        if self.pair.compositions == 1:
+            y_pq, y_qp = self.losses(sigma)
+            return mc.SampledLosses(y_pq, self.num_samples), mc.SampledLosses(
+                y_qp, self.num_samples
+            )
+        histograms = [GroupedHistogram(self.pair.compositions, self.num_samples) for _ in "pq"]
+        for part in self._chunks(sigma, positive=False):
+            for histogram, y in zip(histograms, part, strict=True):
+                histogram.add(y)
+        return histograms[0].finish(), histograms[1].finish()
 
 
 def _logsumexp_last(logits: np.ndarray) -> np.ndarray:
@@ -272,11 +326,6 @@ def _logsumexp_last(logits: np.ndarray) -> np.ndarray:
     logits -= peak
     np.exp(logits, out=logits)
     return np.log(logits.sum(axis=-1, dtype=np.float64)) + peak[..., 0]
-
-
-def _logsumexp_rows(logits: np.ndarray, log_b: float) -> np.ndarray:
-    """Σ over compositions of (logsumexp over the last axis − log b); overwrites ``logits``."""
-    return (_logsumexp_last(logits) - log_b).sum(axis=0)
 
 
 def _root_seed(seed: Any) -> np.random.SeedSequence:

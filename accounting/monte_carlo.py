@@ -21,8 +21,9 @@ from scipy import optimize
 
 __all__ = [
     "delta_terms",
+    "SampledLosses",
     "delta_from_losses",
-    "epsilon_from_losses",
+    "epsilon_from_estimates",
     "kl_bernoulli",
     "kl_upper_confidence_bound",
     "kl_lower_threshold",
@@ -47,16 +48,40 @@ def delta_from_losses(losses: np.ndarray, epsilon: float, num_samples: int) -> t
     return mean, math.sqrt(var / max(num_samples - 1, 1))
 
 
-def epsilon_from_losses(loss_sets: list[np.ndarray], delta: float, num_samples: int) -> float:
-    """The smallest ε ≥ 0 with max over the sets of δ̂(ε) ≤ ``delta`` (δ̂ is continuous and
-    non-increasing in ε, so this is a root find on the same samples)."""
+class SampledLosses:
+    """δ̂ from ``num_samples`` i.i.d. loss samples, of which only the positive ones need be kept
+    (the others contribute 0 for every ε ≥ 0). Same interface as
+    :class:`userdp.accounting.composed_losses.ComposedLosses`: ``num_samples`` is the count the
+    KL-Chernoff bounds use."""
+
+    def __init__(self, losses: np.ndarray, num_samples: int) -> None:
+        self.losses = np.asarray(losses, dtype=np.float64)
+        self.num_samples = int(num_samples)
+
+    def delta(self, epsilon: float) -> tuple[float, float]:
+        """(δ̂(ε), standard error)."""
+        return delta_from_losses(self.losses, epsilon, self.num_samples)
+
+    def point(self, epsilon: float) -> float:
+        """δ̂(ε)."""
+        return self.delta(epsilon)[0]
+
+    def max_loss(self) -> float:
+        """The largest loss sample (δ̂ = 0 at and beyond it)."""
+        return float(np.max(self.losses)) if self.losses.size else 0.0
+
+
+def epsilon_from_estimates(estimates: list, delta: float) -> float:
+    """The smallest ε ≥ 0 with max over ``estimates`` of δ̂(ε) ≤ ``delta`` (each δ̂ is continuous
+    and non-increasing in ε, so this is a root find on the same samples); ``estimates`` are
+    :class:`SampledLosses` or :class:`~userdp.accounting.composed_losses.ComposedLosses`."""
 
     def excess(eps: float) -> float:
-        return max(delta_from_losses(y, eps, num_samples)[0] for y in loss_sets) - delta
+        return max(e.point(eps) for e in estimates) - delta
 
     if excess(0.0) <= 0.0:
         return 0.0
-    hi = max(float(np.max(y)) if len(y) else 0.0 for y in loss_sets)
+    hi = max(e.max_loss() for e in estimates)
     if excess(hi) > 0.0:  # cannot happen: δ̂(max Y) = 0 < δ
         return math.inf
     return float(optimize.brentq(excess, 0.0, hi, xtol=1e-10, rtol=1e-12))

@@ -183,7 +183,10 @@ def test_delta_estimate_decreases_in_sigma_on_fixed_draws(mechanism) -> None:
     sampler = bb._Sampler(pair, 2**14, 5, bb._ESTIMATE)
     grid = np.geomspace(0.5, 4.0, 300) * pair.sensitivity
     deltas = [bb._estimate(sampler, sigma, 1.0, 0.5).delta for sigma in grid]
-    assert deltas[0] > 0.1 and np.all(np.diff(deltas) <= 0.0)
+    # Per-epoch bins compose their groups by an FFT, whose round-off (~1e-16 of the total mass
+    # 1) may move δ̂ by that much either way; the sample-mean paths are exactly monotone.
+    slack = 1e-14 if pair.compositions > 1 else 0.0
+    assert deltas[0] > 0.1 and np.all(np.diff(deltas) <= slack)
 
 
 def test_verification_rejects_noise_below_the_calibrated_sigma() -> None:

@@ -570,3 +570,16 @@ def mutation_estimated_norms_unchecked(monkeypatch):
         return math.inf if probes else original(count, clip_norm, probes)
 
     monkeypatch.setattr(aggregation, "contribution_bound", contribution_bound)
+
+
+@pytest.fixture
+def mutation_per_epoch_composes_one_epoch_fewer(monkeypatch):
+    """The per-epoch balls-in-bins estimator convolves E − 1 of its E groups (off by one)."""
+    from userdp.accounting import composed_losses
+
+    original = composed_losses.ComposedLosses.__init__
+
+    def init(self, counts, lo, step):
+        original(self, counts[:-1] if counts.shape[0] > 1 else counts, lo, step)
+
+    monkeypatch.setattr(composed_losses.ComposedLosses, "__init__", init)

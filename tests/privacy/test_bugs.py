@@ -76,6 +76,7 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "report_epsilon_uls": partial(sampling.check_report_epsilon_matches_dp_accounting, "uls"),
     "report_epsilon_els": partial(sampling.check_report_epsilon_matches_dp_accounting, "els"),
     "report_epsilon_blt": sampling.check_blt_report_epsilon_matches_quadrature,
+    "report_epsilon_per_epoch": sampling.check_per_epoch_report_epsilon_composes_every_epoch,
 }
 
 
@@ -352,6 +353,13 @@ CASES: list[Case] = [
         "report_epsilon_uls",
         "report_epsilon_els",
         "report_epsilon_blt",
+        "report_epsilon_per_epoch",
+    ),
+    *_cases(
+        "accountant given wrong steps",
+        "mutation_per_epoch_composes_one_epoch_fewer",
+        r"did not compose every epoch",
+        "report_epsilon_per_epoch",
     ),
     *_cases(
         "accountant given wrong noise correlation",
