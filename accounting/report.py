@@ -59,6 +59,21 @@ NON_PRIVATE_HYPERPARAMETERS_CAVEAT = (
     "them on the private data is not covered by ε."
 )
 
+PUBLIC_MODEL_SELECTION_CAVEAT = (
+    "Each sampled user's examples were selected by their perplexity under the initial model "
+    '(data.selection = {selection}; Chua et al., "Mind the Privacy Unit! User-Level Differential '
+    "Privacy for Language Model Fine-Tuning\", §4.1, §5.1). The selection reads only that user's "
+    "own examples and the initial model, and the user's update is clipped after it, so ε holds "
+    "at user level provided the initial model is public: one trained on the training users' "
+    "data is not covered. The workers' perplexity caches are as private as the shards."
+)
+
+
+def public_model_selection_caveat(selection: str) -> str:
+    """The report's note for a selection that ranks each user's examples with the initial
+    model (``data.selection = "highest_ppl" | "lowest_ppl"``)."""
+    return PUBLIC_MODEL_SELECTION_CAVEAT.format(selection=selection)
+
 
 @dataclass(frozen=True)
 class SamplingScheme:

@@ -160,7 +160,7 @@ class ShardStore:
 
     # ---- rows: memory-mapped, O(one user) -----------------------------------------------------
 
-    def _user_range(self, user_id: str) -> tuple[_OpenShard, _UserRange]:
+    def _span(self, user_id: str) -> tuple[str, _UserRange]:
         if self._ranges is None:
             self._ranges = {}
             for name in self._entries:
@@ -177,9 +177,29 @@ class ShardStore:
                 f"user {user_id!r} is in {name}, which this store does not own "
                 f"(owns {self.shard_names})"
             )
+        return name, self._ranges[name][user_id]
+
+    def _user_range(self, user_id: str) -> tuple[_OpenShard, _UserRange]:
+        name, span = self._span(user_id)
         if name not in self._open:
             self._open[name] = _OpenShard(self.directory / self._entries[name].file)
-        return self._open[name], self._ranges[name][user_id]
+        return self._open[name], span
+
+    def user_rows(self, user_id: str) -> tuple[str, int, int]:
+        """(shard name, first row, number of rows) of ``user_id``'s examples in its shard file;
+        reads the index only. Per-row data cached beside a shard (e.g. the examples'
+        perplexities, :mod:`userdp.clients.perplexity`) is addressed by these rows."""
+        name, span = self._span(user_id)
+        return name, span.row_start, span.n_examples
+
+    def shard_users(self, name: str) -> list[str]:
+        """User ids of the owned shard ``name`` in row order (from its index)."""
+        if name not in self._entries:
+            raise KeyError(f"shard {name!r} is not owned by this store (owns {self.shard_names})")
+        index = self._index(name)
+        order = np.argsort(index.column("row_start").to_numpy(), kind="stable")
+        users = index.column("user_id").to_pylist()
+        return [users[i] for i in order]
 
     def user_examples(self, user_id: str) -> list[np.ndarray]:
         """The user's examples as int32 token-id arrays (copies), in input order."""

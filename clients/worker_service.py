@@ -10,6 +10,9 @@ engine's sum of clipped unit gradients, on the model version the coordinator bro
   (:func:`userdp.clients.selection.select_examples`), with an RNG seeded from (selection_seed,
   step, unit id) — never from anything that touches noise; for unit = example
   (``"<user id>/<index>"``, :func:`userdp.proto.codec.parse_example_unit_id`), that one example.
+  ``highest_ppl`` / ``lowest_ppl`` rank a user's examples by the perplexities
+  :func:`build_compute` scored ONCE with the model as built, before any broadcast is applied
+  (:mod:`userdp.clients.perplexity`); a worker started without them fails such a task.
   The engine returns the plain SUM of clipped unit gradients and its statistics; normalization
   and noise are the coordinator's. In a worker of N ranks every rank calls it with the same task
   and the engine's sum is their collective (:mod:`userdp.clients.ranks`).
@@ -25,7 +28,12 @@ import numpy as np
 from userdp.clients.distributed import raise_if_any_rank_failed, world
 from userdp.clients.model import load_parameters
 from userdp.clients.partial import ClippedSum
-from userdp.clients.selection import select_examples
+from userdp.clients.perplexity import ExamplePerplexities, example_perplexities
+from userdp.clients.selection import (
+    PERPLEXITY_SELECTIONS,
+    MissingPerplexityError,
+    select_examples,
+)
 from userdp.clients.shard_store import ShardStore
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.codec import WorkerTask, parse_example_unit_id, task_from_proto
@@ -42,12 +50,20 @@ class EngineCompute:
 
     ``engine`` must offer ``clipped_sum(units, clip_norm)`` and ``trainable_parameters()`` /
     ``module`` as :mod:`userdp.clients.engine` defines them; ``unit_type`` is the engine's unit
-    value class (unit id + token arrays)."""
+    value class (unit id + token arrays). ``perplexities``: every example's perplexity under the
+    initial model, needed by the perplexity-based selections only."""
 
-    def __init__(self, store: ShardStore, engine: Any, unit_type: Any) -> None:
+    def __init__(
+        self,
+        store: ShardStore,
+        engine: Any,
+        unit_type: Any,
+        perplexities: ExamplePerplexities | None = None,
+    ) -> None:
         self.store = store
         self.engine = engine
         self.unit_type = unit_type
+        self.perplexities = perplexities
 
     def apply_model(self, tensors: Mapping[str, WireTensor], full: bool) -> None:
         """Copy received tensors into the model by name; an unknown name is a KeyError and
@@ -68,9 +84,21 @@ class EngineCompute:
                     task.selection,
                     task.seq_len,
                     rng,
+                    perplexities=self._perplexities(task.selection, unit_id),
                 )
             units.append(self.unit_type(unit_id, examples))
         return units
+
+    def _perplexities(self, selection: str, user_id: str) -> np.ndarray | None:
+        if selection not in PERPLEXITY_SELECTIONS:
+            return None
+        if self.perplexities is None:
+            raise MissingPerplexityError(
+                f"the task asks for data.selection = {selection!r}, but this worker scored no "
+                "perplexities: a worker scores them at start only when its own config says "
+                "data.selection = 'highest_ppl' or 'lowest_ppl'; start it with the run's config"
+            )
+        return self.perplexities.of_user(user_id)
 
     def compute(self, task: pb.Task) -> ClippedSum:
         """The task's clipped sum. With world size > 1 every rank of the worker calls this with
@@ -99,8 +127,49 @@ def build_compute(
     config: Any, store: ShardStore, on_phase: Callable[[str], None] | None = None
 ) -> EngineCompute:
     """The worker compute of a config: model, engine and clipping engine of ``userdp.clients``
-    (``on_phase`` hears the start-up phases)."""
+    (``on_phase`` hears the start-up phases). With ``data.selection = "highest_ppl" |
+    "lowest_ppl"`` it also scores every example of ``store`` with the model as just built, the
+    run's initial model, before any update can reach it (cached in ``workers.cache_dir``,
+    default ``cache/`` in the shard folder; :mod:`userdp.clients.perplexity`)."""
     from userdp.clients.engine import Unit, build_engine
 
     engine = build_engine(config, store.manifest, on_phase=on_phase)
-    return EngineCompute(store, engine, Unit)
+    perplexities = None
+    if config.data.selection in PERPLEXITY_SELECTIONS:
+        perplexities = _initial_perplexities(config, store, engine, on_phase)
+    return EngineCompute(store, engine, Unit, perplexities)
+
+
+def _initial_perplexities(
+    config: Any, store: ShardStore, engine: Any, on_phase: Callable[[str], None] | None
+) -> ExamplePerplexities:
+    """Every rank scores with its engine's module (no update applied yet), then all take rank
+    0's scores (:meth:`ExamplePerplexities.broadcast_from_rank_zero`); a rank that fails fails
+    them all rather than leaving the others in the broadcast."""
+    scores: ExamplePerplexities | None = None
+    error: Exception | None = None
+    try:
+        scores = example_perplexities(
+            engine.module,
+            store,
+            config.data.seq_len,
+            cache_dir=config.workers.cache_dir,
+            token_budget=config.workers.token_budget,
+            pad_id=engine.pad_id,
+            on_phase=on_phase,
+        )
+    except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agree
+        error = exc
+    if world()[1] > 1:
+        raise_if_any_rank_failed(
+            error,
+            engine.device,
+            "another rank of this worker could not score the examples' perplexities (its log "
+            "says why)",
+        )
+    if error is not None:
+        raise error
+    assert scores is not None
+    if world()[1] > 1:
+        scores.broadcast_from_rank_zero(engine.device)
+    return scores

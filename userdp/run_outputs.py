@@ -203,7 +203,8 @@ def clipping_summary(steps: list[Mapping[str, Any]], clip_norm: float) -> str | 
 def render_report(run_dir: Path, config: Any, delta: float) -> dict:
     """Recompute the privacy report from ``ledger.jsonl`` and add the held-out evaluation from
     ``metrics.jsonl``; write ``privacy_report.{json,md}``. Returns the report dict."""
-    from userdp.accounting.report import build_report
+    from userdp.accounting.report import build_report, public_model_selection_caveat
+    from userdp.clients.selection import PERPLEXITY_SELECTIONS
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     steps = [r for r in rows if r.get("kind") == "step"]
@@ -214,6 +215,8 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
     training_users = facts.get("training_users")
     if _tokenizer_kind(config) == "bpe":
         caveats.append(TRAINED_TOKENIZER_CAVEAT)
+    if config.data.selection in PERPLEXITY_SELECTIONS:
+        caveats.append(public_model_selection_caveat(config.data.selection))
     expected = steps[-1]["expected_cohort_size"] if steps else None
     report = build_report(
         run_dir / "ledger.jsonl",

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from userdp.clients.selection import SELECTION_STRATEGIES, select_examples
+from userdp.clients.selection import (
+    SELECTION_STRATEGIES,
+    MissingPerplexityError,
+    select_examples,
+)
 
 from userdp.config import DataConfig
 
@@ -75,10 +79,55 @@ def test_random_chunk_inserts_separator_and_handles_short_documents() -> None:
     assert [c.tolist() for c in chunks] == [[5, 6, 1, 7]] * 3
 
 
-def test_unknown_and_perplexity_strategies_are_rejected() -> None:
+PERPLEXITIES = [3.0, 9.5, float("nan"), 9.5, 1.25, 1.25, 40.0]
+
+
+def test_highest_and_lowest_ppl_rank_by_perplexity_ties_to_earlier_unscored_last() -> None:
     rng = np.random.default_rng(0)
-    with pytest.raises(ValueError, match="not implemented"):
+    highest = select_examples(
+        _examples(LENGTHS), 3, "highest_ppl", 1000, rng, perplexities=PERPLEXITIES
+    )
+    assert [int(e[0]) for e in highest] == [6, 1, 3]
+    lowest = select_examples(
+        _examples(LENGTHS), 3, "lowest_ppl", 1000, rng, perplexities=np.array(PERPLEXITIES)
+    )
+    assert [int(e[0]) for e in lowest] == [4, 5, 0]
+    everything = select_examples(
+        _examples(LENGTHS), None, "highest_ppl", 4, rng, perplexities=PERPLEXITIES
+    )
+    assert [int(e[0]) for e in everything] == [6, 1, 3, 0, 4, 5, 2]  # NaN (unscored) last
+    assert all(len(e) <= 4 for e in everything)
+
+
+def test_perplexity_selection_is_deterministic_per_user() -> None:
+    picks = {
+        tuple(
+            int(e[0])
+            for e in select_examples(
+                _examples(LENGTHS),
+                2,
+                "lowest_ppl",
+                100,
+                np.random.default_rng(seed),
+                perplexities=PERPLEXITIES,
+            )
+        )
+        for seed in range(5)
+    }
+    assert picks == {(4, 5)}
+
+
+def test_perplexity_selection_without_perplexities_names_the_key() -> None:
+    rng = np.random.default_rng(0)
+    with pytest.raises(MissingPerplexityError, match=r"data\.selection = 'highest_ppl'") as exc:
         select_examples(_examples(LENGTHS), 2, "highest_ppl", 8, rng)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(MissingPerplexityError, match="3 perplexities for 7 examples"):
+        select_examples(_examples(LENGTHS), 2, "lowest_ppl", 8, rng, perplexities=[1.0, 2.0, 3.0])
+
+
+def test_unknown_strategies_and_bad_group_sizes_are_rejected() -> None:
+    rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match="selection must be one of"):
         select_examples(_examples(LENGTHS), 2, "best", 8, rng)
     with pytest.raises(ValueError, match="group_size"):
