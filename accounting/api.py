@@ -12,9 +12,12 @@ Dispatch (all add-or-remove-one-user adjacency, pessimistic estimates):
   group-privacy conversion (Vadhan 2017), minimized over the example-level ε₀.
 * ``balls-in-bins`` — Monte Carlo, :mod:`userdp.accounting.balls_in_bins`.
 * ``randomized-clipping`` — envelope accountant, :mod:`userdp.accounting.randomized_clipping`.
+* ``user-wise-filter`` — AboveThreshold ε plus a q = 1 Gaussian PLD,
+  :mod:`userdp.accounting.user_filter`.
 
 uls, els and randomized-clipping steps compose with each other across phases as PLDs; group
-privacy and balls-in-bins are whole-run accountants and cannot be composed with anything else.
+privacy, balls-in-bins and user-wise-filter are whole-run accountants and cannot be composed with
+anything else.
 One idea — the one entry point from mechanisms to ε/δ — hence one module over 400 lines.
 """
 
@@ -31,12 +34,14 @@ from userdp.accounting import fast_pld, pld_ops
 from userdp.accounting.mechanisms import (
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     BallsInBinsMechanism,
+    BandedPoissonMechanism,
     ElsMechanism,
     GroupPrivacyMechanism,
     InvalidMechanismError,
     Mechanism,
     RandomizedClippingMechanism,
     UlsMechanism,
+    UserWiseFilterMechanism,
     binomial_sensitivities,
 )
 from userdp.accounting.validation import probability
@@ -242,8 +247,8 @@ def _randomized_clipping_pld(
     mechanism: RandomizedClippingMechanism, value_discretization_interval: float, tail_mass: float
 ) -> pld_lib.PrivacyLossDistribution:
     randomized_clipping = _accountant_module("randomized_clipping", mechanism.kind)
-    if mechanism.estimator != "hutchinson":
-        randomized_clipping._check_estimator(mechanism.estimator)
+    # Hutchinson and Hutch++ share the Z_cons envelope with k = the tail probes (see the module)
+    randomized_clipping._check_estimator(mechanism.estimator)
     return randomized_clipping.privacy_loss_distribution(
         mechanism.noise_multiplier,
         mechanism.sampling_prob,
@@ -291,6 +296,22 @@ def _whole_run_epsilon(
                 delta,
                 estimator=mechanism.estimator,
             )
+        )
+    if isinstance(mechanism, BandedPoissonMechanism):
+        banded_poisson = _accountant_module("banded_poisson", mechanism.kind)
+        try:
+            return banded_poisson.epsilon(
+                mechanism,
+                steps,
+                delta,
+                value_discretization_interval=value_discretization_interval,
+            )
+        except banded_poisson.BandedPoissonError as exc:
+            raise InvalidMechanismError(str(exc)) from None
+    if isinstance(mechanism, UserWiseFilterMechanism):
+        user_filter = _accountant_module("user_filter", mechanism.kind)
+        return user_filter.epsilon(
+            mechanism, steps, delta, value_discretization_interval=value_discretization_interval
         )
     raise NotComposableError(f"mechanism kind {mechanism.kind!r} has no whole-run accountant")
 

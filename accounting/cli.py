@@ -32,6 +32,7 @@ from userdp.accounting.mechanisms import (
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     ESTIMATORS,
     BallsInBinsMechanism,
+    BandedPoissonMechanism,
     CorrelationSpec,
     ElsMechanism,
     GroupPrivacyMechanism,
@@ -41,7 +42,14 @@ from userdp.accounting.mechanisms import (
     UlsMechanism,
 )
 
-MECHANISMS = ("uls", "els", "group-privacy", "balls-in-bins", "randomized-clipping")
+MECHANISMS = (
+    "uls",
+    "els",
+    "group-privacy",
+    "balls-in-bins",
+    "banded-poisson",
+    "randomized-clipping",
+)
 DEFAULT_DELTA = 1e-6
 
 # Parameter names in error messages → the flag the user typed.
@@ -50,6 +58,7 @@ _FLAGS = {
     "sampling_prob": "--sampling-prob",
     "group_size": "--group-size",
     "bins": "--bins",
+    "bands": "--bands",
     "epochs": "--epochs",
     "bin_semantics": "--bin-semantics",
     "probes": "--probes",
@@ -67,6 +76,7 @@ _REQUIRED = {
     "els": ("sampling_prob", "group_size"),
     "group-privacy": ("sampling_prob", "group_size"),
     "balls-in-bins": ("bins", "epochs"),
+    "banded-poisson": ("sampling_prob", "bands"),
     "randomized-clipping": ("sampling_prob", "probes"),
 }
 
@@ -95,6 +105,13 @@ def build_mechanism(args: argparse.Namespace, noise_multiplier: float) -> Mechan
                 args.bins,
                 args.epochs,
                 bin_semantics=args.bin_semantics,
+                correlation=parse_correlation(args.correlation),
+            )
+        if kind == "banded-poisson":
+            return BandedPoissonMechanism(
+                noise_multiplier,
+                args.sampling_prob,
+                args.bands,
                 correlation=parse_correlation(args.correlation),
             )
         return RandomizedClippingMechanism(
@@ -345,9 +362,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, help="balls-in-bins: epochs")
     parser.add_argument("--bin-semantics", choices=BIN_SEMANTICS, default="per-epoch")
     parser.add_argument(
+        "--bands",
+        type=int,
+        help="banded-poisson: b̂, the groups of cyclic Poisson sampling (C has < b̂ diagonals)",
+    )
+    parser.add_argument(
         "--correlation",
         metavar="SPEC",
-        help="balls-in-bins: the noise correlation C (needs --bin-semantics fixed): "
+        help="balls-in-bins (needs --bin-semantics fixed) and banded-poisson (at most --bands "
+        "diagonals): the noise correlation C, "
         "NAME:KEY=V1,V2;... e.g. blt:buf_decay=0.9,0.5;output_scale=0.3,0.2 or banded:coefs=1,0.5, "
         "its JSON, or @FILE with the JSON (default: identity, plain DP-SGD)",
     )

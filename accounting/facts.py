@@ -50,6 +50,7 @@ class Sampling(StrEnum):
     SHUFFLE = "shuffle"
     BALLS_IN_BINS_FIXED = "balls-in-bins-fixed"
     BALLS_IN_BINS_EPOCH = "balls-in-bins-epoch"
+    CYCLIC_POISSON = "cyclic-poisson"
 
     @property
     def bin_semantics(self) -> str | None:

@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_VALUE_DISCRETIZATION_INTERVAL",
     "ESTIMATORS",
     "BallsInBinsMechanism",
+    "BandedPoissonMechanism",
     "CorrelationSpec",
     "ElsMechanism",
     "GroupPrivacyMechanism",
@@ -37,6 +38,7 @@ __all__ = [
     "NoDpEventError",
     "RandomizedClippingMechanism",
     "UlsMechanism",
+    "UserWiseFilterMechanism",
     "dp_event",
     "mechanism_from_dict",
 ]
@@ -326,12 +328,107 @@ class RandomizedClippingMechanism:
         }
 
 
+@dataclass(frozen=True)
+class UserWiseFilterMechanism:
+    """User-wise DP-SGD with filter (Asi & Liu, "User-level Differentially Private Stochastic
+    Convex Optimization: Efficient Algorithms with Optimal Rates", AISTATS 2024, as Algorithm 3 of
+    "Mind the Privacy Unit! User-Level Differential Privacy for Language Model Fine-Tuning"), one
+    step of a run of at most ``horizon`` steps.
+
+    Every user in every step (q = 1). AboveThreshold at ``above_threshold_epsilon`` on the
+    users' gradient concentration halts the run at its first "below"; otherwise the filtered
+    mean ĝ is released as ĝ + N(0, (σ·Δ)²I), Δ = √(8 log(e^ε T/δ))·τ/N, which bounds ĝ's
+    sensitivity except with probability ``filter_delta`` over the whole run. Normalized units:
+    ``noise_multiplier`` σ = noise std / Δ. Accountant: ε(δ) after t ≤ horizon steps is
+    ``above_threshold_epsilon`` + ε of t Gaussian(σ) steps at δ − ``filter_delta``
+    (:mod:`userdp.accounting.user_filter`); a whole-run accountant (it composes with nothing).
+    """
+
+    kind: ClassVar[str] = "user-wise-filter"
+    noise_multiplier: float
+    above_threshold_epsilon: float
+    filter_delta: float
+    horizon: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
+        )
+        object.__setattr__(
+            self,
+            "above_threshold_epsilon",
+            _positive_float("above_threshold_epsilon", self.above_threshold_epsilon),
+        )
+        filter_delta = _probability("filter_delta", self.filter_delta)
+        if filter_delta >= 1.0:
+            raise InvalidMechanismError(
+                f"filter_delta={filter_delta!r} is out of range; expected a float in (0, 1)"
+            )
+        object.__setattr__(self, "filter_delta", filter_delta)
+        object.__setattr__(self, "horizon", _positive_int("horizon", self.horizon))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "above_threshold_epsilon": self.above_threshold_epsilon,
+            "filter_delta": self.filter_delta,
+            "horizon": self.horizon,
+        }
+
+
+@dataclass(frozen=True)
+class BandedPoissonMechanism:
+    """Banded matrix factorization with cyclic Poisson sampling, one step (Choquette-Choo et al.,
+    "(Amplified) Banded Matrix Factorization: A unified approach to private training").
+
+    Every unit is assigned once to one of ``bands`` groups (b̂); step t considers only group
+    t mod b̂ and includes each of its units independently with probability ``sampling_prob``
+    (p, the rate WITHIN the group). The run releases CX + σZ for a lower-triangular Toeplitz C
+    with at most b̂ non-zero diagonals (``correlation``; None = identity). A unit's
+    participations are b̂ steps apart, so its columns of C have disjoint supports and the run is
+    ⌈steps/b̂⌉ Poisson-subsampled Gaussian mechanisms with noise multiplier σ/‖c‖, ‖c‖ the largest
+    column norm of C (:mod:`userdp.accounting.banded_poisson`); a whole-run accountant.
+    """
+
+    kind: ClassVar[str] = "banded-poisson"
+    noise_multiplier: float
+    sampling_prob: float
+    bands: int
+    correlation: CorrelationSpec | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
+        )
+        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
+        object.__setattr__(self, "bands", _positive_int("bands", self.bands))
+        corr = self.correlation
+        if isinstance(corr, Mapping):
+            object.__setattr__(self, "correlation", CorrelationSpec.from_dict(corr))
+        elif corr is not None and not isinstance(corr, CorrelationSpec):
+            raise InvalidMechanismError(
+                f"correlation={corr!r} is not allowed; expected None (identity) or a CorrelationSpec"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "sampling_prob": self.sampling_prob,
+            "bands": self.bands,
+            "correlation": None if self.correlation is None else self.correlation.to_dict(),
+        }
+
+
 Mechanism = (
     UlsMechanism
     | ElsMechanism
     | GroupPrivacyMechanism
     | BallsInBinsMechanism
+    | BandedPoissonMechanism
     | RandomizedClippingMechanism
+    | UserWiseFilterMechanism
 )
 
 MECHANISM_CLASSES: dict[str, type] = {
@@ -341,7 +438,9 @@ MECHANISM_CLASSES: dict[str, type] = {
         ElsMechanism,
         GroupPrivacyMechanism,
         BallsInBinsMechanism,
+        BandedPoissonMechanism,
         RandomizedClippingMechanism,
+        UserWiseFilterMechanism,
     )
 }
 
@@ -375,8 +474,8 @@ def dp_event(mechanism: Mechanism) -> Any:
     """The dp_accounting DpEvent of one step, where one exists.
 
     ULS → ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``; ELS → ``MixtureOfGaussiansDpEvent(σ,
-    0..G, Binom(G, p).pmf)``. Group privacy, balls-in-bins and randomized clipping have no
-    user-level DpEvent and raise :class:`NoDpEventError`.
+    0..G, Binom(G, p).pmf)``. Group privacy, balls-in-bins, randomized clipping and the user-wise
+    filter have no user-level DpEvent and raise :class:`NoDpEventError`.
     """
     import dp_accounting
     from dp_accounting import dp_event as dpe

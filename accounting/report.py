@@ -46,6 +46,11 @@ BIB_PER_EPOCH_CAVEAT = (
     "Balls-in-bins with bins redrawn every epoch: accounted by composing epochs; bins fixed for "
     "the whole run are a different mechanism."
 )
+CYCLIC_POISSON_CAVEAT = (
+    "Cyclic Poisson sampling: users were assigned once to groups and each step Poisson-sampled "
+    "one group; accounted as banded matrix factorization, which holds only because the noise "
+    "correlation C has fewer diagonals than there are groups."
+)
 GROUP_PRIVACY_CAVEAT = (
     "Group-privacy conversion is a loose black-box bound reported for comparison only; the "
     "mixture-of-Gaussians (ELS) accountant is the tight one."
@@ -88,6 +93,7 @@ SAMPLING_SCHEMES: dict[Sampling, SamplingScheme] = {
     Sampling.POISSON: SamplingScheme(ADD_REMOVE, True, ()),
     Sampling.BALLS_IN_BINS_FIXED: SamplingScheme(ADD_REMOVE, True, (BIB_FIXED_CAVEAT,)),
     Sampling.BALLS_IN_BINS_EPOCH: SamplingScheme(ADD_REMOVE, True, (BIB_PER_EPOCH_CAVEAT,)),
+    Sampling.CYCLIC_POISSON: SamplingScheme(ADD_REMOVE, True, (CYCLIC_POISSON_CAVEAT,)),
     Sampling.PADDING: SamplingScheme(ZERO_OUT, True, (ZERO_OUT_CAVEAT,)),
     Sampling.SHUFFLE: SamplingScheme(ADD_REMOVE, False, (SHUFFLE_CAVEAT,)),
 }
@@ -353,9 +359,16 @@ def check_report_current(
 
 def _check_sampling_matches_mechanisms(sampling: str, mechanisms: list[dict[str, Any]]) -> None:
     """Balls-in-bins sampling and its accountant must agree on the bin semantics: bins fixed for
-    the run and bins redrawn every epoch are different mechanisms."""
-    semantics = _sampling(sampling).bin_semantics
+    the run and bins redrawn every epoch are different mechanisms; cyclic Poisson sampling and
+    the banded-Poisson accountant go only with each other."""
+    scheme = _sampling(sampling)
+    semantics = scheme.bin_semantics
     for d in mechanisms:
+        if (d["kind"] == "banded-poisson") != (scheme is Sampling.CYCLIC_POISSON):
+            raise ValueError(
+                f"sampling={sampling!r} does not match the ledger's {d['kind']} accountant; "
+                "cyclic-poisson sampling goes with the banded-poisson accountant and only with it"
+            )
         if d["kind"] == "balls-in-bins" and semantics != d.get("bin_semantics"):
             expected = Sampling.of_bin_semantics(d.get("bin_semantics")).value
             raise ValueError(

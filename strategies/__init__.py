@@ -15,6 +15,7 @@ import importlib
 
 # public name -> the module of this package that defines it
 _EXPORTS = {
+    "AboveThreshold": "above_threshold",
     "AdaptiveClipping": "adaptive_clipping",
     "Adjacency": "base",
     "ClipStatistics": "base",
@@ -60,6 +61,8 @@ _EXPORTS = {
     "begin_step": "step",
     "finish_step": "step",
     "run_step": "step",
+    "TrainingHalted": "user_filter",
+    "UserWiseFilter": "user_filter",
 }
 
 __all__ = sorted(_EXPORTS)

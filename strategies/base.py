@@ -16,6 +16,8 @@ in-process loop and the Flower adapter call it, and it calls the hooks in this o
     configure_task(step, cohort)    -> TaskSpec   (what every worker task carries)
     ... workers return partial sums of CLIPPED unit updates; the caller sums them ...
     privatize(step, summed, stats, cohort) -> Release   (fresh noise, never replayable)
+      or, for a strategy with needs_unit_updates, every unit's own clipped update:
+    privatize_units(step, updates, stats, cohort) -> Release
     ... ledger.append(step, mechanism()) BEFORE anything is released ...
     server_update(params, release)                  (÷ EXPECTED cohort size, optimizer step)
     state_dict() / load_state_dict(state)           (checkpoint; noise RNG is not in it)
@@ -119,6 +121,7 @@ class TaskSpec:
     clip_norm: C; each unit's update is clipped to norm ≤ C before it is summed.
     engine: per-unit gradient engine (``"vectorized"``, ``"loop"``, ``"ghost"``, ``"randomized"``).
     probes: random probes per unit for randomized norm estimation (0 = exact norms).
+    estimator: the randomized norm estimator, ``"hutchinson"`` or ``"hutch++"``.
     unit: ``"user"`` (ULS: mean of the user's selected examples' gradients, then clip) or
         ``"example"`` (ELS: clip each example's gradient).
     selection / group_size / selection_seed: which of a user's examples are used (ULS: at most
@@ -133,6 +136,7 @@ class TaskSpec:
     clip_norm: float
     engine: str = "vectorized"
     probes: int = 0
+    estimator: str = "hutchinson"
     token_budget: int = 8192
     unit: str = "user"
     selection: str = "random"
@@ -215,6 +219,10 @@ class Strategy(ABC):
     unit: str = "user"
     group_size: int = 0
     clip_norm: float = 1.0
+    needs_unit_updates: bool = False
+    """True: the release depends on each unit's own clipped update, not only on their sum (e.g.
+    a filter over pairwise distances). The step then gathers one update per unit and calls
+    :meth:`privatize_units`; a transport that only gathers sums refuses the strategy."""
     sampler: Sampler
     noise: NoiseMechanism
     optimizer: ServerOptimizer
@@ -303,6 +311,21 @@ class Strategy(ABC):
         statistics. A strategy that releases a statistic next to the sum (adaptive clipping's
         clipped count) returns it here, noised, and accounts for it in :meth:`mechanism`."""
         return Release(step, cohort, self.add_noise(step, summed, stats))
+
+    def privatize_units(
+        self,
+        step: int,
+        updates: Mapping[str, Mapping[str, Any]],
+        stats: ClipStatistics,
+        cohort: Cohort,
+    ) -> Release:
+        """Everything this step releases, from every unit's own clipped update (``updates``:
+        unit id → tensor dict, one per unit of ``cohort``). Called instead of :meth:`privatize`
+        for a strategy with :attr:`needs_unit_updates`; the default refuses."""
+        raise StrategyError(
+            f"{type(self).__name__} privatizes the clipped sum; set needs_unit_updates = True "
+            "and override privatize_units to receive every unit's update"
+        )
 
     def server_update(self, params: Mapping[str, Any], release: Release) -> None:
         """Apply the step in place: ``params ← optimizer(params, noisy_sum / expected_size)``.

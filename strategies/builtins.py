@@ -93,6 +93,11 @@ class UserLevelSampling(Strategy):
             )
         except SamplerError as exc:
             raise StrategyError(str(exc)) from None
+        if sampler.sampling is Sampling.CYCLIC_POISSON:
+            raise StrategyError(
+                "sampling='cyclic-poisson' is for banded matrix factorization: use BltDpFtrl "
+                "with sampling_prob= and bands= (its accountant needs the banded C)"
+            )
         if isinstance(sampler, BallsInBinsSampler) and epochs is None:
             raise StrategyError(f"sampling={sampler.sampling.value!r} needs bins= and epochs=")
         super().__init__(
@@ -201,6 +206,7 @@ class RandomizedClipping(UserLevelSampling):
             group_size=self.group_size,
             engine="randomized",
             probes=self.probes,
+            estimator=self.estimator,
         )
 
     def mechanism(self) -> Mechanism:

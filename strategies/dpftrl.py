@@ -1,4 +1,5 @@
-"""BLT-DP-FTRL: balls-in-bins users (bins fixed for the run) + BLT (or banded) correlated noise.
+"""BLT-DP-FTRL: balls-in-bins users (bins fixed for the run) + BLT (or banded) correlated noise,
+or cyclic Poisson users + banded noise.
 
 Step t: cohort = users of bin t mod b (assigned once; "Near Exact Privacy Amplification for
 Matrix Mechanisms", Def. 3.1); release Σ clip(g_u) + σ·C_clip·(C⁻¹Z)_t; the server divides by the
@@ -7,6 +8,12 @@ expected cohort N/b and steps its optimizer. Accounted as
 strategy matrix C in ``correlation`` (Monte Carlo accountant on the b-mode mixture dominating
 pair, same paper, Lemma 3.2). σ is the multiplier of Z BEFORE C⁻¹,
 as that mechanism defines it; the sensitivity of C is the accountant's business.
+
+With ``sampling_prob`` p given, users are assigned once to ``bins`` groups and step t
+Poisson-samples group t mod b at rate p (:class:`~userdp.strategies.samplers.CyclicPoissonSampler`);
+C must then be banded with at most ``bins`` bands, and the run is accounted as
+:class:`~userdp.accounting.mechanisms.BandedPoissonMechanism` ("(Amplified) Banded Matrix
+Factorization: A unified approach to private training").
 """
 
 from __future__ import annotations
@@ -15,13 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from userdp.accounting.facts import Sampling
-from userdp.accounting.mechanisms import BallsInBinsMechanism, Mechanism
+from userdp.accounting.mechanisms import BallsInBinsMechanism, BandedPoissonMechanism, Mechanism
 from userdp.strategies.base import Cohort, Strategy, StrategyError
 from userdp.strategies.blt import BandedNoise, Blt, BltNoise, optimize_banded, optimize_blt
 from userdp.strategies.builtins import N_CAVEAT
 from userdp.strategies.noise import NoiseRng
 from userdp.strategies.optimizers import ServerOptimizer
-from userdp.strategies.samplers import BallsInBinsSampler
+from userdp.strategies.samplers import BallsInBinsSampler, CyclicPoissonSampler
 
 __all__ = ["BltDpFtrl"]
 
@@ -42,12 +49,18 @@ class BltDpFtrl(Strategy):
         buffers: int = 2,
         banded_coefs: Sequence[float] | None = None,
         bands: int | None = None,
+        sampling_prob: float | None = None,
         seed: int | None = None,
         rng: NoiseRng | None = None,
         optimizer: ServerOptimizer | None = None,
     ) -> None:
         if sum(x is not None for x in (blt, banded_coefs, bands)) > 1:
             raise StrategyError("pass at most one of blt=, banded_coefs=, bands=")
+        if sampling_prob is not None and banded_coefs is None and bands is None:
+            raise StrategyError(
+                "cyclic Poisson sampling (sampling_prob=) needs a banded C: pass bands= or "
+                "banded_coefs= (a BLT couples a user's participations)"
+            )
         if bands is not None:
             if bands > bins:
                 raise StrategyError(f"bands={bands} > bins={bins}: participations would overlap")
@@ -70,7 +83,9 @@ class BltDpFtrl(Strategy):
         super().__init__(
             clip_norm=clip_norm,
             noise_multiplier=noise_multiplier,
-            sampler=BallsInBinsSampler(bins, Sampling.BALLS_IN_BINS_FIXED, seed),
+            sampler=BallsInBinsSampler(bins, Sampling.BALLS_IN_BINS_FIXED, seed)
+            if sampling_prob is None
+            else CyclicPoissonSampler(bins, sampling_prob, seed),
             unit="user",
             noise=noise,
             optimizer=optimizer,
@@ -86,6 +101,13 @@ class BltDpFtrl(Strategy):
         return super().sample_cohort(step, population)
 
     def mechanism(self) -> Mechanism:
+        if isinstance(self.sampler, CyclicPoissonSampler):
+            return BandedPoissonMechanism(
+                noise_multiplier=self.noise_multiplier,
+                sampling_prob=self.sampler.sampling_prob,
+                bands=self.bins,
+                correlation=self.correlation,
+            )
         return BallsInBinsMechanism(
             noise_multiplier=self.noise_multiplier,
             bins=self.bins,

@@ -7,6 +7,8 @@ simulate --in-process`` use it.
 
 ``compute(task, unit_ids, params) -> (partial_sum, ClipStatistics)`` plays one worker: for each
 unit it computes the update at ``params``, clips it to ``task.clip_norm`` and returns the sum.
+For a strategy with ``needs_unit_updates`` every unit is its own call, so each partial sum is
+one unit's clipped update, and the step receives them all (``Gathered.units``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ def run_step(
     ``test_only_disable_noise`` skips the noise (NOT PRIVATE) so tests can compare with the
     coordinator's noiseless mode; no config key or CLI flag reaches it."""
 
+    def gather_units(planned: PlannedStep) -> Gathered:
+        updates, units_done, clipped = {}, 0, 0
+        for unit in planned.cohort.unit_ids:
+            updates[unit], stat = compute(planned.task, [unit], params)
+            units_done, clipped = units_done + stat.units, clipped + stat.clipped
+        partials = list(updates.values()) or [
+            {name: zeros_like(value) for name, value in params.items()}
+        ]
+        stats = ClipStatistics(units_done, clipped)
+        return Gathered(strategy.aggregate(partials), stats, units=updates)
+
     def gather(planned: PlannedStep) -> Gathered:
         units = list(planned.cohort.unit_ids)
         partials, units_done, clipped = [], 0, 0
@@ -72,11 +85,12 @@ def run_step(
         step,
         population,
         params,
-        gather,
+        gather_units if strategy.needs_unit_updates else gather,
         ledger,
         options=options,
         on_release=on_release,
         test_only_disable_noise=test_only_disable_noise,
+        unit_updates=True,
     )
     cohort = planned.cohort
     return StepRecord(

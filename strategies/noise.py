@@ -97,6 +97,21 @@ class NoiseRng:
             return float(self._secure.standard_normal(1)[0])
         return float(self._numpy.standard_normal())
 
+    def exponential(self, n: int) -> np.ndarray:
+        """``n`` iid Exp(1) draws as (Z₁² + Z₂²)/2 from this generator's N(0, 1) stream (a χ²₂/2
+        is Exp(1)), so they are as secure, fast or deterministic as its Gaussian draws."""
+        z = np.asarray(self.normal_like(np.zeros((int(n), 2))), dtype=np.float64)
+        return 0.5 * np.sum(z * z, axis=1)
+
+    def laplace(self, scale: float) -> float:
+        """One Laplace(0, ``scale``) draw: scale·(E₁ − E₂), E₁, E₂ iid Exp(1)."""
+        e = self.exponential(2)
+        return float(scale * (e[0] - e[1]))
+
+    def uniform(self, n: int) -> np.ndarray:
+        """``n`` iid Uniform(0, 1) draws: exp(−E), E ~ Exp(1)."""
+        return np.exp(-self.exponential(n))
+
     def noisy_scalar(self, value: float, std: float) -> float:
         """``value + std·z`` for one scalar release (e.g. a noisy count), on the grid if secure."""
         return float(self.release(np.float64(value), std, self.standard_normal()))

@@ -22,6 +22,9 @@ the sampler that ran. Samplers (paper in brackets):
 - :class:`BallsInBinsSampler`: each unit in exactly one of b bins; bins fixed for the run
   (``balls-in-bins-fixed``, for matrix mechanisms ["Near Exact Privacy Amplification for Matrix
   Mechanisms"]) or redrawn every epoch (``balls-in-bins-epoch``).
+- :class:`CyclicPoissonSampler`: each unit in one of b groups, fixed for the run; step t
+  Poisson-samples group t mod b (``cyclic-poisson``, for banded matrix factorization
+  ["(Amplified) Banded Matrix Factorization: A unified approach to private training"]).
 - :class:`ShuffleSampler`: fixed-size cohorts in shuffled order (what most published
   experiments run); NO accountant matches it — reports say so.
 - :class:`TruncatedSampler`: pad/truncate any sampler's cohort to a fixed size (``padding``); the
@@ -47,6 +50,7 @@ from userdp.accounting.validation import positive_int
 __all__ = [
     "SEED_CAVEAT",
     "BallsInBinsSampler",
+    "CyclicPoissonSampler",
     "ExampleSubset",
     "PoissonSampler",
     "Sampler",
@@ -77,7 +81,7 @@ def _rng(seed: int, *stream: int) -> np.random.Generator:
 
 
 # stream tags, so different uses of one seed never share random numbers
-_POISSON, _DSUB, _BINS, _SHUFFLE, _TRUNCATE = 1, 2, 3, 4, 5
+_POISSON, _DSUB, _BINS, _SHUFFLE, _TRUNCATE, _CYCLIC = 1, 2, 3, 4, 5, 6
 
 
 def poisson_positions(rng: np.random.Generator, n: int, q: float) -> np.ndarray:
@@ -334,6 +338,31 @@ class BallsInBinsSampler(Sampler):
         return n / self.bins
 
 
+class CyclicPoissonSampler(Sampler):
+    """Cyclic Poisson sampling for banded matrix factorization (Choquette-Choo et al., "(Amplified)
+    Banded Matrix Factorization: A unified approach to private training"): every unit is assigned
+    ONCE to one of ``bins`` groups (a uniform random assignment, as in
+    :class:`BallsInBinsSampler` with fixed bins); step t includes each unit of group t mod b
+    independently with probability ``sampling_prob`` (the rate within the group), fresh every
+    step. A unit's steps are therefore b apart, which a C with fewer than b diagonals needs."""
+
+    sampling = Sampling.CYCLIC_POISSON
+
+    def __init__(self, bins: int, sampling_prob: float, seed: int | None = None) -> None:
+        super().__init__(seed)
+        self.groups = BallsInBinsSampler(bins, Sampling.BALLS_IN_BINS_FIXED, self.seed)
+        self.bins = self.groups.bins
+        self.sampling_prob = _check_probability("sampling_prob", sampling_prob)
+
+    def sample(self, step: int, n: int) -> np.ndarray:
+        group = self.groups.sample(step % self.bins, n)
+        keep = poisson_positions(_rng(self.seed, _CYCLIC, step), len(group), self.sampling_prob)
+        return group[keep]
+
+    def expected_size(self, n: int) -> float:
+        return self.sampling_prob * n / self.bins
+
+
 SHUFFLE_CAVEAT = (
     "ACCOUNTING DOES NOT MATCH SAMPLING: fixed-size shuffled cohorts are accounted as Poisson "
     "sampling; the reported epsilon is not a privacy guarantee"
@@ -444,7 +473,7 @@ def make_sampler(
 ) -> Sampler:
     """The sampler of a scheme (:class:`~userdp.accounting.facts.Sampling`): ``poisson`` and
     ``shuffle`` need ``sampling_prob``; ``padding`` needs ``sampling_prob`` and ``cohort_cap``;
-    the balls-in-bins schemes need ``bins``. ``seed=None``: a secret seed."""
+    the balls-in-bins schemes need ``bins``; ``cyclic-poisson`` needs ``bins`` and ``sampling_prob``. ``seed=None``: a secret seed."""
     try:
         scheme = Sampling(sampling)
     except ValueError:
@@ -461,6 +490,8 @@ def make_sampler(
     if scheme in (Sampling.BALLS_IN_BINS_FIXED, Sampling.BALLS_IN_BINS_EPOCH):
         return BallsInBinsSampler(need("bins", bins), scheme, seed)
     q = need("sampling_prob", sampling_prob)
+    if scheme is Sampling.CYCLIC_POISSON:
+        return CyclicPoissonSampler(need("bins", bins), q, seed)
     if scheme is Sampling.SHUFFLE:
         return ShuffleSampler(q, seed)
     if scheme is Sampling.PADDING:

@@ -8,7 +8,9 @@ they pass in. The order is the privacy contract:
 
 1. the step's mechanism is checked against the ledger's budget before any work;
 2. the strategy samples the cohort (data-independent) and configures the task;
-3. the caller gathers the sum of CLIPPED unit updates, exactly once per unit;
+3. the caller gathers the sum of CLIPPED unit updates, exactly once per unit (and every unit's
+   own update for a strategy with ``needs_unit_updates``, which only a caller that says
+   ``unit_updates=True`` gathers; the others refuse it before any work);
 4. the strategy privatizes it (fresh noise; a retried step draws new noise);
 5. the ledger records the mechanism — fsync'd — BEFORE anything derived from the release leaves
    (a replayed step that was charged before a crash is not charged again);
@@ -85,10 +87,14 @@ class ExecutionOptions:
 
 @dataclass(frozen=True)
 class Gathered:
-    """The clipped sum of one step's units, gathered exactly once, and the workers' counts."""
+    """The clipped sum of one step's units, gathered exactly once, and the workers' counts.
+
+    ``units``: every unit's own clipped update (unit id → tensor dict), gathered only for a
+    strategy with ``needs_unit_updates``; None otherwise."""
 
     sums: Mapping[str, Any]
     stats: ClipStatistics
+    units: Mapping[str, Mapping[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,9 +124,17 @@ def begin_step(
     options: ExecutionOptions | None = None,
     charge: bool = True,
     on_phase: Phase | None = None,
+    unit_updates: bool = False,
 ) -> PlannedStep:
     """Steps 1–2: the budget check (skipped for a replay, ``charge=False``), the cohort and the
-    task every worker of the step gets."""
+    task every worker of the step gets. ``unit_updates``: the caller's gather returns every
+    unit's own update (:attr:`Gathered.units`); a strategy that needs them is refused without."""
+    if strategy.needs_unit_updates and not unit_updates:
+        raise StrategyError(
+            f"{type(strategy).__name__} needs every user's own clipped update, which only the "
+            "in-process step gathers (workers of a coordinator return one sum per task): run "
+            "it with `userdp simulate --in-process` or choose another strategy.name"
+        )
     mechanism = strategy.mechanism()
     check = getattr(ledger, "check_budget", None)
     if charge and check is not None and getattr(ledger, "budget", True) is not None:
@@ -155,6 +169,13 @@ def finish_step(
     if test_only_disable_noise:
         log.warning("step %d: NOT PRIVATE: noise disabled (test-only mode)", step)
         release = Release(step, cohort, dict(gathered.sums))
+    elif strategy.needs_unit_updates:
+        if gathered.units is None:
+            raise StrategyError(
+                f"step {step}: {type(strategy).__name__} needs every unit's update; the gather "
+                "returned only their sum"
+            )
+        release = strategy.privatize_units(step, gathered.units, gathered.stats, cohort)
     else:
         release = strategy.privatize(step, gathered.sums, gathered.stats, cohort)
     _phase(on_phase, "ledger")
@@ -186,12 +207,20 @@ def run_step(
     on_phase: Phase | None = None,
     on_release: Callable[[Release], None] | None = None,
     test_only_disable_noise: bool = False,
+    unit_updates: bool = False,
 ) -> tuple[PlannedStep, Gathered, Release]:
     """One whole step (the module docstring): :func:`begin_step`, ``gather(planned)``,
     :func:`finish_step`. An exception from ``gather`` (an aborted step) leaves nothing drawn,
-    charged or released."""
+    charged or released. ``unit_updates``: see :func:`begin_step`."""
     planned = begin_step(
-        strategy, step, population, ledger, options=options, charge=charge, on_phase=on_phase
+        strategy,
+        step,
+        population,
+        ledger,
+        options=options,
+        charge=charge,
+        on_phase=on_phase,
+        unit_updates=unit_updates,
     )
     gathered = gather(planned)
     release = finish_step(

@@ -62,9 +62,13 @@ class DataConfig(_Section):
     """Number of users of the embedded synthetic corpus when ``shards`` is not set."""
     eval_fraction: Annotated[float, _interval(0.0, 1.0, lo_open=False, hi_open=True)] = 0.1
     """Fraction of users held out (user-level split) for evaluation; they are never trained on."""
-    selection: Literal["random", "longest", "shortest", "random_chunk"] = "random"
+    selection: Literal[
+        "random", "longest", "shortest", "random_chunk", "highest_ppl", "lowest_ppl"
+    ] = "random"
     """How a user's examples are chosen each step (the selection strategies of "Mind the Privacy
-    Unit! User-Level Differential Privacy for Language Model Fine-Tuning")."""
+    Unit! User-Level Differential Privacy for Language Model Fine-Tuning", §4.1, §5.1).
+    ``highest_ppl`` / ``lowest_ppl`` rank them by perplexity under the initial model, which each
+    worker computes once at start (docs/data.md); user-level strategies only."""
     seq_len: PositiveInt = 128
     """Maximum tokens per example fed to the model."""
 
@@ -231,6 +235,7 @@ BUILTIN_STRATEGIES: tuple[str, ...] = (
     "adaptive-clipping",
     "randomized-clipping",
     "blt-dp-ftrl",
+    "user-wise-filter",
 )
 PLUGIN_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
@@ -256,10 +261,20 @@ class StrategyConfig(_Section):
     """Plugins only: the folder the plugin module is imported from (before ``PYTHONPATH``);
     default: the config file's folder."""
     sampling: Literal[
-        "poisson", "balls-in-bins-fixed", "balls-in-bins-epoch", "shuffle", "padding"
+        "poisson",
+        "balls-in-bins-fixed",
+        "balls-in-bins-epoch",
+        "cyclic-poisson",
+        "shuffle",
+        "padding",
     ] = "poisson"
     sampling_prob: Probability = 0.05
-    """q: each user (ULS) or example of D_sub (ELS) is included in a step with this probability."""
+    """q: each user (ULS) or example of D_sub (ELS) is included in a step with this probability
+    (``cyclic-poisson``: the rate within the step's group)."""
+    bands: PositiveInt | None = None
+    """blt-dp-ftrl with ``sampling = "cyclic-poisson"`` only (required there): b̂, the number of
+    user groups; step t samples group t mod b̂ and C is a banded matrix with b̂ bands optimized
+    for the run (accounted as banded matrix factorization with cyclic Poisson sampling)."""
     group_size: PositiveInt = 8
     """G: examples per user per step (ULS) or the contribution bound per user (ELS)."""
     clip_norm: Positive = 1.0
@@ -271,7 +286,11 @@ class StrategyConfig(_Section):
     research reruns: the report then says the seed was given (``output.seed`` never seeds it)."""
     engine: Literal["loop", "vectorized", "randomized"] = "vectorized"
     probes: PositiveInt = 32
-    """k: Hutchinson probes for the randomized engine."""
+    """k: probes for the randomized engine (Hutch++: k per probe matrix)."""
+    estimator: Literal["hutchinson", "hutch++"] = "hutchinson"
+    """randomized-clipping only: the norm estimator. ``hutch++`` costs four k-wide passes and a
+    QR per unit and weight instead of one pass, and is exact when a gradient has rank ≤ k; both
+    are accounted with the same envelope (k = ``probes``)."""
     server_optimizer: Literal["sgd", "momentum", "adam", "adafactor"] = "adam"
     server_lr: Positive = 1e-3
     momentum: Annotated[float, _interval(0.0, 1.0, lo_open=False)] = 0.9
@@ -279,6 +298,9 @@ class StrategyConfig(_Section):
     """DP-FedAvg only: local optimizer steps per user before the model delta is clipped."""
     local_lr: Positive = 0.1
     """DP-FedAvg only: learning rate of the users' local SGD steps."""
+    concentration_threshold: Positive | None = None
+    """τ, user-wise-filter only (required there): the L2 radius within which users' clipped
+    gradients count as concentrated; the noise scales with τ instead of ``clip_norm``."""
 
 
 class PrivacyConfig(_Section):
@@ -330,6 +352,10 @@ class WorkersConfig(_Section):
     squared norm by 2.3e-4 relative over 50257 terms on an H100, so every norm is inflated by
     0.1% (clipping slightly harder) to cover it. That margin is measured, not proven: keep the
     default (false) where the clip bound must hold to float32 rounding (docs/worker.md)."""
+    cache_dir: str | None = None
+    """Where a worker caches the per-example perplexities of ``data.selection = "highest_ppl" |
+    "lowest_ppl"`` (keyed by model and shard sha256); default: ``cache/`` in the shard folder.
+    Set it when the shards are read-only; the cache is as private as the shards."""
 
 
 class OutputConfig(_Section):
@@ -391,11 +417,29 @@ def parse_config(raw: dict[str, Any]) -> Config:
             f"strategy.{key} is for plugin strategies (name = 'package.module:ClassName'); the "
             f"built-in {strategy.name!r} takes the [strategy] keys"
         )
+    from userdp.clients.selection import PERPLEXITY_SELECTIONS
+
+    if config.data.selection in PERPLEXITY_SELECTIONS and strategy.name in ("els", "group-privacy"):
+        raise ConfigError(
+            f"data.selection = {config.data.selection!r} ranks a user's examples for user-level "
+            f"units, but strategy.name = {strategy.name!r} trains on example units of a subset "
+            "the coordinator draws uniformly; use a user-level strategy (uls, dp-fedavg, ...) or "
+            "data.selection = 'random'"
+        )
+    _check_user_wise_filter(strategy)
     workers = config.workers
     if workers.replicas > workers.count:
         raise ConfigError(
             f"workers.replicas = {workers.replicas} > workers.count = {workers.count}: each shard "
             "needs that many distinct workers; lower workers.replicas or raise workers.count"
+        )
+    cyclic = strategy.sampling == "cyclic-poisson"
+    if cyclic != (strategy.bands is not None) or (cyclic and strategy.name != "blt-dp-ftrl"):
+        raise ConfigError(
+            "strategy.sampling = 'cyclic-poisson' and strategy.bands go together, with "
+            "strategy.name = 'blt-dp-ftrl' (banded C, accounted as banded matrix factorization "
+            f"with cyclic Poisson sampling); got name {strategy.name!r}, sampling "
+            f"{strategy.sampling!r}, bands {strategy.bands!r}"
         )
     if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
         raise ConfigError(
@@ -403,6 +447,29 @@ def parse_config(raw: dict[str, Any]) -> Config:
             "privacy.allow_unaccounted_sampling = true to run it anyway (the report will say so)"
         )
     return config
+
+
+def _check_user_wise_filter(strategy: StrategyConfig) -> None:
+    """``user-wise-filter`` takes every user in every step and needs τ; τ means nothing elsewhere."""
+    name = strategy.name
+    if name != "user-wise-filter":
+        if strategy.concentration_threshold is not None:
+            raise ConfigError(
+                "strategy.concentration_threshold is for strategy.name = 'user-wise-filter'; "
+                f"remove it for {name!r}"
+            )
+        return
+    if strategy.concentration_threshold is None:
+        raise ConfigError(
+            "strategy.name = 'user-wise-filter' needs strategy.concentration_threshold (tau, the "
+            "L2 radius of concentrated user gradients; the noise scales with it)"
+        )
+    if strategy.sampling != "poisson" or strategy.sampling_prob != 1.0:
+        raise ConfigError(
+            "strategy.name = 'user-wise-filter' uses every user in every step: set "
+            "strategy.sampling = 'poisson' and strategy.sampling_prob = 1.0, got "
+            f"{strategy.sampling!r} with {strategy.sampling_prob:g}"
+        )
 
 
 def load_config(path: str | Path, *, local_files: bool = True) -> Config:

@@ -205,15 +205,41 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
         )
     elif s.name == "randomized-clipping":
         poisson_only(s.name)
-        strategy = builtins.RandomizedClipping(probes=s.probes, **uls)
+        strategy = builtins.RandomizedClipping(probes=s.probes, estimator=s.estimator, **uls)
+    elif s.name == "blt-dp-ftrl" and s.sampling == "cyclic-poisson":
+        if s.bands is None:
+            raise ValueError(
+                "strategy.sampling = 'cyclic-poisson' needs strategy.bands (b̂: user groups "
+                "and bands of C)"
+            )
+        strategy = BltDpFtrl(
+            bins=s.bands,
+            epochs=max(1, math.ceil(s.steps / s.bands)),
+            bands=s.bands,
+            sampling_prob=s.sampling_prob,
+            **common,
+        )
     elif s.name == "blt-dp-ftrl":
         if s.sampling != "balls-in-bins-fixed":
             raise ValueError(
                 "strategy.name = 'blt-dp-ftrl' needs strategy.sampling = 'balls-in-bins-fixed' "
-                "(bins fixed for the run, as its Monte Carlo accountant assumes)"
+                "(bins fixed for the run, as its Monte Carlo accountant assumes) or "
+                "'cyclic-poisson' with strategy.bands (banded C)"
             )
         bins, epochs = _bins(s.sampling_prob, s.steps)
         strategy = BltDpFtrl(bins=bins, epochs=epochs, **common)
+    elif s.name == "user-wise-filter":
+        from userdp.strategies.user_filter import UserWiseFilter
+
+        common.pop("seed")  # every user in every step: no sampler randomness
+        strategy = UserWiseFilter(
+            concentration_threshold=s.concentration_threshold,
+            epsilon=config.privacy.epsilon,
+            delta=config.privacy.delta or default_delta(num_users),
+            steps=s.steps,
+            group_size=s.group_size,
+            **common,
+        )
     else:  # the config schema admits only the names above
         raise ValueError(f"unknown strategy.name {s.name!r}")
     return _noise_mode(strategy, config)

@@ -38,6 +38,7 @@ TABLE = [
     ("padding", "user", "zero-out one user", True, ["zero-out", "add/remove"]),
     ("balls-in-bins-fixed", "user", "add/remove one user", True, ["fixed for the whole run"]),
     ("balls-in-bins-epoch", "user", "add/remove one user", True, ["redrawn every epoch"]),
+    ("cyclic-poisson", "user", "add/remove one user", True, ["fewer diagonals than"]),
 ]
 
 

@@ -583,3 +583,65 @@ def mutation_per_epoch_composes_one_epoch_fewer(monkeypatch):
         original(self, counts[:-1] if counts.shape[0] > 1 else counts, lo, step)
 
     monkeypatch.setattr(composed_losses.ComposedLosses, "__init__", init)
+
+
+# ---------------------------------------------------------------------------------------------
+# user-wise DP-SGD with filter
+
+
+@pytest.fixture
+def mutation_user_filter_noise_without_log_factor(monkeypatch):
+    """The filter's sensitivity bound taken as τ/N, without √(8 log(e^ε T/δ)) (the noise then
+    covers the filtered mean only when nothing fails, not at the stated δ)."""
+    from userdp.accounting import user_filter
+
+    def sensitivity(concentration_threshold, num_users, epsilon, delta, steps):
+        return concentration_threshold / num_users
+
+    monkeypatch.setattr(user_filter, "filter_sensitivity", sensitivity)
+
+
+@pytest.fixture
+def mutation_above_threshold_noise_halved(monkeypatch):
+    """AboveThreshold's Laplace scales Δ/ε and 2Δ/ε instead of 2Δ/ε and 4Δ/ε."""
+    from userdp.strategies.above_threshold import AboveThreshold
+
+    monkeypatch.setattr(
+        AboveThreshold, "threshold_scale", property(lambda self: self.sensitivity / self.epsilon)
+    )
+    monkeypatch.setattr(
+        AboveThreshold, "query_scale", property(lambda self: 2 * self.sensitivity / self.epsilon)
+    )
+
+
+@pytest.fixture
+def mutation_concentration_sensitivity_over_n(monkeypatch):
+    """The concentration score's sensitivity taken as 2/N (the score is divided by N), so
+    AboveThreshold's noise is N times too small."""
+    from userdp.accounting import user_filter
+
+    monkeypatch.setattr(user_filter, "CONCENTRATION_SCORE_SENSITIVITY", 2.0 / 100)
+
+
+@pytest.fixture
+def mutation_user_filter_accountant_drops_above_threshold(monkeypatch):
+    """The accountant charges only the Gaussian steps, not AboveThreshold's ε/2."""
+    import dataclasses as dc
+
+    from userdp.accounting import user_filter
+
+    original = user_filter.epsilon
+
+    def epsilon(mechanism, steps, delta, **kwargs):
+        free = dc.replace(mechanism, above_threshold_epsilon=1e-300)
+        return original(free, steps, delta, **kwargs)
+
+    monkeypatch.setattr(user_filter, "epsilon", epsilon)
+
+
+@pytest.fixture
+def mutation_banded_poisson_ignores_column_norm(monkeypatch):
+    """The banded-Poisson accountant treats C as if its columns had norm 1 (σ, not σ/‖c‖)."""
+    from userdp.accounting import banded_poisson
+
+    monkeypatch.setattr(banded_poisson, "column_norm", lambda correlation, bands, steps: 1.0)

@@ -27,6 +27,7 @@ from . import checks_gather as gather
 from . import checks_model_noise as model_noise
 from . import checks_noise as noise
 from . import checks_sampling as sampling
+from . import checks_user_filter as user_filter
 
 
 def _no_tmp(check: Callable[[], None]) -> Callable[[object], None]:
@@ -77,6 +78,12 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "report_epsilon_els": partial(sampling.check_report_epsilon_matches_dp_accounting, "els"),
     "report_epsilon_blt": sampling.check_blt_report_epsilon_matches_quadrature,
     "report_epsilon_per_epoch": sampling.check_per_epoch_report_epsilon_composes_every_epoch,
+    "banded_poisson_epsilon": _no_tmp(sampling.check_banded_poisson_epsilon_matches_the_mechanism),
+    "user_filter_noise_magnitude": _no_tmp(user_filter.check_user_filter_noise_magnitude),
+    "user_filter_above_threshold_halting": _no_tmp(
+        user_filter.check_above_threshold_halting_probability
+    ),
+    "user_filter_ledger_epsilon": _no_tmp(user_filter.check_user_filter_ledger_epsilon),
 }
 
 
@@ -363,6 +370,12 @@ CASES: list[Case] = [
     ),
     *_cases(
         "accountant given wrong noise correlation",
+        "mutation_banded_poisson_ignores_column_norm",
+        r"wrong noise correlation or rounds",
+        "banded_poisson_epsilon",
+    ),
+    *_cases(
+        "accountant given wrong noise correlation",
         "mutation_blt_mechanism_without_correlation",
         r"the report says ε",
         "report_epsilon_blt",
@@ -397,6 +410,31 @@ CASES: list[Case] = [
         r"calibration was given the wrong steps or q",
         "config_calibration_matches_run",
     ),
+    # --- user-wise DP-SGD with filter (Asi & Liu) ------------------------------------------------
+    *_cases(
+        "user-wise filter: noise std missing √(8 log(e^ε T/δ))",
+        "mutation_user_filter_noise_without_log_factor",
+        r"filtered mean: noise std is",
+        "user_filter_noise_magnitude",
+    ),
+    *_cases(
+        "AboveThreshold noise too small for its ε",
+        "mutation_above_threshold_noise_halved",
+        r"AboveThreshold halted .* its noise is too small or too large",
+        "user_filter_above_threshold_halting",
+    ),
+    *_cases(
+        "AboveThreshold noise too small for its ε",
+        "mutation_concentration_sensitivity_over_n",
+        r"AboveThreshold halted .* its noise is too small or too large",
+        "user_filter_above_threshold_halting",
+    ),
+    *_cases(
+        "accountant omits AboveThreshold's ε",
+        "mutation_user_filter_accountant_drops_above_threshold",
+        r"AboveThreshold's ε/2",
+        "user_filter_ledger_epsilon",
+    ),
 ]
 
 REQUIRED_BUGS = frozenset(
@@ -424,6 +462,9 @@ REQUIRED_BUGS = frozenset(
         "noise released in raw floating point",
         "report misstates the noise generator",
         "accountant given wrong noise correlation",
+        "user-wise filter: noise std missing √(8 log(e^ε T/δ))",
+        "AboveThreshold noise too small for its ε",
+        "accountant omits AboveThreshold's ε",
     }
 )
 
