@@ -14,9 +14,10 @@ Three clipping engines behind :meth:`ClippingEngine.clipped_sum` (docs/worker.md
 - ``loop``: one forward/backward per unit (reference, always correct).
 - ``vectorized``: many units per micro-batch; exact per-unit norms from per-layer factors
   captured by hooks, then the clipped sum by book-keeping (:mod:`userdp.clients.ghost`).
-- ``randomized``: the same pass with Hutchinson norm ESTIMATES from fresh Gaussian probes
-  (DP-SGD-RC, "Efficient DP-SGD for LLMs with Randomized Clipping"; :mod:`userdp.clients.sketch`);
-  only for the randomized-clipping strategy, whose accountant covers the estimate.
+- ``randomized``: the same pass with norm ESTIMATES from fresh Gaussian probes, Hutchinson or
+  Hutch++ (DP-SGD-RC, "Efficient DP-SGD for LLMs with Randomized Clipping";
+  :mod:`userdp.clients.sketch`); only for the randomized-clipping strategy, whose accountant
+  covers the estimate.
 
 With ``local_steps ≥ 1`` (DP-FedAvg) the clipped quantity is each unit's local model delta
 (:mod:`userdp.clients.fedavg`).
@@ -46,7 +47,7 @@ from userdp.clients.distributed import (
 )
 from userdp.clients.fedavg import fedavg_clipped_sum
 from userdp.clients.ghost import vectorized_clipped_sum
-from userdp.clients.sketch import GaussianProbes
+from userdp.clients.sketch import SKETCHES, GaussianProbes
 
 __all__ = [
     "ENGINES",
@@ -67,7 +68,8 @@ class ClippingEngine:
     module: the torch model (for DeepSpeed, the engine's ``.module``); its trainable
         ``named_parameters()`` (tied parameters once) are the keys of ``sums``.
     engine: default clipping engine; a task may name another one per call.
-    probes: default Hutchinson probes k for ``randomized``.
+    probes: default probes k for ``randomized`` (Hutch++: k per probe matrix, S and P).
+    estimator: default norm estimator for ``randomized``: ``"hutchinson"`` or ``"hutch++"``.
     token_budget: default padded tokens per micro-batch.
     pad_id: token id written into padded positions (never a target).
     tensor_core_matmul: vectorized engines on a bf16 CUDA model: bf16 tensor-core GEMMs for the
@@ -81,6 +83,7 @@ class ClippingEngine:
         *,
         engine: str = "vectorized",
         probes: int = 32,
+        estimator: str = "hutchinson",
         token_budget: int = 8192,
         pad_id: int = 0,
         deepspeed_engine: Any = None,
@@ -89,6 +92,7 @@ class ClippingEngine:
         self.module = module
         self.engine = self._engine_name(engine)
         self.probes = int(probes)
+        self.estimator = self._estimator_name(estimator)
         self.token_budget = int(token_budget)
         self.pad_id = int(pad_id)
         self.deepspeed_engine = deepspeed_engine
@@ -112,6 +116,12 @@ class ClippingEngine:
             raise EngineError(f"engine {name!r} is not one of {ENGINES} (or 'ghost')")
         return name
 
+    @staticmethod
+    def _estimator_name(name: str) -> str:
+        if name not in SKETCHES:
+            raise EngineError(f"estimator {name!r} is not one of {tuple(SKETCHES)}")
+        return name
+
     def trainable_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.params)
 
@@ -127,11 +137,13 @@ class ClippingEngine:
         local_lr: float = 0.0,
         local_batch_size: int = 0,
         probe_seed: int | None = None,
+        estimator: str | None = None,
     ) -> ClippedSum:
         """Σ_u clip(g_u, C) over ``units`` and its statistics (:class:`ClippedSum`).
 
         engine/token_budget: per-task overrides (None, "" or 0 = the engine's defaults).
-        probes: Hutchinson probes k for ``randomized`` (None = the default; 0 = exact norms).
+        probes: probes k for ``randomized`` (None = the default; 0 = exact norms).
+        estimator: ``"hutchinson"`` or ``"hutch++"`` for ``randomized`` (None = the default).
         local_steps ≥ 1: DP-FedAvg (:mod:`userdp.clients.fedavg`): the clipped quantity is each
             unit's model delta after ``local_steps`` SGD steps (``local_lr``, batches of
             ``local_batch_size`` examples, 0 = all); norms are exact whatever ``engine`` says.
@@ -152,6 +164,7 @@ class ClippingEngine:
                 local_lr,
                 local_batch_size,
                 probe_seed,
+                estimator,
                 rank,
                 world_size,
             )
@@ -182,6 +195,7 @@ class ClippingEngine:
         local_lr: float,
         local_batch_size: int,
         probe_seed: int | None,
+        estimator: str | None,
         rank: int,
         world_size: int,
     ) -> ClippedSum:
@@ -189,6 +203,7 @@ class ClippingEngine:
         name = self._engine_name(engine) if engine else self.engine
         budget = int(token_budget) if token_budget else self.token_budget
         k = self.probes if probes is None else int(probes)
+        sketch = self._estimator_name(estimator) if estimator else self.estimator
         prepared = prepare_units(units, self.max_positions)
         mine = list(range(len(prepared)))
         if world_size > 1:
@@ -214,7 +229,7 @@ class ClippingEngine:
         else:
             probe_source = None
             if name == "randomized" and k > 0:  # k = 0: exact norms (the proto's "0 = exact")
-                probe_source = GaussianProbes(k, seed=probe_seed)
+                probe_source = GaussianProbes(k, seed=probe_seed, estimator=sketch)
             verified = vectorized_clipped_sum(
                 self.module,
                 self.params,
@@ -244,11 +259,12 @@ def build_engine(
     Builds the model (``model`` section; ``data.seq_len`` context), wraps it with DeepSpeed (the
     ``model.deepspeed_config`` JSON if given, ZeRO ``model.zero_stage`` unless that file sets
     one, bf16 when ``model.dtype = "bf16"``) unless ``use_deepspeed`` is False
-    (in-process tests and tools), and takes the engine, probes and token budget from
-    ``strategy.engine``, ``strategy.probes`` and ``workers.token_budget``. Its initial weights
-    are replaced by the coordinator's broadcast; ``seed`` (default ``output.seed``, else 0) only
-    makes research runs reproducible. ``on_phase`` hears the start-up phases (loading the
-    model, building DeepSpeed ops, initializing DeepSpeed) for worker progress reports."""
+    (in-process tests and tools), and takes the engine, probes, estimator and token budget from
+    ``strategy.engine``, ``strategy.probes``, ``strategy.estimator`` and
+    ``workers.token_budget``. Its initial weights are replaced by the coordinator's broadcast;
+    ``seed`` (default ``output.seed``, else 0) only makes research runs reproducible.
+    ``on_phase`` hears the start-up phases (loading the model, building DeepSpeed ops,
+    initializing DeepSpeed) for worker progress reports."""
     from userdp.clients.model import build_model, model_shape
 
     shape = model_shape(manifest, config.data.seq_len)
@@ -282,6 +298,7 @@ def build_engine(
         module,
         engine=config.strategy.engine,
         probes=config.strategy.probes,
+        estimator=config.strategy.estimator,
         token_budget=config.workers.token_budget,
         pad_id=pad_id,
         tensor_core_matmul=config.workers.tensor_core_matmul,

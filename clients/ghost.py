@@ -49,6 +49,9 @@ summed as sketches before squaring). Its law is Σ_j λ_j χ²_j(k)/k over the s
 norms (a deterministic term: the limit of many small χ² components). The accountant
 (accounting/randomized_clipping.py) bounds Z = ‖g‖/√n̂ by the rank-1 worst case √(k/χ²_k) —
 which covers this law: the exact terms only concentrate it further. c_u = min(1, C/√n̂_u).
+With the Hutch++ estimator (:mod:`userdp.clients.sketch`) a second fresh S per weight gives each
+unit an exact head ‖M_uᵀQ_u‖², Q_u = orth(M_u M_uᵀ S), and P sketches only the residual
+(:func:`userdp.clients.norms.batched_hutchpp_squared_norms`); the same accountant covers it.
 
 Requirements on the model (checked; an unsupported model raises EngineError, use ``loop``): every
 trainable parameter is used through a hooked module call, and every hooked call takes and
@@ -90,12 +93,11 @@ from userdp.clients.norms import (
     Factor,
     Padded,
     batched_exact_squared_norms,
-    batched_sketch_squared_norms,
     exact_matmul,
     materialize,
     tensor_cores_active,
 )
-from userdp.clients.sketch import ProbeSource
+from userdp.clients.sketch import ProbeSource, sketched_squared_norms
 
 
 def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]):
@@ -304,9 +306,11 @@ def _clip_and_add(
     with record_function("userdp.norms"):
         for name, uses in weights.items():
             shape = params[name].shape
-            if probes is not None:
-                probe = probes.draw(shape[0], params[name].device)
-                sq += batched_sketch_squared_norms(uses, probe, padded).to(device)
+            if probes is not None:  # fresh probes per weight (Hutchinson or Hutch++)
+                estimate = sketched_squared_norms(
+                    uses, probes, padded, shape[0], params[name].device
+                )
+                sq += estimate.to(device)
             else:
                 sq += batched_exact_squared_norms(uses, padded, shape).to(device)
         # biases, LayerNorm and generic parameters: materialized per-unit gradients [U, numel]

@@ -9,6 +9,8 @@ weight (two for a tied embedding / LM head). L is dense [n, d0] or onehot (token
   buffer (Li et al. 2021's ghost norm, summed over ALL the unit's tokens: cross-token terms).
 - :func:`exact_squared_norm`: the cheaper of the two (Bu et al. 2023's mixed ghost clipping).
 - :func:`sketch_squared_norm`: n̂ = ‖Mᵀ P‖², the Hutchinson estimate for probes P [d0, k].
+- :func:`batched_hutchpp_squared_norms`: n̂ = ‖MᵀQ‖² + ‖Mᵀ(I − QQᵀ)P‖², the Hutch++ estimate
+  (Q: an orthonormal basis of M Mᵀ S for a second probe matrix S).
 """
 
 from __future__ import annotations
@@ -373,3 +375,112 @@ def batched_sketch_squared_norms(
     if total is None:
         return torch.zeros(n_units, dtype=torch.float64)
     return total.pow(2).sum((1, 2)).double()
+
+
+def _unit_rows(padded: Padded, x: torch.Tensor, units: slice) -> torch.Tensor:
+    """[u, T_max, ...] of ``units``' slots of per-row ``x`` (float32 unless integer), zero past
+    each unit's length (selected by ``where``: a NaN row cannot leak into another unit's
+    padding)."""
+    if x.is_floating_point():
+        x = x.to(torch.float32)
+    index = padded.index[units]
+    if padded.uniform:
+        return x.reshape(*padded.index.shape, *x.shape[1:])[units]
+    inside = index < padded.n
+    rows = x[index.clamp(max=max(padded.n - 1, 0))]
+    mask = inside.view(*inside.shape, *([1] * (rows.dim() - 2)))
+    return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def _left_rows(left: Factor, padded: Padded, units: slice) -> tuple:
+    """A use's L side for ``units``: ('dense', [u, T, d0] float32) or ('ids', [u, T])."""
+    if left.dense is None:
+        return ("ids", _unit_rows(padded, left.index, units))
+    return ("dense", _unit_rows(padded, left.dense, units))
+
+
+def _left_times(left: tuple, basis: torch.Tensor) -> torch.Tensor:
+    """L B per unit: [u, T, k] for a per-unit basis B [u, d0, k] (onehot: gathered rows)."""
+    kind, x = left
+    if kind == "dense":
+        return torch.bmm(x, basis)
+    index = x[:, :, None].expand(-1, -1, basis.shape[2])
+    return torch.gather(basis, 1, index)
+
+
+def _left_transpose_times(left: tuple, rows: torch.Tensor, d0: int) -> torch.Tensor:
+    """Lᵀ Y per unit: [u, d0, k] for rows Y [u, T, k] (onehot: rows scattered into d0 slots)."""
+    kind, x = left
+    if kind == "dense":
+        return torch.bmm(x.transpose(1, 2), rows)
+    count, _, k = rows.shape
+    slots = x + torch.arange(count, device=x.device)[:, None] * d0
+    return scatter_rows(slots.reshape(-1), rows.flatten(0, 1), count * d0).view(count, d0, k)
+
+
+def _sum_terms(terms: Iterator[torch.Tensor]) -> torch.Tensor:
+    """Σ of a non-empty iterable of tensors (no zero start: one buffer fewer than ``sum``)."""
+    terms = iter(terms)
+    total = next(terms)
+    for term in terms:
+        total = total + term
+    return total
+
+
+def batched_hutchpp_squared_norms(
+    uses: Sequence[tuple[Factor, torch.Tensor]],
+    head_probes: torch.Tensor,
+    tail_probes: torch.Tensor,
+    padded: Padded,
+) -> torch.Tensor:
+    """[U] float64 of the Hutch++ estimate per unit (Meyer, Musco, Musco, Woodruff, "Hutch++:
+    Optimal Stochastic Trace Estimation", applied to ‖M‖² = tr(M Mᵀ) as in the randomized-
+    clipping paper), for independent probes S = ``head_probes`` and P = ``tail_probes`` [d0, k],
+    P_ij ~ N(0, 1/k):
+
+        X = Mᵀ S,  Y = M X,  Q = orth(Y)  (reduced QR, per unit),
+        n̂ = ‖MᵀQ‖² + ‖MᵀP − (MᵀQ)(QᵀP)‖²  =  head + ‖Mᵀ(I − QQᵀ)P‖².
+
+    The head is exact on span Q; the tail is a Hutchinson estimate of the residual with probes
+    independent of Q, so E n̂ = ‖M‖², and n̂ = ‖M‖² whenever rank M ≤ k (Q spans M's column
+    space). Four k-wide passes over the unit's rows and one QR per unit, against Hutchinson's
+    one pass. float32 (IEEE under :func:`exact_matmul`); units in chunks whose per-unit buffers
+    ([d0, k] bases, [T, d0] / [T, d1] rows) stay under ``MAX_BUFFER_ELEMENTS``."""
+    n_units, width = padded.index.shape
+    if not uses:
+        return torch.zeros(n_units, dtype=torch.float64)
+    d0, k = tail_probes.shape
+    # L_c S and L_c P use probes shared by every unit: computed once for all rows
+    left_head = [f.times(head_probes) for f, _ in uses]
+    left_tail = [f.times(tail_probes) for f, _ in uses]
+    tail_probes = tail_probes.to(torch.float32)
+    widest = max([d0 * k] + [width * r.shape[1] for _, r in uses])
+    widest = max([widest] + [width * d0 for f, _ in uses if f.dense is not None])
+    chunk = max(1, MAX_BUFFER_ELEMENTS // max(widest, 1))
+    out = []
+    for start in range(0, n_units, chunk):
+        units = slice(start, min(start + chunk, n_units))
+        rights = [_unit_rows(padded, r, units).transpose(1, 2) for _, r in uses]  # [u, d1, T]
+        lefts = [_left_rows(f, padded, units) for f, _ in uses]
+        # X = Mᵀ S [u, d1, k], scaled per unit (only the span of M X matters) so that M X stays
+        # in float32 range for any gradient scale
+        x = _sum_terms(
+            torch.bmm(rt, _unit_rows(padded, ls, units))
+            for rt, ls in zip(rights, left_head, strict=True)
+        )
+        x = x / x.abs().amax((1, 2), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        y = _sum_terms(
+            _left_transpose_times(left, torch.bmm(rt.transpose(1, 2), x), d0)
+            for left, rt in zip(lefts, rights, strict=True)
+        )
+        q = torch.linalg.qr(y, mode="reduced").Q  # [u, d0, min(d0, k)]
+        head = _sum_terms(
+            torch.bmm(rt, _left_times(left, q)) for left, rt in zip(lefts, rights, strict=True)
+        )
+        sketch = _sum_terms(
+            torch.bmm(rt, _unit_rows(padded, lp, units))
+            for rt, lp in zip(rights, left_tail, strict=True)
+        )
+        residual = sketch - torch.bmm(head, torch.matmul(q.transpose(1, 2), tail_probes))
+        out.append(head.pow(2).sum((1, 2)).double() + residual.pow(2).sum((1, 2)).double())
+    return torch.cat(out)

@@ -77,6 +77,7 @@ def task_proto(
         engine=pb.EngineOptions(
             engine=spec.engine,
             probes=spec.probes,
+            estimator=spec.estimator,
             token_budget=spec.token_budget,
             unit=spec.unit,
             local_steps=spec.local_steps,
@@ -97,7 +98,8 @@ class WorkerTask:
 
     ``unit``: ``"user"`` or ``"example"`` (unit ids ``"<user id>/<index>"``). ``group_size``:
     examples per user (None = all). ``engine``, ``probes``, ``token_budget``: None = the worker's
-    configured engine, exact norms, the engine's token budget."""
+    configured engine, exact norms, the engine's token budget. ``estimator``: the randomized
+    engine's norm estimator (an empty wire field is ``"hutchinson"``), None for other engines."""
 
     task_id: str
     attempt: int
@@ -112,6 +114,7 @@ class WorkerTask:
     selection_seed: int
     engine: str | None
     probes: int | None
+    estimator: str | None
     token_budget: int | None
     local_steps: int
     local_lr: float
@@ -122,6 +125,7 @@ class WorkerTask:
         return {
             "engine": self.engine,
             "probes": self.probes,
+            "estimator": self.estimator,
             "token_budget": self.token_budget,
             "local_steps": self.local_steps,
             "local_lr": self.local_lr,
@@ -146,6 +150,7 @@ def task_from_proto(task: pb.Task) -> WorkerTask:
         selection_seed=task.selection_seed,
         engine=options.engine or None,
         probes=options.probes if options.engine == "randomized" else None,
+        estimator=(options.estimator or "hutchinson") if options.engine == "randomized" else None,
         token_budget=options.token_budget or None,
         local_steps=options.local_steps,
         local_lr=options.local_lr,

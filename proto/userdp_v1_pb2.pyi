@@ -199,7 +199,7 @@ class Welcome(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., model_version: _Optional[int] = ..., resync: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class EngineOptions(_message.Message):
-    __slots__ = ("engine", "probes", "token_budget", "unit", "local_steps", "local_lr", "local_batch_size")
+    __slots__ = ("engine", "probes", "token_budget", "unit", "local_steps", "local_lr", "local_batch_size", "estimator")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class EngineOptions(_message.Message):
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_LR_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
     engine: str
     probes: int
     token_budget: int
@@ -214,7 +215,8 @@ class EngineOptions(_message.Message):
     local_steps: int
     local_lr: float
     local_batch_size: int
-    def __init__(self, engine: _Optional[str] = ..., probes: _Optional[int] = ..., token_budget: _Optional[int] = ..., unit: _Optional[str] = ..., local_steps: _Optional[int] = ..., local_lr: _Optional[float] = ..., local_batch_size: _Optional[int] = ...) -> None: ...
+    estimator: str
+    def __init__(self, engine: _Optional[str] = ..., probes: _Optional[int] = ..., token_budget: _Optional[int] = ..., unit: _Optional[str] = ..., local_steps: _Optional[int] = ..., local_lr: _Optional[float] = ..., local_batch_size: _Optional[int] = ..., estimator: _Optional[str] = ...) -> None: ...
 
 class Selection(_message.Message):
     __slots__ = ("strategy", "group_size", "seq_len")

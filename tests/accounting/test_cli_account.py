@@ -163,3 +163,13 @@ def test_balls_in_bins_sampling_prob_other_than_one_over_bins_is_refused(capsys)
     assert main(["account", "epsilon", *BIB, "--sampling-prob", "0.01"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--sampling-prob=0.01" in err[0] and "1/bins" in err[0]
+
+
+def test_randomized_clipping_with_hutch_plus_plus(capsys) -> None:
+    """Hutch++ is accounted by the Hutchinson envelope with its tail probes: same ε, recorded."""
+    argv = ["epsilon", "--mechanism", "randomized-clipping", "--noise-multiplier", "1.5",
+            "--sampling-prob", "0.02", "--steps", "40", "--probes", "16", "--delta", "1e-5"]  # fmt: skip
+    plus = _run_json(capsys, *argv, "--estimator", "hutch++")
+    plain = _run_json(capsys, *argv, "--estimator", "hutchinson")
+    assert plus["mechanism"]["estimator"] == "hutch++"
+    assert plus["epsilon"] == plain["epsilon"]

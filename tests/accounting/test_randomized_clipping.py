@@ -1,5 +1,5 @@
-"""Randomized-clipping (Hutchinson) envelope accountant (Ullah et al., "Efficient DP-SGD for LLMs
-with Randomized Clipping")."""
+"""Randomized-clipping (Hutchinson, Hutch++) envelope accountant (Ullah et al., "Efficient DP-SGD
+for LLMs with Randomized Clipping")."""
 
 from __future__ import annotations
 
@@ -82,10 +82,85 @@ def test_calibration_is_on_the_private_side() -> None:
     assert rc.epsilon(sigma / 1.02, delta=1e-5, **kwargs) > 2.0
 
 
-def test_hutch_plus_plus_is_refused_clearly() -> None:
-    with pytest.raises(NotImplementedError, match="hutch\\+\\+") as info:
-        rc.epsilon(1.0, 0.01, 10, 32, 1e-5, estimator="hutch++")
-    assert isinstance(info.value, ValueError)  # the CLI prints it as a one-line error
+def test_hutch_plus_plus_is_accounted_like_hutchinson_with_its_tail_probes() -> None:
+    """Z_{Hutch++} ≤ max(1, 1/√Y) with Y the k-tail-probe Hutchinson law of the residual (module
+    docstring): the same envelope, so the same ε at the same (σ, q, steps, k)."""
+    from userdp.accounting import RandomizedClippingMechanism, epsilon
+
+    args = (1.5, 0.02, 40, 16, 1e-5)
+    assert rc.epsilon(*args, estimator="hutch++") == rc.epsilon(*args, estimator="hutchinson")
+    plus = RandomizedClippingMechanism(1.5, 0.02, 16, "hutch++")
+    assert plus.to_dict()["estimator"] == "hutch++"
+    assert epsilon(plus, 40, 1e-5) == epsilon(RandomizedClippingMechanism(1.5, 0.02, 16), 40, 1e-5)
+
+
+# ---- the envelope against the engine's Hutch++ -------------------------------------------------
+#
+# Z = ‖M‖/√n̂ from the engine's own Hutch++ (clients/norms.py) on one unit with a chosen spectrum.
+# The check: at every grid point the empirical CDF F̂(z) of n draws is at least F_env(z) minus
+# 5.33 binomial standard errors √(F_env(1 − F_env)/n). If the true CDF F(z) ≥ F_env(z) (the
+# claim), P(F̂ < F_env − 5.33·se) ≤ Φ(−5.33) ≈ 5e-8 per point, the worst case being F = F_env
+# (P(Binomial(n, F) ≤ c) decreases in F); n(1 − F_env) ≥ 60 at the largest z keeps the normal
+# approximation of the binomial honest there. Grid points start at 1.001: exact (head-only)
+# estimates give Z = 1 up to float32 rounding (~1e-6), which must not count as Z > 1.
+ENVELOPE_GRID = np.array([1.001, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5])
+DOMINATION_K, DOMINATION_D, DOMINATION_DRAWS = 4, 24, 1500
+SPECTRA = {
+    "rank-1": [1.0],
+    "flat rank 2k": [1.0] * 8,
+    "decaying j^-1": [1.0 / j for j in range(1, DOMINATION_D + 1)],
+    # full rank and flat: the head captures only k/d = 1/6 of the norm, the tail does the rest
+    "head captures little": [1.0] * DOMINATION_D,
+}
+
+
+def _z_draws(estimator, spectrum, seed: int = 0) -> np.ndarray:
+    from tests.clients.spectra import estimates, spectral_uses
+
+    d, k = DOMINATION_D, DOMINATION_K
+    uses, padded, exact = spectral_uses(spectrum, d, d, seed=seed)
+    n_hat = estimates(estimator, uses, padded, d, k, DOMINATION_DRAWS, seed=seed + 1)
+    return np.sqrt(exact / n_hat)
+
+
+def _dominated(z: np.ndarray, probes: int) -> bool:
+    """F̂_Z(z) ≥ F_env(z) − 5.33 binomial se at every grid point (see the section comment)."""
+    f_env = rc.envelope_cdf(ENVELOPE_GRID, probes)
+    f_hat = (z[None, :] <= ENVELOPE_GRID[:, None]).mean(axis=1)
+    se = np.sqrt(f_env * (1 - f_env) / len(z))
+    return bool(np.all(f_hat >= f_env - 5.33 * se))
+
+
+def test_envelope_cdf_is_z_cons() -> None:
+    assert np.all(rc.envelope_cdf(np.array([0.5, 0.999]), 8) == 0.0)
+    assert rc.envelope_cdf(1.0, 8) == pytest.approx(stats.chi2.sf(8, 8))
+    assert rc.envelope_cdf(2.0, 8) == pytest.approx(stats.chi2.sf(2, 8))
+
+
+@pytest.mark.parametrize("spectrum", list(SPECTRA), ids=list(SPECTRA))
+def test_the_engines_hutchpp_is_dominated_by_the_envelope(spectrum) -> None:
+    from tests.clients.spectra import hutchpp
+
+    assert _dominated(_z_draws(hutchpp, SPECTRA[spectrum]), DOMINATION_K)
+
+
+def test_the_check_is_tight_for_rank_one_hutchinson() -> None:
+    """Rank-1 Hutchinson has EXACTLY the envelope's law on Z ≥ 1: the check passes it, and a
+    20% stretch of Z fails it (the CDF drops by ≥ 0.15 around z = 1.2, about 12 se)."""
+    from tests.clients.spectra import hutchinson
+
+    z = _z_draws(hutchinson, SPECTRA["rank-1"])
+    assert _dominated(z, DOMINATION_K)
+    assert not _dominated(1.2 * z, DOMINATION_K)
+
+
+def test_a_hutchpp_without_its_tail_is_caught() -> None:
+    """MUTATION: n̂ = head only under-estimates a full-rank norm (Z ≈ √(d/k) ≈ 2.4 here); the
+    domination check must refuse it."""
+    from tests.clients.spectra import head_only
+
+    z = _z_draws(head_only, SPECTRA["head captures little"])
+    assert not _dominated(z, DOMINATION_K)
 
 
 @pytest.mark.parametrize(
