@@ -95,6 +95,17 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _correlation(value: Any) -> CorrelationSpec | None:
+    """A mechanism's ``correlation``: None (identity), a CorrelationSpec, or its dict form."""
+    if isinstance(value, Mapping):
+        return CorrelationSpec.from_dict(value)
+    if value is not None and not isinstance(value, CorrelationSpec):
+        raise InvalidMechanismError(
+            f"correlation={value!r} is not allowed; expected None (identity) or a CorrelationSpec"
+        )
+    return value
+
+
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise InvalidMechanismError(f"{name}={value!r} is not allowed; expected one of {allowed}")
@@ -274,13 +285,7 @@ class BallsInBinsMechanism:
         object.__setattr__(self, "bins", _positive_int("bins", self.bins))
         object.__setattr__(self, "epochs", _positive_int("epochs", self.epochs))
         _choice("bin_semantics", self.bin_semantics, BIN_SEMANTICS)
-        corr = self.correlation
-        if isinstance(corr, Mapping):
-            object.__setattr__(self, "correlation", CorrelationSpec.from_dict(corr))
-        elif corr is not None and not isinstance(corr, CorrelationSpec):
-            raise InvalidMechanismError(
-                f"correlation={corr!r} is not allowed; expected None (identity) or a CorrelationSpec"
-            )
+        object.__setattr__(self, "correlation", _correlation(self.correlation))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -403,13 +408,7 @@ class BandedPoissonMechanism:
         )
         object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
         object.__setattr__(self, "bands", _positive_int("bands", self.bands))
-        corr = self.correlation
-        if isinstance(corr, Mapping):
-            object.__setattr__(self, "correlation", CorrelationSpec.from_dict(corr))
-        elif corr is not None and not isinstance(corr, CorrelationSpec):
-            raise InvalidMechanismError(
-                f"correlation={corr!r} is not allowed; expected None (identity) or a CorrelationSpec"
-            )
+        object.__setattr__(self, "correlation", _correlation(self.correlation))
 
     def to_dict(self) -> dict[str, Any]:
         return {
