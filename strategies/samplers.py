@@ -166,6 +166,8 @@ class Sampler(ABC):
             )
         self.seed = int(state["seed"])
         self.seed_was_given = bool(state["seed_was_given"])
+        if hasattr(self, "_cache"):
+            self._cache = None  # an assignment drawn from the previous seed
 
 
 class PoissonSampler(Sampler):
@@ -361,6 +363,13 @@ class CyclicPoissonSampler(Sampler):
 
     def expected_size(self, n: int) -> float:
         return self.sampling_prob * n / self.bins
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "groups": self.groups.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.groups.load_state_dict(state["groups"])
 
 
 SHUFFLE_CAVEAT = (

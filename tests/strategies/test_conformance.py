@@ -60,6 +60,14 @@ BUILTINS = {
     "blt-dp-ftrl-banded": lambda: BltDpFtrl(
         noise_multiplier=SIGMA, clip_norm=CLIP, bins=20, epochs=2, banded_coefs=[1.0, 0.5]
     ),
+    "blt-dp-ftrl-cyclic-poisson": lambda: BltDpFtrl(
+        noise_multiplier=SIGMA,
+        clip_norm=CLIP,
+        bins=4,
+        epochs=75,  # 300 steps: the kit's sampling check runs whole cycles of them
+        banded_coefs=[1.0, 0.5],
+        sampling_prob=0.3,
+    ),
     "blt-dp-ftrl": lambda: BltDpFtrl(
         noise_multiplier=SIGMA, clip_norm=CLIP, bins=20, epochs=2, blt=Blt((0.9,), (0.3,))
     ),
@@ -152,6 +160,15 @@ class BltNoiseNotCorrelated(BltDpFtrl):
         return {k: v + std * self.noise.rng.normal_like(v) for k, v in summed.items()}
 
 
+class CyclicPoissonIgnoresGroups(BltDpFtrl):
+    """Poisson-samples ALL users every step but reports the banded-Poisson accountant (which
+    needs every user's steps b̂ apart)."""
+
+    def sample_cohort(self, step, population):
+        self.sampler = PoissonSampler(0.3, seed=1)
+        return super().sample_cohort(step, population)
+
+
 class NoiseAddedByHand(WarmupUls):
     """The right std from the secure generator, but added as x + std·z: off the grid."""
 
@@ -178,7 +195,17 @@ BUGS = {
     "normalization": [_warmup(DividesByRealizedCohort)],
     "exactly_once": [_warmup(DuplicateUnits)],
     "fresh_noise": [_warmup(FixedNoiseSeed), _warmup(SamplerNotCheckpointed)],
-    "sampling": [_warmup(WrongQInLedger)],
+    "sampling": [
+        _warmup(WrongQInLedger),
+        lambda: CyclicPoissonIgnoresGroups(
+            noise_multiplier=SIGMA,
+            clip_norm=CLIP,
+            bins=4,
+            epochs=75,
+            banded_coefs=[1.0, 0.5],
+            sampling_prob=0.3,
+        ),
+    ],
     "facts": [
         lambda: PaddingClaimsAddRemove(
             noise_multiplier=SIGMA,

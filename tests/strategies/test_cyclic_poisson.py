@@ -110,3 +110,12 @@ def test_simulate_in_process_reports_the_banded_poisson_epsilon(tmp_path):
         BandedPoissonMechanism(**{k: v for k, v in mechanism.items() if k != "kind"}), 4, 1e-5
     )
     assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_restoring_a_state_in_place_samples_like_a_fresh_sampler_of_that_state() -> None:
+    # The group assignment is cached per seed: a restore must not keep the old one.
+    old, saved = CyclicPoissonSampler(4, 0.5, seed=1), CyclicPoissonSampler(4, 0.5, seed=2)
+    old.sample(0, 50)
+    old.load_state_dict(saved.state_dict())
+    for t in range(8):
+        assert np.array_equal(old.sample(t, 50), saved.sample(t, 50))

@@ -320,6 +320,8 @@ class Kit:
             self._poisson_examples(strategy, mechanism)
         elif kind == "balls-in-bins":
             self._balls_in_bins(strategy, mechanism)
+        elif kind == "banded-poisson":
+            self._cyclic_poisson(strategy, mechanism)
         else:
             raise Skip(f"no sampling check for mechanism {kind!r} with {facts.sampling.value!r}")
 
@@ -376,6 +378,28 @@ class Kit:
         assert lo <= total <= hi, (
             f"{total} example inclusions in {SAMPLING_STEPS} steps over |D_sub| = {d_sub} but "
             f"the mechanism says p = {p:g}: outside [{lo}, {hi}]"
+        )
+
+    def _cyclic_poisson(self, strategy: Any, mechanism: Any) -> None:
+        """Cyclic Poisson: a user joins only steps of one residue mod b̂ (its group), and over
+        whole cycles the inclusions are Binomial(N·cycles, p) (the groups partition the users)."""
+        bands, p = int(mechanism.bands), float(mechanism.sampling_prob)
+        cycles = max(1, SAMPLING_STEPS // bands)
+        residue: dict[str, int] = {}
+        total = 0
+        for t, cohort in enumerate(self._cohorts(strategy, cycles * bands)):
+            total += len(cohort)
+            for unit in cohort:
+                seen = residue.setdefault(unit, t % bands)
+                assert seen == t % bands, (
+                    f"user {unit!r} joined steps {seen} and {t} (mod {bands}); the banded-Poisson "
+                    "accountant needs every user's steps to be b̂ apart (one group per user)"
+                )
+        lo, hi = stats.binomial_interval(len(self.population.user_ids) * cycles, p)
+        assert lo <= total <= hi, (
+            f"{total} inclusions in {cycles} cycles of {bands} steps over "
+            f"{len(self.population.user_ids)} users, but the mechanism says p = {p:g} within "
+            f"the group: outside the exact Binomial interval [{lo}, {hi}]"
         )
 
     def _balls_in_bins(self, strategy: Any, mechanism: Any) -> None:
