@@ -31,8 +31,9 @@ computes what a correct mechanism must produce from the strategy's own ledger en
     difference of its release and the original's for the same step is exactly the fresh part.
 ``sampling``
     The sampler draws what the accountant assumes: Poisson users at q (rate and Binomial
-    cohort sizes), example-level Poisson at p over D_sub with at most G examples per user, or
-    each user once per epoch of balls-in-bins.
+    cohort sizes), example-level Poisson at p over D_sub with at most G examples per user,
+    each user once per epoch of balls-in-bins, or cyclic Poisson (every user's steps in one
+    residue mod b̂, inclusions at p within the group).
 ``facts``
     The report's facts agree with the mechanism (sampling scheme, adjacency, the caveat when no
     accountant matches) and the mechanism round-trips through the ledger's JSON.
