@@ -19,8 +19,15 @@ same E·n samples for all n^E sums instead:
   a generalized U-statistic. It is UNBIASED: every term sums E independent copies of Y (one from
   each group).
 * **The grid.** Every sample is rounded UP to a multiple of ``step``, so the convolution is an
-  exact FFT product of histograms. Since K_ε is non-decreasing, rounding up only raises δ̂; the
-  sum moves by less than E·step.
+  FFT product of histograms. Since K_ε is non-decreasing, rounding up only raises δ̂; the sum
+  moves by less than E·step.
+* **Floating point.** The FFT computes each cell of the composed law to within
+  (E + 1)(⌈log₂ S⌉ + 1)·2⁻⁵² (S the transform size): each transform errs by at most
+  log₂S·2⁻⁵³ of the ℓ₁ mass 1 per coefficient, the E-fold product of spectra of modulus ≤ 1 adds
+  the factors' errors, and the inverse transform at most one more. Cells outside the exact
+  support are set to 0. :meth:`ComposedLosses.roundoff_bound` sums the bound over the support
+  above ε. The Estimate-Verify-Release check and the confidence bound add it to δ̂. Measured
+  errors are around 1e-17 per tail, far below the bound.
 * **Error.**
   - By the Hoeffding decomposition of a multi-sample U-statistic,
         Var δ̂ = Σⱼ ζ₁/n + Σ_{|S|≥2} σ²_S/n^{|S|}  ≤  E·ζ₁/n + E[K²]/n²,
@@ -141,9 +148,18 @@ class ComposedLosses:
         spectra = np.fft.rfft(self._pmfs, size, axis=1)
         support = groups * (width - 1) + 1  # the composed grid: s = (E·lo + v)·step
         composed = np.fft.irfft(np.prod(spectra, axis=0), size)[:support]
-        # FFT round-off leaves |errors| ~ 1e-16 where the law has no mass; negative ones are
-        # set to 0 (raising δ̂ by at most that round-off, the conservative side).
+        # The exact law lives between the sums of the groups' lowest and highest cells: the FFT's
+        # round-off outside that range is set to 0, and negative round-off inside it too. Inside
+        # it, each cell can be off by at most `roundoff` either way (module docstring), which
+        # `roundoff_bound` adds up for the certificate.
+        occupied = [np.flatnonzero(row) for row in counts]
+        first = sum(int(o[0]) for o in occupied)
+        last = sum(int(o[-1]) for o in occupied)
+        composed[:first] = 0.0
+        composed[last + 1 :] = 0.0
         self._composed = np.maximum(composed, 0.0)
+        self._last = last
+        self.roundoff = (groups + 1) * (math.ceil(math.log2(size)) + 1) * 2.0**-52
         self._sums = (groups * lo + np.arange(support)) * step
         pooled = self._pmfs.mean(axis=0)
         self._pooled = pooled
@@ -161,6 +177,12 @@ class ComposedLosses:
         """The largest composed loss with positive estimated mass (δ̂ = 0 beyond it)."""
         nonzero = np.flatnonzero(self._composed > 0.0)
         return float(self._sums[nonzero[-1]]) if nonzero.size else 0.0
+
+    def roundoff_bound(self, epsilon: float) -> float:
+        """A bound on the FFT's floating-point error in δ̂(ε): ``roundoff`` per cell of the exact
+        support above ε (K < 1 there)."""
+        cells = self._last - int(np.searchsorted(self._sums, epsilon, side="right")) + 1
+        return self.roundoff * max(cells, 0)
 
     def point(self, epsilon: float) -> float:
         """δ̂(ε) for ε ≥ 0."""

@@ -27,6 +27,7 @@ from userdp.accounting.ledger import group_phases, ledger_state, read_ledger
 
 ADD_REMOVE = "add/remove one {unit}"
 ZERO_OUT = "zero-out one {unit}"
+REPLACE_ONE = "replace one {unit} (N public)"
 
 SHUFFLE_CAVEAT = (
     "Sampling was a fixed-size shuffle, but ε was computed as if sampling were Poisson. "
@@ -98,11 +99,22 @@ SAMPLING_SCHEMES: dict[Sampling, SamplingScheme] = {
     Sampling.SHUFFLE: SamplingScheme(ADD_REMOVE, False, (SHUFFLE_CAVEAT,)),
 }
 
+USER_FILTER_ADJACENCY_CAVEAT = (
+    "User-wise DP-SGD with filter: the filtered mean's noise is calibrated to its sensitivity "
+    "between datasets of the same N users (Asi & Liu), so ε holds when one user's data is "
+    "replaced, with N public; adding or removing a user also moves N·ĝ by up to the clip norm, "
+    "which this noise does not cover."
+)
+
 # Mechanism kinds whose ε carries a caveat of its own, whatever the sampling.
 MECHANISM_CAVEATS: dict[str, tuple[str, ...]] = {
     "group-privacy": (GROUP_PRIVACY_CAVEAT,),
     "balls-in-bins": (MONTE_CARLO_CAVEAT,),
+    "user-wise-filter": (USER_FILTER_ADJACENCY_CAVEAT,),
 }
+
+# Mechanism kinds whose analysis holds under another adjacency than the sampling's.
+MECHANISM_ADJACENCY: dict[str, str] = {"user-wise-filter": REPLACE_ONE}
 
 UNITS = tuple(u.value for u in Unit)
 
@@ -209,7 +221,10 @@ def assumptions(unit: str, sampling: str, mechanism_kinds: list[str]) -> tuple[s
     for kind in dict.fromkeys(mechanism_kinds):
         caveats += list(MECHANISM_CAVEATS.get(kind, ()))
     caveats.append(NON_PRIVATE_HYPERPARAMETERS_CAVEAT)
-    return scheme.adjacency.format(unit=unit), scheme.accounting_matches_sampling, caveats
+    adjacency = scheme.adjacency
+    for kind in mechanism_kinds:
+        adjacency = MECHANISM_ADJACENCY.get(kind, adjacency)
+    return adjacency.format(unit=unit), scheme.accounting_matches_sampling, caveats
 
 
 def _sampling(sampling: str) -> Sampling:

@@ -222,3 +222,10 @@ def test_all_secure_records_give_a_secure_report_with_no_noise_caveat(tmp_path):
     report = build_report(path, 1e-6, unit="user", sampling="poisson", secure_noise=None)
     assert report.secure_noise is True
     assert not [c for c in report.caveats if "released steps drew" in c]
+
+
+def test_user_wise_filter_is_reported_under_replace_one_adjacency():
+    adjacency, matches, caveats = assumptions("user", "poisson", ["user-wise-filter"])
+    assert adjacency == "replace one user (N public)" and matches
+    assert any("adding or removing a user" in c for c in caveats)
+    assert assumptions("user", "poisson", ["uls"])[0] == "add/remove one user"

@@ -191,3 +191,28 @@ def test_an_empty_wire_estimator_means_hutchinson():
     task = pb.Task(engine=pb.EngineOptions(engine="randomized", probes=8))
     assert task_from_proto(task).estimator == "hutchinson"
     assert task_from_proto(pb.Task(engine=pb.EngineOptions(engine="vectorized"))).estimator is None
+
+
+def test_the_engines_hutchpp_draws_the_tail_probes_apart_from_the_head_probes():
+    # The accountant's argument needs P independent of S (hence of Q): the engine's sketch must
+    # draw two fresh probe matrices per weight, S first, and use the second as P.
+    from userdp.clients.sketch import sketched_squared_norms
+
+    class Recording(GaussianProbes):
+        def __init__(self):
+            super().__init__(6, estimator="hutch++", seed=4)
+            self.draws = []
+
+        def draw(self, dim, device):
+            probe = super().draw(dim, device)
+            self.draws.append(probe.clone())
+            return probe
+
+    uses, padded, shape = _tied_units([30, 12, 25])
+    source = Recording()
+    got = sketched_squared_norms(uses, source, padded, shape[0], CPU)
+    assert len(source.draws) == 2
+    head, tail = source.draws
+    assert not torch.equal(head, tail)
+    expected = batched_hutchpp_squared_norms(uses, head, tail, padded)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

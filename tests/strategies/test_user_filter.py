@@ -382,6 +382,9 @@ def test_simulate_in_process_trains_and_the_report_names_the_mechanism(tmp_path)
     assert result.stopped == "finished" and result.steps_done == 3
     report = json.loads((result.run_dir / "privacy_report.json").read_text())
     assert report["mechanism"]["kind"] == "user-wise-filter"
+    # the filter's noise covers replacing one user's data with N fixed, not adding a user
+    assert report["adjacency"] == "replace one user (N public)"
+    assert any("moves N·ĝ by up to the clip norm" in c for c in report["caveats"])
     assert report["mechanism"]["above_threshold_epsilon"] == 10.0
     assert 10.0 < report["epsilon"] <= 20.0  # ε/2 of AboveThreshold + the Gaussian steps
     assert any("Budget split of user-wise DP-SGD with filter" in c for c in report["caveats"])
