@@ -14,12 +14,16 @@ INTERLEAVED round by round (a shared machine drifts), after one warm-up call eac
 the fastest of ``--repeat`` rounds. Memory: one child process per mode (so the peak is its own),
 one call after a warm-up; peak = RSS sampled every 2 ms above the RSS just before the call (CPU),
 or ``torch.cuda.max_memory_allocated`` above the allocation before it (GPU). Prints JSON, then a
-markdown table.
+markdown table. ``--profile`` adds, per token set and mode, one call under ``torch.profiler``
+after the timed rounds (not timed): the top ops by self time, with the engines' phases
+(``userdp.forward``, ``userdp.output_backward``, ``userdp.norms``, ``userdp.bookkeeping``), to
+stderr.
 
     .venv/bin/python benchmarks/worker.py                   # GPT-2-small, 64 users, G=8, seq 128
     .venv/bin/python benchmarks/worker.py --quick           # gpt2-tiny, 16 users, G=4, seq 64
     .venv/bin/python benchmarks/worker.py --preset gpt2-small --users 4 --group-size 4
     .venv/bin/python benchmarks/worker.py --preset llama-small --lora-rank 0,8   # Llama-shaped
+    .venv/bin/python benchmarks/worker.py --quick --skip-long --profile 2> profile.txt
 
 ``--preset llama-small`` is Llama-shaped near GPT-2 small's size (12 layers, 768 wide, RMSNorm,
 SwiGLU, grouped-query attention, untied head); ``--lora-rank 0,8`` measures full fine-tuning and
@@ -157,7 +161,36 @@ def child_timing(spec: dict) -> dict:
             sync()
             best[mode] = min(best[mode], time.perf_counter() - started)
     tokens = sum(len(e) - 1 for u in units for e in u.examples)
+    if spec.get("profile"):
+        for mode, run in runs.items():
+            profile_call(
+                lambda run=run: run(units), sync, f"{spec['unit']} {mode}", spec["profile"]
+            )
     return {"seconds": best, "tokens": tokens}
+
+
+def profile_call(call, sync, title: str, rows: int) -> None:
+    """One call under torch.profiler (CPU activity, plus CUDA when visible): the ``rows`` ops
+    with the most self time, then the engines' phases (``userdp.*`` ranges), to stderr."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        call()
+        sync()
+    table = prof.key_averages()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"\n## profile: {title}", file=sys.stderr)
+    print(table.table(sort_by=key, row_limit=rows, max_name_column_width=60), file=sys.stderr)
+    phases = [e for e in table if e.key.startswith("userdp.")]
+    for event in sorted(phases, key=lambda e: e.key):
+        print(
+            f"{event.key}: {event.cpu_time_total / 1e3:.1f} ms total, {event.count} calls",
+            file=sys.stderr,
+        )
 
 
 def measure(kind: str, spec: dict) -> dict:
@@ -171,6 +204,8 @@ def measure(kind: str, spec: dict) -> dict:
     )
     if out.returncode != 0:
         raise SystemExit(f"measurement {kind} {spec} failed:\n{out.stderr[-4000:]}")
+    if spec.get("profile"):
+        print(out.stderr, file=sys.stderr, end="")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -180,7 +215,7 @@ def measure_case(case: str, spec: dict, modes: list[str]) -> list[dict]:
     timing = measure("timing", {**spec, "modes": all_modes})
     rows = []
     for mode in all_modes:
-        memory = measure("memory", {**spec, "mode": mode})
+        memory = measure("memory", {**spec, "mode": mode, "profile": 0})
         row = {"case": case, **spec, "mode": mode, "tokens": timing["tokens"]}
         row.update(seconds=timing["seconds"][mode], peak_mb=memory["peak_mb"])
         rows.append(row)
@@ -215,6 +250,15 @@ def main() -> int:
     parser.add_argument("--skip-els", action="store_true")
     parser.add_argument("--skip-long", action="store_true")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds; the fastest is kept")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=25,
+        default=0,
+        metavar="ROWS",
+        help="after the timed rounds, profile one call per mode: top ROWS ops (default 25), stderr",
+    )
     args = parser.parse_args()
     if args.child:
         kind, spec = args.child
@@ -235,6 +279,7 @@ def main() -> int:
         "threads": os.cpu_count() or 1,
         "unit": "user",
         "repeat": args.repeat,
+        "profile": args.profile,
     }
     engines = [e for e in args.engines.split(",") if e]
     rows = []

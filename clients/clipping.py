@@ -58,11 +58,14 @@ class Accumulator:
 
     def __post_init__(self) -> None:
         # one flat float32 buffer with a view per parameter: the result leaves the device in
-        # one copy (into page-locked host memory on CUDA, see :meth:`result`)
+        # one copy (into page-locked host memory on CUDA, see :meth:`result`). Uninitialized:
+        # a parameter's first :meth:`add` writes its whole view, and :meth:`host_sums` zeroes
+        # the views no unit added to, so the buffer is written once instead of zeroed first.
         size = sum(p.numel() for p in self.params.values())
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
-        self.flat = torch.zeros(size, dtype=torch.float32, device=device)
+        self.flat = torch.empty(size, dtype=torch.float32, device=device)
         self.sums = flat_views(self.flat, {name: p.shape for name, p in self.params.items()})
+        self._unwritten = set(self.sums)
 
     def record(self, norm: float, loss_sum: float, tokens: int) -> float | None:
         """Count one unit; return its clip factor, or None (contributes zero) if not finite."""
@@ -73,7 +76,15 @@ class Accumulator:
         return clip_factor(norm, self.clip_norm)
 
     def add(self, name: str, value: torch.Tensor, scale: float = 1.0) -> None:
-        self.sums[name].add_(value.to(torch.float32), alpha=scale)
+        view, value = self.sums[name], value.to(torch.float32)
+        if name not in self._unwritten:
+            view.add_(value, alpha=scale)
+            return
+        if value.shape == view.shape:  # the first add sets every element (0 + s·v = s·v)
+            torch.mul(value, scale, out=view)
+        else:  # a broadcast add: start from zero
+            view.zero_().add_(value, alpha=scale)
+        self._unwritten.discard(name)
 
     def host_sums(self) -> dict[str, torch.Tensor]:
         """The sums as CPU float32 tensors (views of one host buffer). On CPU, the accumulator's
@@ -81,6 +92,9 @@ class Accumulator:
         copy into page-locked memory (torch's caching host allocator reuses the block once the
         previous result is freed), several times faster than per-tensor copies into pageable
         memory."""
+        for name in self._unwritten:  # no unit added to these: their sum is zero
+            self.sums[name].zero_()
+        self._unwritten.clear()
         if self.flat.device.type == "cpu":
             host = self.flat.detach()
         else:

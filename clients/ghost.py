@@ -92,6 +92,7 @@ from userdp.clients.norms import (
     TENSOR_CORE_NORM_MARGIN,
     Factor,
     Padded,
+    Workspace,
     batched_exact_squared_norms,
     exact_matmul,
     materialize,
@@ -218,11 +219,13 @@ def _micro_batch(
     probes: ProbeSource | None,
     verify: bool = False,
     tensor_cores: bool = False,
+    workspace: Workspace | None = None,
 ) -> bool:
     """Process one micro-batch into ``acc``; with ``verify``, first check the attribution (see
     :func:`verify_attribution`). Returns whether a verification ran and passed.
     ``tensor_cores``: bf16 GEMMs for the norms and book-keeping (:mod:`userdp.clients.norms`),
-    every norm inflated by ``TENSOR_CORE_NORM_MARGIN``."""
+    every norm inflated by ``TENSOR_CORE_NORM_MARGIN``. ``workspace``: the buffer for
+    materialized per-unit gradients, reused across micro-batches."""
     # the token layout first: its host work and index copies then wait for nothing on the device
     layout = Layout.of(batch)
     padded = Padded.of(layout.spans, len(layout.positions), layout.positions.device)
@@ -264,6 +267,7 @@ def _micro_batch(
             probes,
             direct,
             unit_checks,
+            workspace,
         )
 
 
@@ -295,6 +299,7 @@ def _clip_and_add(
     probes: ProbeSource | None,
     direct: Sequence[torch.Tensor | None] | None,
     unit_checks: dict[int, float] | None = None,
+    workspace: Workspace | None = None,
 ) -> bool:
     """Steps 3-5 of the module docstring for one micro-batch. Per-unit quantities stay on the
     device until one copy to the host (norms and losses), so the GPU is not stalled per weight
@@ -312,7 +317,7 @@ def _clip_and_add(
                 )
                 sq += estimate.to(device)
             else:
-                sq += batched_exact_squared_norms(uses, padded, shape).to(device)
+                sq += batched_exact_squared_norms(uses, padded, shape, workspace).to(device)
         # biases, LayerNorm and generic parameters: materialized per-unit gradients [U, numel]
         small: dict[str, torch.Tensor] = {}
         for name, parts in token_rows.items():
@@ -441,12 +446,13 @@ def vectorized_clipped_sum(
     batches, oversized = pack_units(local, token_budget)
     verified = False
     device = next(iter(params.values())).device
+    workspace = Workspace()  # per-unit gradient chunks, reused by every weight and micro-batch
     for unit in local:
         if not unit.examples:
             acc.record(0.0, 0.0, 0)
     for batch_units in batches:
         batch = make_batch(local, batch_units, device, pad_id)
-        if _micro_batch(module, params, batch, acc, probes, verify, tensor_cores):
+        if _micro_batch(module, params, batch, acc, probes, verify, tensor_cores, workspace):
             verify = False
             verified = True
     for j in oversized:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -196,16 +197,23 @@ def gram(a: Factor, b: Factor) -> torch.Tensor:
 
 
 def materialize(uses: Sequence[tuple[Factor, torch.Tensor]], shape: torch.Size) -> torch.Tensor:
-    """Σ_c L_cᵀ R_c as a [d0, d1] float32 matrix."""
-    total = torch.zeros(shape, dtype=torch.float32, device=uses[0][1].device)
+    """Σ_c L_cᵀ R_c as a [d0, d1] float32 matrix (the first term is the sum's buffer: no zero
+    start)."""
+    total = None
     for left, right in uses:
         if left.dense is not None:
             if right.dtype == torch.float32:
-                total += left_times_scaled(left.dense, right)
+                term = left_times_scaled(left.dense, right)
             else:
-                total += mm32(left.dense.T, right)
+                term = mm32(left.dense.T, right)
         else:
-            total += scatter_rows(left.index, right.to(torch.float32), shape[0])
+            term = scatter_rows(left.index, right.to(torch.float32), shape[0])
+        if total is None:  # a float64 term (the tests' references) is rounded as 0 + term was
+            total = term.to(torch.float32)
+        else:
+            total += term
+    if total is None:
+        raise ValueError("materialize needs at least one use")
     return total
 
 
@@ -260,11 +268,13 @@ MAX_BUFFER_ELEMENTS = 1 << 25  # per-chunk [units, T, T] or [units, d0, d1] buff
 @dataclass(frozen=True)
 class Padded:
     """Units' rows gathered into [U, T_max] slots; slot (u, t) -> row ``index[u, t]``, or the
-    sentinel row ``n`` (all zeros) past the unit's length."""
+    sentinel ``n`` past the unit's length (such a slot reads as zero)."""
 
     index: torch.Tensor
     n: int
     uniform: bool  # equal lengths, rows in order: every gather is a reshape
+    gather: torch.Tensor  # ``index`` with the sentinel replaced by a real row (overwritten)
+    pad_slots: torch.Tensor  # flat [U·T_max] positions of the sentinel slots
 
     @classmethod
     def of(cls, spans: Sequence[slice], n: int, device: torch.device) -> Padded:
@@ -275,7 +285,20 @@ class Padded:
         offsets = torch.arange(width)
         limit = torch.tensor(lengths)[:, None]
         index = torch.where(offsets < limit, starts[:, None] + offsets, n)
-        return cls(index.to(device), n, uniform)  # built on the host, one copy
+        gather = index.clamp(max=max(n - 1, 0))
+        pad_slots = torch.nonzero(index.reshape(-1) == n).squeeze(1)
+        # built on the host, one copy each
+        return cls(index.to(device), n, uniform, gather.to(device), pad_slots.to(device))
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """[U, T_max, ...] of rows ``x``: one gather, then the sentinel slots are SET to zero
+        (``index_fill_`` overwrites whatever the gather put there, NaN included)."""
+        if self.n == 0:
+            return x.new_zeros((*self.index.shape, *x.shape[1:]))
+        out = x[self.gather]
+        if len(self.pad_slots):
+            out.view(-1, *x.shape[1:]).index_fill_(0, self.pad_slots, 0)
+        return out
 
     def rows(self, x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
         """[U, T_max, d] float32 (bf16 kept as is with ``keep_bf16``), zero past each unit's
@@ -284,13 +307,33 @@ class Padded:
             x = x.to(torch.float32)
         if self.uniform:
             return x.reshape(*self.index.shape, x.shape[1])
-        return torch.cat([x, x.new_zeros((1, x.shape[1]))])[self.index]
+        return self._gathered(x)
 
     def ids(self, ids: torch.Tensor) -> torch.Tensor:
         """[U, T_max] token ids, 0 past the length (harmless: the R rows there are zero)."""
         if self.uniform:
             return ids.reshape(self.index.shape)
-        return torch.cat([ids, ids.new_zeros(1)])[self.index]
+        return self._gathered(ids)
+
+
+class Workspace:
+    """One float32 buffer reused for the per-unit gradients that
+    :func:`batched_exact_squared_norms` materializes ([units, d0, d1] chunks, up to
+    ``MAX_BUFFER_ELEMENTS``), across the weights and micro-batches of one call. A fresh chunk
+    per weight is a fresh mapping on CPU (the allocator returns blocks of this size to the OS),
+    which the kernel zero-fills page by page. Every user writes all the elements it is given
+    (a product with ``out=``) before reading them."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+        """An uninitialized contiguous float32 tensor of ``shape``, a view of the buffer."""
+        size = math.prod(shape)
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < size or buffer.device != device:
+            buffer = self._buffer = torch.empty(size, dtype=torch.float32, device=device)
+        return buffer[:size].view(*shape)
 
 
 def _batched_gram(a: tuple, b: tuple) -> torch.Tensor:
@@ -311,9 +354,11 @@ def batched_exact_squared_norms(
     uses: Sequence[tuple[Factor, torch.Tensor]],
     padded: Padded,
     shape: torch.Size,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """[U] float64 of ‖Σ_c L_cᵀ R_c‖² per unit, ghost or materialized (the cheaper for the
-    micro-batch's longest unit), in chunks of units bounded by ``MAX_BUFFER_ELEMENTS``."""
+    micro-batch's longest unit), in chunks of units bounded by ``MAX_BUFFER_ELEMENTS``;
+    materialized chunks of dense float32 uses go into ``workspace`` when given."""
     n_units, width = padded.index.shape
     d0, d1 = shape
     onehot = [f.dense is None for f, _ in uses]
@@ -348,7 +393,13 @@ def batched_exact_squared_norms(
             count = units.stop - units.start
             matrix = None
             for (kind, left), right in zip(lefts, rights, strict=True):
-                if kind == "dense":
+                float32 = left.dtype == right.dtype == torch.float32
+                if kind == "dense" and matrix is None and workspace is not None and float32:
+                    # the mm32 product (IEEE float32 under exact_matmul), written into the reused
+                    # buffer: bmm sets every element of ``out``
+                    buffer = workspace.take((count, d0, d1), left.device)
+                    part = torch.bmm(left.transpose(1, 2), right, out=buffer)
+                elif kind == "dense":
                     part = mm32(left.transpose(1, 2), right)
                 else:
                     rows = left + torch.arange(count, device=left.device)[:, None] * d0
@@ -356,7 +407,10 @@ def batched_exact_squared_norms(
                         rows.reshape(-1), right.flatten(0, 1).to(torch.float32), count * d0
                     )
                     part = flat.view(count, d0, d1)
-                matrix = part if matrix is None else matrix + part
+                if matrix is None:
+                    matrix = part
+                else:  # in place: ``matrix`` is this loop's own buffer
+                    matrix += part
             total = torch.linalg.vector_norm(matrix, dim=(1, 2)).double().square()
         out.append(total)
     return torch.cat(out)
