@@ -135,8 +135,8 @@ class TaskRunner:
                     continue
             if (task.task_id, task.attempt) in cancelled:
                 continue
-            for part in result_parts(task, partial.sums, self.session_chunk_bytes):
-                outbox.put(pb.WorkerMessage(result_part=part))
+            for message in result_parts(task, partial.sums, self.session_chunk_bytes):
+                outbox.put(message)
             result = result_proto(task, partial, time.perf_counter() - started)
             outbox.put(pb.WorkerMessage(result=result))
             self.tasks_done += 1

@@ -7,7 +7,8 @@
   A zero or empty wire field means "the default": the :class:`TaskSpec` default for the example
   selection, the worker's own engine configuration for the engine options.
 - :func:`result_parts` and :func:`result_proto`: a worker's
-  :class:`~userdp.clients.partial.ClippedSum` -> its ``ResultPart`` chunks and the ``Result``
+  :class:`~userdp.clients.partial.ClippedSum` -> its ``ResultPart`` chunks (in their
+  ``WorkerMessage`` envelopes) and the ``Result``
   that closes them.
 - :func:`partial_from_result`: a ``Result`` and its reassembled tensors -> the coordinator's
   :class:`~userdp.server.aggregation.PartialSum`.
@@ -163,11 +164,21 @@ def task_from_proto(task: pb.Task) -> WorkerTask:
 
 def result_parts(
     task: pb.Task, sums: Mapping[str, Any], chunk_bytes: int
-) -> Iterator[pb.ResultPart]:
-    """The ``ResultPart`` messages carrying a task's summed tensors, in chunks of at most
-    ``chunk_bytes``."""
-    for chunk in tensors_chunks(sums, chunk_bytes):
-        yield pb.ResultPart(task_id=task.task_id, attempt=task.attempt, chunk=chunk)
+) -> Iterator[pb.WorkerMessage]:
+    """The ``WorkerMessage`` envelopes carrying a task's summed tensors as ``ResultPart``
+    chunks of at most ``chunk_bytes``. Each chunk is written straight into its envelope (no
+    copy of the bytes per nesting level)."""
+    envelopes: list[pb.WorkerMessage] = []
+
+    def new_chunk() -> pb.TensorChunk:
+        message = pb.WorkerMessage()
+        message.result_part.task_id = task.task_id
+        message.result_part.attempt = task.attempt
+        envelopes.append(message)
+        return message.result_part.chunk
+
+    for _ in tensors_chunks(sums, chunk_bytes, new_chunk):
+        yield envelopes.pop()
 
 
 def _stats_fields(stats: UnitStats) -> dict[str, Any]:
