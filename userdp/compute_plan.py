@@ -117,16 +117,29 @@ class UserGradientNorms:
         """‖∇θ (mean loss over ≤ G selected examples of ``user_id``)‖ (0 with no usable example)."""
         from userdp.clients.batching import Unit, prepare_units
         from userdp.clients.clipping import squared_norm, unit_gradient
-        from userdp.clients.selection import select_examples
+        from userdp.clients.selection import PERPLEXITY_SELECTIONS, select_examples
 
+        engine = self.engine
+        everything = self.examples_of(user_id)
+        perplexities = None
+        if self.selection in PERPLEXITY_SELECTIONS:  # the plan runs at the initial model
+            from userdp.clients.perplexity import score_examples
+
+            perplexities = score_examples(
+                engine.module,
+                everything,
+                self.seq_len,
+                token_budget=engine.token_budget,
+                pad_id=engine.pad_id,
+            )
         examples = select_examples(
-            self.examples_of(user_id),
+            everything,
             group_size,
             self.selection,
             self.seq_len,
             _user_rng(self.seed, group_size, user_id),
+            perplexities=perplexities,
         )
-        engine = self.engine
         prepared = prepare_units([Unit(user_id, examples)], engine.max_positions)
         if not prepared[0].examples:
             return 0.0

@@ -254,3 +254,43 @@ def test_els_group_size_rounds_log2_of_the_median() -> None:
     ]
     with pytest.raises(ValueError, match="median"):
         els_group_size(0)
+
+
+def test_user_norm_with_perplexity_selection_uses_the_initial_models_lowest_ppl(
+    config_path,
+) -> None:
+    """``data.selection = "lowest_ppl"``: the plan scores the user's examples at the initial
+    model it measures norms with, and takes the G of lowest perplexity (computed here from the
+    model's own cross-entropy)."""
+    from userdp.clients.engine import ClippingEngine
+    from userdp.clients.model import build_model, model_shape
+    from userdp.clients.shard_store import ShardStore
+
+    from userdp.compute_plan import UserGradientNorms
+    from userdp.run_components import shard_directory
+
+    config = load_config(config_path)
+    _, _, held = shard_counts(config_path)
+    with ShardStore(shard_directory(config)) as store:
+        module = build_model(config.model, model_shape(store.manifest, 32), 0)
+        engine = ClippingEngine(module, engine="loop", pad_id=0)
+        norms = UserGradientNorms(
+            engine, held, store.user_examples, selection="lowest_ppl", seq_len=32, seed=0
+        )
+        user = next(u for u in held if len(store.user_examples(u)) >= 3)
+        examples = [e for e in store.user_examples(user) if len(e) >= 2]
+
+        def loss(e):
+            logits = module(input_ids=torch.as_tensor(e[:32], dtype=torch.long)[None]).logits
+            return torch.nn.functional.cross_entropy(
+                logits[0, :-1], torch.as_tensor(e[1:32], dtype=torch.long)
+            )
+
+        with torch.no_grad():
+            ppl = [math.exp(float(loss(e))) for e in examples]
+        chosen = [examples[i] for i in np.argsort(ppl, kind="stable")[:2]]
+        mean_loss = sum(loss(e) for e in chosen) / len(chosen)
+        params = [p for p in module.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(mean_loss, params)
+        expected = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+        assert norms.user_norm(user, 2) == pytest.approx(expected, rel=1e-5)
