@@ -355,8 +355,16 @@ class CyclicPoissonSampler(Sampler):
         self.groups = BallsInBinsSampler(bins, Sampling.BALLS_IN_BINS_FIXED, self.seed)
         self.bins = self.groups.bins
         self.sampling_prob = _check_probability("sampling_prob", sampling_prob)
+        self._population: int | None = None
 
     def sample(self, step: int, n: int) -> np.ndarray:
+        if self._population is not None and n != self._population:
+            raise SamplerError(
+                f"the population changed from {self._population} to {n} units: cyclic Poisson "
+                "groups are assigned once for the run, and a new assignment would give a unit "
+                "steps less than bins apart; keep the population fixed for the run"
+            )
+        self._population = n
         group = self.groups.sample(step % self.bins, n)
         keep = poisson_positions(_rng(self.seed, _CYCLIC, step), len(group), self.sampling_prob)
         return group[keep]

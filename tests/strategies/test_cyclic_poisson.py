@@ -119,3 +119,12 @@ def test_restoring_a_state_in_place_samples_like_a_fresh_sampler_of_that_state()
     old.load_state_dict(saved.state_dict())
     for t in range(8):
         assert np.array_equal(old.sample(t, 50), saved.sample(t, 50))
+
+
+def test_a_population_change_mid_run_is_refused() -> None:
+    from userdp.strategies.samplers import SamplerError
+
+    sampler = CyclicPoissonSampler(4, 0.5, seed=1)
+    sampler.sample(0, 50)
+    with pytest.raises(SamplerError, match="population changed from 50 to 51"):
+        sampler.sample(1, 51)
