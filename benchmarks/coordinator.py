@@ -30,6 +30,7 @@ processes on the same machine, so on a small shared CPU they also include the wo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -42,7 +43,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from userdp.clients.grpc_client import WorkerClient
@@ -234,14 +237,14 @@ def _wait_ack(registry: WorkerRegistry, version: int, timeout_s: float = 300.0) 
             return
 
 
-def bench_transfer(num_params: int, repeats: int = 5) -> dict:
-    """One update of ``num_params`` fp32 parameters to ONE worker process, timed from the
-    coordinator starting to encode it to the worker's acknowledgement (decoded, applied): one
-    stream. The worker is a separate process, as on a real deployment (in one process the two
-    ends would share the GIL). Also times the coordinator's encoding alone."""
+@contextlib.contextmanager
+def _synced_worker(params: dict[str, torch.Tensor]) -> Iterator[tuple[Any, Any, Any]]:
+    """(registry, publisher, session) of a coordinator serving ``params`` as model version 0 to
+    ONE worker process (:class:`ZeroCompute`) that has acknowledged it; stopped on exit. The
+    worker is a separate process, as on a real deployment (in one process the two ends would
+    share the GIL)."""
     registry, publisher = WorkerRegistry(), ModelPublisher(chunk_bytes=4 << 20)
     server = serve(registry, publisher, Authorizer.insecure(), {}, max_message_bytes=64 << 20)
-    params = {"w": torch.randn(num_params)}
     publisher.publish(0, params)
     proc = subprocess.Popen([sys.executable, __file__, "--worker", server.address, "w0", ""])
     try:
@@ -253,7 +256,32 @@ def bench_transfer(num_params: int, repeats: int = 5) -> dict:
         session = registry.get("w0")
         session.send_many(publisher.full()[1])  # initial sync (what the step loop does on join)
         _wait_ack(registry, 0)
-        seconds = []
+        yield registry, publisher, session
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop(0)
+
+
+def _rates(num_params: int, seconds: list[float]) -> dict:
+    best = min(seconds)
+    return {
+        "params": num_params,
+        "bytes": num_params * 4,
+        "seconds_best": best,
+        "gb_per_s": num_params * 4 / best / 1e9,
+        "gb_per_s_median": num_params * 4 / statistics.median(seconds) / 1e9,
+        "seconds_all": seconds,
+    }
+
+
+def bench_transfer(num_params: int, repeats: int = 5) -> dict:
+    """``repeats`` updates of ``num_params`` fp32 parameters to ONE worker process, each timed
+    from the coordinator starting to encode it to the worker's acknowledgement (decoded,
+    applied): one stream. Also times the coordinator's encoding alone."""
+    params = {"w": torch.randn(num_params)}
+    seconds = []
+    with _synced_worker(params) as (registry, publisher, session):
         for version in range(1, repeats + 1):
             params["w"].add_(1.0)
             start = time.perf_counter()
@@ -263,18 +291,8 @@ def bench_transfer(num_params: int, repeats: int = 5) -> dict:
         start = time.perf_counter()
         publisher.publish(repeats + 1, params)  # encoding only, no stream
         encode_s = time.perf_counter() - start
-    finally:
-        proc.kill()
-        proc.wait()
-        server.stop(0)
-    best = min(seconds)
     return {
-        "params": num_params,
-        "bytes": num_params * 4,
-        "seconds_best": best,
-        "gb_per_s": num_params * 4 / best / 1e9,
-        "gb_per_s_median": num_params * 4 / statistics.median(seconds) / 1e9,
-        "seconds_all": seconds,
+        **_rates(num_params, seconds),
         "encode_seconds": encode_s,
         "encode_gb_per_s": num_params * 4 / encode_s / 1e9,
         "worker": "separate process (ZeroCompute: decode + apply + ack)",
@@ -291,20 +309,8 @@ def bench_partial_transfer(num_params: int, repeats: int = 5) -> dict:
     from userdp.server.registry import ResultReceived
     from userdp.strategies.base import TaskSpec
 
-    registry, publisher = WorkerRegistry(), ModelPublisher(chunk_bytes=4 << 20)
-    server = serve(registry, publisher, Authorizer.insecure(), {}, max_message_bytes=64 << 20)
-    publisher.publish(0, {"w": torch.zeros(num_params)})
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", server.address, "w0", ""])
     seconds, compute = [], []
-    try:
-        deadline = time.monotonic() + 120
-        while registry.get("w0") is None:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the worker process did not register")
-            time.sleep(0.01)
-        session = registry.get("w0")
-        session.send_many(publisher.full()[1])
-        _wait_ack(registry, 0)
+    with _synced_worker({"w": torch.zeros(num_params)}) as (registry, _, session):
         spec = TaskSpec(clip_norm=1.0)
         for attempt in range(repeats):
             task = task_proto(spec, 0, f"t{attempt}", 0, 0, ["u0"], 600.0)
@@ -319,18 +325,8 @@ def bench_partial_transfer(num_params: int, repeats: int = 5) -> dict:
                 raise RuntimeError(f"the partial sum was refused: {event.error}")
             seconds.append(elapsed - event.partial.compute_seconds)
             compute.append(event.partial.compute_seconds)
-    finally:
-        proc.kill()
-        proc.wait()
-        server.stop(0)
-    best = min(seconds)
     return {
-        "params": num_params,
-        "bytes": num_params * 4,
-        "seconds_best": best,
-        "gb_per_s": num_params * 4 / best / 1e9,
-        "gb_per_s_median": num_params * 4 / statistics.median(seconds) / 1e9,
-        "seconds_all": seconds,
+        **_rates(num_params, seconds),
         "worker_compute_seconds": compute,
         "worker": "separate process (ZeroCompute: zero partial, encode + stream)",
     }
