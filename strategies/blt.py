@@ -48,6 +48,8 @@ __all__ = [
     "BltNoise",
     "banded_inverse_coefs",
     "max_error",
+    "decode_pair",
+    "min_sep_column",
     "min_sep_sensitivity_squared",
     "optimize_banded",
     "optimize_blt",
@@ -91,15 +93,22 @@ def max_error(inverse_coefs: np.ndarray) -> float:
     return float(np.sum(np.cumsum(inverse_coefs) ** 2))
 
 
-def min_sep_sensitivity_squared(coefs: np.ndarray, min_sep: int = 1, participations: int = 1):
-    """sens² of Toeplitz C with non-negative, non-increasing coefs under ≤ k participations at
-    least ``min_sep`` apart: the worst pattern is 0, b, 2b, … (jax_privacy
-    ``toeplitz.minsep_sensitivity_squared``); the column sum u_t = Σ_j c_{t − j·b}."""
+def min_sep_column(coefs: np.ndarray, min_sep: int = 1, participations: int = 1) -> np.ndarray:
+    """u_t = Σ_j c_{t − j·b}: the sum of C's columns 0, b, 2b, … (at most ``participations`` of
+    them), the worst participation pattern of Toeplitz C with non-negative, non-increasing coefs
+    under ≤ k participations at least b = ``min_sep`` apart."""
     n = len(coefs)
     k = min(int(participations), math.ceil(n / min_sep))
     column = np.zeros(n)
     for j in range(k):
         column[j * min_sep :] += coefs[: n - j * min_sep]
+    return column
+
+
+def min_sep_sensitivity_squared(coefs: np.ndarray, min_sep: int = 1, participations: int = 1):
+    """sens² = ‖u‖² of :func:`min_sep_column` (jax_privacy
+    ``toeplitz.minsep_sensitivity_squared``)."""
+    column = min_sep_column(coefs, min_sep, participations)
     return float(column @ column)
 
 
@@ -117,21 +126,31 @@ def blt_loss(blt: Blt, n: int, min_sep: int = 1, participations: int = 1) -> flo
     return sens2 * max_error(blt.inverse_coefs(n))
 
 
-def _pair_loss(
-    params: np.ndarray, d: int, n: int, min_sep: int, participations: int
-) -> tuple[float, np.ndarray | None, np.ndarray | None]:
+def decode_pair(params: np.ndarray, d: int, n: int) -> tuple[np.ndarray, ...] | None:
+    """(θ, ω, c, ĉ) of the (θ, θ̂) logits ``params`` (C's and C⁻¹'s first columns over n steps),
+    or None outside the search box or when (θ, θ̂) does not give ω > 0 > ω̂."""
     if np.max(np.abs(params)) > 25.0:  # θ within 1.4e-11 of 0 or 1: outside the search box
-        return math.inf, None, None
+        return None
     theta = 1.0 / (1.0 + np.exp(-params[:d]))
     theta_hat = 1.0 / (1.0 + np.exp(-params[d:]))
     if np.min(np.abs(np.subtract.outer(theta, theta) + np.eye(d))) < 1e-9:
-        return math.inf, None, None
+        return None
     omega = omega_from_theta_pair(theta, theta_hat)
     omega_hat = omega_from_theta_pair(theta_hat, theta)
     if not ((omega > 0).all() and (omega_hat < 0).all()):  # NaN fails too
-        return math.inf, None, None
+        return None
     coefs = BltCorrelation(theta, omega).toeplitz_coefs(n)
     inverse = BltCorrelation(theta_hat, omega_hat).toeplitz_coefs(n)  # C⁻¹ is the BLT (θ̂, ω̂)
+    return theta, omega, coefs, inverse
+
+
+def _pair_loss(
+    params: np.ndarray, d: int, n: int, min_sep: int, participations: int
+) -> tuple[float, np.ndarray | None, np.ndarray | None]:
+    decoded = decode_pair(params, d, n)
+    if decoded is None:
+        return math.inf, None, None
+    theta, omega, coefs, inverse = decoded
     loss = min_sep_sensitivity_squared(coefs, min_sep, participations) * max_error(inverse)
     return (loss if math.isfinite(loss) else math.inf), theta, omega
 

@@ -33,9 +33,9 @@ from userdp.accounting.balls_in_bins import gaussian_sigma
 from userdp.strategies.blt import (
     Blt,
     BltError,
-    _pair_loss,
+    decode_pair,
     max_error,
-    omega_from_theta_pair,
+    min_sep_column,
     optimize_blt,
 )
 
@@ -110,11 +110,14 @@ def _hockey_stick_sum(losses: np.ndarray, epsilon: float) -> float:
 
 
 def _gram(coefs: np.ndarray, bins: int, epochs: int) -> np.ndarray:
-    """G = MᵀM, M[:, i] = Σ_j C e_{bj+i}: mode i is mode 0 shifted down by i rows."""
-    n = len(coefs)
-    column = np.zeros(n)
-    for j in range(epochs):
-        column[j * bins :] += coefs[: n - j * bins]
+    """G = MᵀM, M[:, i] = Σ_j C e_{bj+i} for C's first column ``coefs`` over bins·epochs steps."""
+    return _shifted_gram(min_sep_column(coefs, bins, epochs), bins)
+
+
+def _shifted_gram(column: np.ndarray, bins: int) -> np.ndarray:
+    """MᵀM for mode 0 = ``column`` (:func:`~userdp.strategies.blt.min_sep_column`): mode i is
+    mode 0 shifted down by i rows."""
+    n = len(column)
     modes = np.zeros((n, bins))
     for i in range(bins):
         modes[i:, i] = column[: n - i]
@@ -153,26 +156,18 @@ def optimize_blt_amplified(
     start_blt, _ = optimize_blt(n, d, min_sep=bins, participations=epochs)
     evaluations = 0
 
-    def decode(params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        if not math.isfinite(_pair_loss(params, d, n, bins, epochs)[0]):
-            return None
-        theta = 1.0 / (1.0 + np.exp(-params[:d]))
-        theta_hat = 1.0 / (1.0 + np.exp(-params[d:]))
-        omega = omega_from_theta_pair(theta, theta_hat)
-        omega_hat = omega_from_theta_pair(theta_hat, theta)
-        coefs = Blt(tuple(theta), tuple(omega)).toeplitz_coefs(n)
-        inverse = Blt(tuple(theta_hat), tuple(omega_hat)).toeplitz_coefs(n)
-        return coefs, inverse, np.concatenate([theta, omega])
-
     def objective(params: np.ndarray) -> float:
         nonlocal evaluations
         evaluations += 1
-        decoded = decode(params)
+        decoded = decode_pair(params, d, n)
         if decoded is None:
             return math.inf
-        coefs, inverse, _ = decoded
-        sigma = draws.sigma(_gram(coefs, bins, epochs), epsilon, delta)
-        return math.log(sigma**2 * max_error(inverse))  # log: the simplex sees relative changes
+        _, _, coefs, inverse = decoded
+        column, error = min_sep_column(coefs, bins, epochs), max_error(inverse)
+        if not math.isfinite(float(column @ column) * error):  # the unamplified loss overflows
+            return math.inf
+        sigma = draws.sigma(_shifted_gram(column, bins), epsilon, delta)
+        return math.log(sigma**2 * error)  # log: the simplex sees relative changes
 
     start = _start_params(start_blt)
     result = sopt.minimize(
@@ -182,9 +177,9 @@ def optimize_blt_amplified(
         options={"maxfev": max_evaluations, "xatol": 1e-4, "fatol": 1e-5},
     )
     best = result.x if result.fun <= objective(start) else start
-    theta_omega = decode(best)[2]
-    order = np.argsort(-theta_omega[:d])
-    blt = Blt(tuple(theta_omega[:d][order]), tuple(theta_omega[d:][order]))
+    theta, omega, _, _ = decode_pair(best, d, n)
+    order = np.argsort(-theta)
+    blt = Blt(tuple(theta[order]), tuple(omega[order]))
     final = _FixedDraws(bins, final_samples, seed + 1)
 
     def measured(candidate: Blt) -> tuple[float, float]:
