@@ -151,7 +151,7 @@ def delta_estimate(
     if not 0.0 < confidence < 1.0:
         raise BallsInBinsError(f"confidence={confidence!r} is out of range; expected (0, 1)")
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
-    m = _draws("num_samples", num_samples, pair)
+    m = _draws("num_samples", num_samples, pair.compositions)
     sampler = _Sampler(pair, m, seed, _ESTIMATE)
     return _estimate(sampler, sigma, epsilon, confidence)
 
@@ -163,7 +163,7 @@ def _estimate(sampler: _Sampler, sigma: float, epsilon: float, confidence: float
     failure = (1.0 - confidence) / 2.0
     n = pq.num_samples
     ucb = max(
-        mc.kl_upper_confidence_bound(d + _roundoff(e, epsilon), n, failure)
+        mc.kl_upper_confidence_bound(d + e.roundoff_bound(epsilon), n, failure)
         for d, e in ((d_pq, pq), (d_qp, qp))
     )
     return DeltaEstimate(
@@ -200,7 +200,7 @@ def epsilon(
     sigma = positive_float("noise_multiplier", noise_multiplier, BallsInBinsError)
     delta = probability("delta", delta, BallsInBinsError, upper_open=True)
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
-    m = _draws("num_samples", num_samples, pair)
+    m = _draws("num_samples", num_samples, pair.compositions)
     sampler = _Sampler(pair, m, seed, _ESTIMATE)
     return mc.epsilon_from_estimates(list(sampler.estimates(sigma)), delta)
 
@@ -241,19 +241,13 @@ def verify(
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
     if num_samples is None:
         num_samples = pair.compositions * mc.evr_samples(delta, safety, rejection_prob / 2)
-    m = _draws("num_samples", num_samples, pair)
+    m = _draws("num_samples", num_samples, pair.compositions)
     sampler = _Sampler(pair, m, seed, _VERIFY)
     pq, qp = sampler.estimates(sigma)
-    d_pq, d_qp = (e.point(epsilon) + _roundoff(e, epsilon) for e in (pq, qp))
+    d_pq, d_qp = (e.point(epsilon) + e.roundoff_bound(epsilon) for e in (pq, qp))
     n = pq.num_samples
     passed = mc.evr_passes(d_pq, n, delta) and mc.evr_passes(d_qp, n, delta)
     return VerificationResult(passed, epsilon, delta, sigma, d_pq, d_qp, m)
-
-
-def _roundoff(estimate: Any, epsilon: float) -> float:
-    """The composed estimator's bound on its FFT round-off at ε (0 for a sample mean)."""
-    bound = getattr(estimate, "roundoff_bound", None)
-    return 0.0 if bound is None else bound(epsilon)
 
 
 def calibration_target(
@@ -407,22 +401,17 @@ def _estimate_setup(
 def _goal(delta: float, m: int, compositions: int, safety: float, rejection_prob: float) -> float:
     """:func:`calibration_target` for ``m`` draws of a pair composed ``compositions`` times: its
     Chernoff bounds count ⌊m/compositions⌋ samples (:mod:`userdp.accounting.composed_losses`)."""
-    n = m // compositions
-    if n < 1:
-        raise BallsInBinsError(
-            f"num_samples={m} is fewer than the {compositions} epochs of per-epoch bins; "
-            f"use num_samples >= {compositions}"
-        )
+    n = _draws("num_samples", m, compositions) // compositions
     return calibration_target(delta, n, safety=safety, rejection_prob=rejection_prob)
 
 
-def _draws(name: str, value: Any, pair: DominatingPair) -> int:
-    """A positive draw count that fills every group of a composed pair."""
+def _draws(name: str, value: Any, compositions: int) -> int:
+    """A positive draw count that fills every group of a pair composed ``compositions`` times."""
     m = positive_int(name, value, BallsInBinsError)
-    if m < pair.compositions:
+    if m < compositions:
         raise BallsInBinsError(
-            f"{name}={m} is fewer than the {pair.compositions} epochs of per-epoch bins; "
-            f"use {name} >= {pair.compositions}"
+            f"{name}={m} is fewer than the {compositions} epochs of per-epoch bins; "
+            f"use {name} >= {compositions}"
         )
     return m
 
