@@ -369,13 +369,24 @@ def _independent_epsilon(kind: str, steps: int, delta: float) -> float:
     return accountant.get_epsilon(delta)
 
 
+def _report_of_run(
+    strategy: object, population: object, steps: int, delta: float, sampling: str, path: Path
+) -> object:
+    """The privacy report, built from its ledger alone, of ``steps`` real steps of ``strategy``
+    over ``population`` (zero gradients: only the mechanism the ledger records matters)."""
+    from userdp.accounting.report import build_report
+
+    with Ledger.create(path, budget_epsilon=1e6, delta=delta) as ledger:
+        run_steps(strategy, {"w": np.zeros(4)}, population, _zero_compute, steps, ledger=ledger)
+    return build_report(path, delta, unit="user", sampling=sampling)
+
+
 def check_report_epsilon_matches_dp_accounting(kind: str, tmp_path: Path) -> None:
     """The privacy report's ε, computed by the report builder from the ledger of a run of the real
     strategy (T steps), equals dp_accounting's ε for the same mechanism built independently (ULS;
     ELS at user level) to rel 1e-9: ULS is dp_accounting's own PLD; ELS is userdp's vectorized
     construction of the same pessimistic PLD, which differs only in float summation order
     (2e-13 relative here), while a wrong step count or group size moves ε by percents."""
-    from userdp.accounting.report import build_report
 
     users = {f"user-{i}": 1 + i % 5 for i in range(300)}
     common = {"noise_multiplier": REPORT_SIGMA, "clip_norm": CLIP, "seed": SEED}
@@ -389,11 +400,7 @@ def check_report_epsilon_matches_dp_accounting(kind: str, tmp_path: Path) -> Non
         )
         population = users
     path = Path(tmp_path) / f"ledger-{kind}.jsonl"
-    with Ledger.create(path, budget_epsilon=1e6, delta=DELTA) as ledger:
-        run_steps(
-            strategy, {"w": np.zeros(4)}, population, _zero_compute, REPORT_STEPS, ledger=ledger
-        )
-    report = build_report(path, DELTA, unit="user", sampling="poisson")
+    report = _report_of_run(strategy, population, REPORT_STEPS, DELTA, "poisson", path)
     reference = _independent_epsilon(kind, REPORT_STEPS, DELTA)
     assert math.isclose(report.epsilon, reference, rel_tol=1e-9), (
         f"{kind}: the report says ε = {report.epsilon:.8g} after {REPORT_STEPS} steps of "
@@ -458,7 +465,6 @@ def check_blt_report_epsilon_matches_quadrature(tmp_path: Path) -> None:
     to within Z ≈ 5.33 Monte Carlo standard errors of the report's estimator (false alarm 1e-7): a report given the wrong
     steps, σ, bins or correlation misses by many standard errors."""
     from userdp.accounting.balls_in_bins import DEFAULT_NUM_SAMPLES
-    from userdp.accounting.report import build_report
     from userdp.strategies.dpftrl import BltDpFtrl
 
     strategy = BltDpFtrl(
@@ -471,16 +477,8 @@ def check_blt_report_epsilon_matches_quadrature(tmp_path: Path) -> None:
         rng=NoiseRng.for_testing(3),
     )
     path = Path(tmp_path) / "ledger-blt.jsonl"
-    with Ledger.create(path, budget_epsilon=1e6, delta=BLT_DELTA) as ledger:
-        run_steps(
-            strategy,
-            {"w": np.zeros(4)},
-            [f"u{i}" for i in range(40)],
-            _zero_compute,
-            BLT_STEPS,
-            ledger=ledger,
-        )
-    report = build_report(path, BLT_DELTA, unit="user", sampling="balls-in-bins-fixed")
+    users = [f"u{i}" for i in range(40)]
+    report = _report_of_run(strategy, users, BLT_STEPS, BLT_DELTA, "balls-in-bins-fixed", path)
     delta, se, _ = _two_mode_deltas(report.epsilon, BLT_SIGMA, DEFAULT_NUM_SAMPLES)
     assert abs(delta - BLT_DELTA) <= BLT_Z_TOL * se, (
         f"the report says ε = {report.epsilon:.6g} at δ = {BLT_DELTA:g} for {BLT_STEPS} steps of "
@@ -523,7 +521,6 @@ def check_per_epoch_report_epsilon_composes_every_epoch(tmp_path: Path) -> None:
     is at most Var K / n with n = ⌊m/E⌋, so a standard error from that bound (K's variance by
     quadrature) bounds its error; a report that composes one epoch fewer misses by far more."""
     from userdp.accounting.balls_in_bins import DEFAULT_NUM_SAMPLES
-    from userdp.accounting.report import build_report
 
     strategy = UserLevelSampling(
         noise_multiplier=EPOCH_SIGMA,
@@ -535,16 +532,8 @@ def check_per_epoch_report_epsilon_composes_every_epoch(tmp_path: Path) -> None:
         noise=GaussianNoise(NoiseRng.for_testing(3)),
     )
     path = Path(tmp_path) / "ledger-per-epoch.jsonl"
-    with Ledger.create(path, budget_epsilon=1e6, delta=EPOCH_DELTA) as ledger:
-        run_steps(
-            strategy,
-            {"w": np.zeros(4)},
-            [f"u{i}" for i in range(8)],
-            _zero_compute,
-            EPOCH_EPOCHS,
-            ledger=ledger,
-        )
-    report = build_report(path, EPOCH_DELTA, unit="user", sampling="balls-in-bins-epoch")
+    users = [f"u{i}" for i in range(8)]
+    report = _report_of_run(strategy, users, EPOCH_EPOCHS, EPOCH_DELTA, "balls-in-bins-epoch", path)
     delta, var = _composed_gaussian_moments(report.epsilon, EPOCH_SIGMA, EPOCH_EPOCHS)
     se = math.sqrt(var / (DEFAULT_NUM_SAMPLES // EPOCH_EPOCHS))
     assert abs(delta - EPOCH_DELTA) <= Z * se, (
