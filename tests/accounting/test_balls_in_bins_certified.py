@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import dp_accounting
 import pytest
 from userdp.accounting import balls_in_bins as bib
+
+from tests.accounting.account_cli import account
 
 SIGMA = 1.5
 DELTA = 1e-3
@@ -61,26 +61,19 @@ def test_certified_max_epochs_is_the_largest_within_the_target():
     assert bib.certified_max_epochs(SIGMA, 4, 1e3, DELTA, max_epochs=8, seed=1) == 8
 
 
-def _account(*args: str) -> subprocess.CompletedProcess:
-    code = "import sys; from userdp.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run(
-        [sys.executable, "-c", code, "account", *args], capture_output=True, text=True, timeout=300
-    )
-
-
 def test_the_cli_certifies_balls_in_bins_and_refuses_certify_elsewhere():
     common = ["--mechanism", "balls-in-bins", "--noise-multiplier", "1.5", "--bins", "4"]
     common += ["--epochs", "5", "--bin-semantics", "fixed", "--delta", "1e-3", "--seed", "1"]
-    done = _account("epsilon", *common, "--steps", "20", "--certify", "--json")
+    done = account("epsilon", *common, "--steps", "20", "--certify", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["certified"] is True and "Estimate-Verify-Release" in result["note"]
     assert math.isclose(
         result["epsilon"], bib.certified_epsilon(1.5, 4, 5, 1e-3, seed=1), rel_tol=1e-12
     )
-    plain = json.loads(_account("epsilon", *common, "--steps", "20", "--json").stdout)
+    plain = json.loads(account("epsilon", *common, "--steps", "20", "--json").stdout)
     assert "certified" not in plain and plain["epsilon"] < result["epsilon"]
-    refused = _account(
+    refused = account(
         "epsilon",
         "--mechanism",
         "uls",
@@ -107,7 +100,7 @@ def test_the_cli_takes_the_correlation_as_a_named_family_its_json_or_a_file(tmp_
     (tmp_path / "c.json").write_text(json.dumps(spec))
     values = set()
     for text in ("banded:coefs=1,0.5", json.dumps(spec), f"@{tmp_path / 'c.json'}"):
-        done = _account("epsilon", *common, "--bin-semantics", "fixed", "--correlation", text)
+        done = account("epsilon", *common, "--bin-semantics", "fixed", "--correlation", text)
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert result["mechanism"]["correlation"] == spec
@@ -120,6 +113,6 @@ def test_the_cli_takes_the_correlation_as_a_named_family_its_json_or_a_file(tmp_
         (["--bin-semantics", "fixed", "--correlation", "blt:buf_decay=0.9"], "output_scale"),
         (["--bin-semantics", "fixed", "--correlation", "@/nonexistent.json"], "nonexistent"),
     ):
-        refused = _account("epsilon", *common, *bad)
+        refused = account("epsilon", *common, *bad)
         assert refused.returncode == 2 and message in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import dp_accounting
 import pytest
@@ -18,6 +16,8 @@ from userdp.accounting.mechanisms import (
     InvalidMechanismError,
     mechanism_from_dict,
 )
+
+from tests.accounting.account_cli import account
 
 Z_TOL = 5.33  # two-sided normal quantile of the suite's 1e-7 false-alarm rate
 BANDED = CorrelationSpec.of("banded", coefs=[1.0, 0.5, 0.25])
@@ -74,25 +74,18 @@ def test_the_mechanism_round_trips_through_its_ledger_form() -> None:
         BandedPoissonMechanism(2.0, 0.2, 0)
 
 
-def _account(*args: str) -> subprocess.CompletedProcess:
-    code = "import sys; from userdp.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run(
-        [sys.executable, "-c", code, "account", *args], capture_output=True, text=True, timeout=300
-    )
-
-
 def test_the_cli_accounts_and_calibrates_it_and_refuses_a_wide_correlation() -> None:
     common = ["--mechanism", "banded-poisson", "--sampling-prob", "0.2", "--bands", "3"]
     common += ["--correlation", "banded:coefs=1,0.5,0.25", "--steps", "100", "--delta", "1e-6"]
-    out = _account("epsilon", *common, "--noise-multiplier", "2", "--json")
+    out = account("epsilon", *common, "--noise-multiplier", "2", "--json")
     assert out.returncode == 0, out.stderr
     eps = json.loads(out.stdout)["epsilon"]
     assert eps == pytest.approx(epsilon(BandedPoissonMechanism(2.0, 0.2, 3, BANDED), 100, 1e-6))
-    out = _account("calibrate", *common, "--epsilon", f"{eps}", "--json", "--no-cache")
+    out = account("calibrate", *common, "--epsilon", f"{eps}", "--json", "--no-cache")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["noise_multiplier"] == pytest.approx(2.0, rel=1e-3)
     wide = [*common[:-6], "--correlation", "banded:coefs=1,0.5,0.25,0.1", *common[-4:]]
-    out = _account("epsilon", *wide, "--noise-multiplier", "2")
+    out = account("epsilon", *wide, "--noise-multiplier", "2")
     assert out.returncode == 2
     assert len(out.stderr.strip().splitlines()) == 1
     assert "not 3-banded" in out.stderr

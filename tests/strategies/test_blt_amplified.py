@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 from userdp.accounting import balls_in_bins as bb
 from userdp.strategies.blt import Blt
 from userdp.strategies.blt_amplified import _gram, amplified_sigma, optimize_blt_amplified
+
+from tests.accounting.account_cli import account
 
 Z_TOL = 5.33  # two-sided normal quantile of the suite's 1e-7 false-alarm rate
 BLT = Blt((0.9, 0.4), (0.3, 0.2))
@@ -47,29 +47,22 @@ def test_optimized_blt_beats_the_unamplified_optimum_under_amplification() -> No
     assert 0 < found.evaluations <= 150 + 1
 
 
-def _account(*args: str) -> subprocess.CompletedProcess:
-    code = "import sys; from userdp.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run(
-        [sys.executable, "-c", code, "account", *args], capture_output=True, text=True, timeout=600
-    )
-
-
 def test_cli_prints_a_correlation_the_accountant_accepts_and_refuses_bad_input() -> None:
-    out = _account(
+    out = account(
         "optimize-blt", "--bins", "6", "--epochs", "3", "--buffers", "1", "--epsilon", "1",
-        "--delta", "1e-3", "--samples", "2048", "--json",
+        "--delta", "1e-3", "--samples", "2048", "--json", timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["loss"] <= result["unamplified"]["loss"]
-    eps = _account(
+    eps = account(
         "epsilon", "--mechanism", "balls-in-bins", "--bin-semantics", "fixed", "--bins", "6",
         "--epochs", "3", "--steps", "18", "--delta", "1e-3", "--samples", "4096",
         "--noise-multiplier", str(result["noise_multiplier_estimate"]),
-        "--correlation", result["correlation"], "--json",
+        "--correlation", result["correlation"], "--json", timeout=600,
     )  # fmt: skip
     assert eps.returncode == 0, eps.stderr
     assert json.loads(eps.stdout)["epsilon"] > 0
-    bad = _account("optimize-blt", "--bins", "0", "--epochs", "3", "--epsilon", "1")
+    bad = account("optimize-blt", "--bins", "0", "--epochs", "3", "--epsilon", "1", timeout=600)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--bins=0" in bad.stderr
