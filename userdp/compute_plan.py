@@ -112,6 +112,7 @@ class UserGradientNorms:
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         self.norms: dict[int, list[float]] = {}
+        self._perplexities: dict[str, np.ndarray] = {}  # per user: the model does not change
 
     def user_norm(self, user_id: str, group_size: int) -> float:
         """‖∇θ (mean loss over ≤ G selected examples of ``user_id``)‖ (0 with no usable example)."""
@@ -125,13 +126,15 @@ class UserGradientNorms:
         if self.selection in PERPLEXITY_SELECTIONS:  # the plan runs at the initial model
             from userdp.clients.perplexity import score_examples
 
-            perplexities = score_examples(
-                engine.module,
-                everything,
-                self.seq_len,
-                token_budget=engine.token_budget,
-                pad_id=engine.pad_id,
-            )
+            if user_id not in self._perplexities:  # once per user, whatever the group sizes
+                self._perplexities[user_id] = score_examples(
+                    engine.module,
+                    everything,
+                    self.seq_len,
+                    token_budget=engine.token_budget,
+                    pad_id=engine.pad_id,
+                )
+            perplexities = self._perplexities[user_id]
         examples = select_examples(
             everything,
             group_size,
