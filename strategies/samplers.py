@@ -134,6 +134,9 @@ class Sampler(ABC):
     accounted: bool = True
     padded_size: int | None = None
     """Fixed-size schemes: the number of slots a cohort is padded to (zero contributions)."""
+    _cache: Any = None
+    """What a sampler derived from its seed and keeps between steps (an assignment, a
+    permutation); :meth:`load_state_dict` drops it with the seed it came from."""
 
     def __init__(self, seed: int | None) -> None:
         self.seed_was_given = seed is not None
@@ -166,8 +169,7 @@ class Sampler(ABC):
             )
         self.seed = int(state["seed"])
         self.seed_was_given = bool(state["seed_was_given"])
-        if hasattr(self, "_cache"):
-            self._cache = None  # an assignment drawn from the previous seed
+        self._cache = None
 
 
 class PoissonSampler(Sampler):
