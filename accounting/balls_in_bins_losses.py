@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from scipy.linalg.blas import strmm as _strmm
+from threadpoolctl import threadpool_limits
 from userdp.accounting import monte_carlo as mc
 from userdp.accounting.composed_losses import ComposedLosses, GroupedHistogram
 from userdp.accounting.correlation import Correlation, CorrelationError, from_spec
@@ -179,12 +181,20 @@ class _Sampler:
         self.bins = pair.bins
         gram = pair.gram
         self.diag = np.diag(gram).astype(np.float64)
+        # W = g @ factor: None = diagonal G (W = √diag · g); else the Cholesky factor Lᵀ of a
+        # positive definite G, applied in place as a triangular product (half a dense matmul's
+        # work), or an eigen-factor when G is singular.
+        self.factor: np.ndarray | None = None
+        self.lower: np.ndarray | None = None
         if np.count_nonzero(gram - np.diag(self.diag)) == 0:
-            self.factor: np.ndarray | None = None  # W = √diag · g
             self.scale = np.sqrt(self.diag).astype(np.float32)
         else:
-            w, v = np.linalg.eigh(gram)
-            self.factor = (v * np.sqrt(np.clip(w, 0.0, None))).T.astype(np.float32)  # W = g @ Lᵀ
+            try:
+                self.lower = np.linalg.cholesky(gram)
+                self.factor = self.lower.T.astype(np.float32)
+            except np.linalg.LinAlgError:
+                w, v = np.linalg.eigh(gram)
+                self.factor = (v * np.sqrt(np.clip(w, 0.0, None))).T.astype(np.float32)
         root = _root_seed(seed)
         self.seed = _child(root, purpose)
         self.chunk = max(1, min(num_samples, _CHUNK_ELEMENTS // self.bins))
@@ -229,27 +239,45 @@ class _Sampler:
 
         Both sums share e^{W/σ}: Σ_i e^{base_i} = e^{W/σ}·a with aᵢ = e^{−Gᵢᵢ/(2σ²)}, and
         Σ_i e^{pos_i} = (e^{W/σ}·Bᵀ)[k] with B[k, i] = e^{G[k,i]/σ² − Gᵢᵢ/(2σ²)}: one exp pass and
-        two products instead of two max-shifted log-sum-exps. When a weight or e^{W/σ} leaves
+        two products instead of two max-shifted log-sum-exps. The modes are taken sorted: k is
+        independent of the i.i.d. rows of g, so pairing the sorted k with the rows in order has
+        the same joint law, and the rows of one mode are contiguous (the second product is one
+        matrix-vector product per mode, without a gather). When a weight or e^{W/σ} leaves
         float32's safe range, or a row sum is not a positive finite number, the chunk takes the
         max-shifted path on the same draws."""
+        k = np.sort(k, axis=-1)
         gram = self.pair.gram
         shift = 0.5 * self.diag / sigma**2
         pos_logits = gram / sigma**2 - shift
         if max(float(pos_logits.max()), float((-shift).max())) < 60.0:
-            w = np.matmul(g[0], (self.factor / np.float32(sigma)).astype(np.float32))
+            w = self._correlated(g[0], sigma)
+            weights = np.exp(pos_logits).astype(np.float32)
+            p_sum = np.empty(w.shape[0], np.float32)
+            starts = np.searchsorted(k[0], np.arange(self.bins + 1))
             with np.errstate(over="ignore", under="ignore"):
                 np.exp(w, out=w)
                 q_sum = w @ np.exp(-shift).astype(np.float32)
-                p_sum = np.einsum("ri,ri->r", w, np.exp(pos_logits).astype(np.float32)[k[0]])
+                for mode in np.flatnonzero(np.diff(starts)):
+                    rows = slice(starts[mode], starts[mode + 1])
+                    np.matmul(w[rows], weights[mode], out=p_sum[rows])
             ok = np.isfinite(q_sum) & np.isfinite(p_sum) & (q_sum > 1e-30) & (p_sum > 1e-30)
             if np.all(ok):
                 return np.log(q_sum.astype(np.float64)), np.log(p_sum.astype(np.float64))
-            k, g = self._normals(index)
-        base = g @ self.factor
-        base *= np.float32(1.0 / sigma)
+            g = self._normals(index)[1]  # the same draws again; k is unchanged
+        base = self._correlated(g[0], sigma)[None]
         base -= shift.astype(np.float32)
         pos = base + (gram / sigma**2).astype(np.float32)[k]
         return _logsumexp_last(base)[0], _logsumexp_last(pos)[0]
+
+    def _correlated(self, g: np.ndarray, sigma: float) -> np.ndarray:
+        """W/σ = g @ factor / σ for one chunk's normals ``g`` (rows × b, C order): with the
+        Cholesky factor, BLAS's triangular product in place on ``g`` (which is overwritten);
+        else a dense product."""
+        if self.lower is None:
+            return np.matmul(g, (self.factor / np.float32(sigma)).astype(np.float32))
+        lower = np.asfortranarray(self.lower / sigma, dtype=np.float32)
+        # g's transpose is a Fortran-ordered b × rows matrix: Wᵀ = L·gᵀ, written over g.
+        return _strmm(1.0, lower, g.T, side=0, lower=1, overwrite_b=1).T
 
     def _diagonal_lse(
         self, index: int, k: np.ndarray, g: np.ndarray, sigma: float
@@ -294,7 +322,12 @@ class _Sampler:
         if threads == 1:
             yield from (run(i) for i in range(n_chunks))
             return
-        with ThreadPoolExecutor(threads, thread_name_prefix="userdp-bib") as pool:
+        # One BLAS thread per chunk: the chunks already fill the cores, and BLAS's own threads on
+        # top of them would contend for the same cores.
+        with (
+            threadpool_limits(limits=1, user_api="blas"),
+            ThreadPoolExecutor(threads, thread_name_prefix="userdp-bib") as pool,
+        ):
             yield from pool.map(run, range(n_chunks))
 
     def losses(self, sigma: float) -> tuple[np.ndarray, np.ndarray]:

@@ -342,6 +342,15 @@ def test_diagonal_shortcut_equals_the_general_gram_path(semantics, sigma, bins, 
     general = bb._Sampler(pair, 20_000, 3, 0)
     assert fast.factor is None
     general.factor = np.diag(general.scale).astype(np.float32)
+    # The general path pairs the rows of g with the modes in sorted order (the same law); the
+    # shortcut is given that pairing too, so both see the same (k, g) draws.
+    draw = fast._normals
+
+    def sorted_modes(index: int) -> tuple[np.ndarray, np.ndarray]:
+        k, g = draw(index)
+        return np.sort(k, axis=-1), g
+
+    fast._normals = sorted_modes
     for mine, reference in zip(fast.losses(sigma), general.losses(sigma), strict=True):
         assert mine.shape == reference.shape
         np.testing.assert_allclose(np.sort(mine), np.sort(reference), rtol=1e-5, atol=1e-5)
@@ -365,3 +374,32 @@ def test_two_pass_log_sum_exp_equals_a_float64_reference(semantics, sigma):
     assert overflow == (sigma < 0.1)  # both paths are exercised
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * abs(0.5 * d / sigma**2))
     np.testing.assert_allclose(got_k, np.take_along_axis(base, k[..., None], -1)[..., 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("factor", ["cholesky", "eigen"])
+@pytest.mark.parametrize("sigma", [2.0, 0.05])  # 0.05: weights leave float32 -> max-shifted path
+def test_correlated_log_sum_exps_equal_a_float64_reference(factor, sigma) -> None:
+    """The general-G path (triangular or dense product, one shared exp pass, per-mode products
+    over the sorted modes) gives the float64 log-sum-exps of base = W/σ − diag/(2σ²) and
+    pos = base + G[k]/σ², W = g @ factor, with the modes k of the same draws in sorted order."""
+    blt = CorrelationSpec.of("blt", buf_decay=[0.9, 0.5], output_scale=[0.2, 0.4])
+    pair = bb.dominating_pair(16, 4, correlation=blt)
+    sampler = bb._Sampler(pair, 3000, 11, 0)
+    assert sampler.lower is not None  # this Gram matrix is positive definite
+    if factor == "eigen":
+        w, v = np.linalg.eigh(pair.gram)
+        sampler.lower = None
+        sampler.factor = (v * np.sqrt(w)).T.astype(np.float32)
+    k, g = sampler._normals(0)
+    gram, diag = pair.gram, np.diag(pair.gram)
+    modes = np.sort(k[0])
+    base = g[0].astype(np.float64) @ sampler.factor.astype(np.float64) / sigma
+    base -= 0.5 * diag / sigma**2
+    pos = base + gram[modes] / sigma**2
+    got_q, got_p = sampler._dense_lse(0, k, g.copy(), sigma)
+    # float32 products of 16 terms and float32 exponentials: relative error ~1e-6 of the largest
+    # logit (|logit| ≤ ~G/σ² ≈ 2e4 at σ = 0.05), far below the 1e-3 tolerance a wrong mode row
+    # (a shift by G[k, i]/σ² ≥ 0.1 here) would exceed.
+    for got, logits in ((got_q, base), (got_p, pos)):
+        want = np.logaddexp.reduce(logits, axis=-1)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
