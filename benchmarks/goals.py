@@ -19,6 +19,37 @@ def _row(rows: list[dict], name: str, setting_has: str = "") -> dict | None:
     return None
 
 
+# worker.py: the engines' step time as a multiple of a non-private step on the same tokens, CPU
+# goals (docs/worker.md), judged at GPT-2 small, seq 128, full fine-tuning, fp32
+WORKER_GOALS = {"user": 1.15, "example": 1.2}
+
+
+def _opacus_anchor(rows: list[dict], row: dict) -> str:
+    """The Opacus anchor beside an engine row of benchmarks/worker.py: "; Opacus hooks X×, ghost
+    Y× in the same run" from the anchor rows of the same case ("" when it has none)."""
+    same = [
+        r
+        for r in rows
+        if r["mode"].startswith("opacus-")
+        and all(r.get(k) == row.get(k) for k in ("case", "preset", "lora_rank", "seq_len"))
+    ]
+    if not same:
+        return ""
+    if all(r.get("time_ratio") is None for r in same):
+        return f"; Opacus not run: {same[0].get('note', 'no timing')}"
+    timed, not_run = [], []
+    for r in same:
+        label = r["mode"].removeprefix("opacus-")
+        if r.get("time_ratio") is None:
+            not_run.append(f"{label} not run ({r.get('note', 'no timing')})")
+            continue
+        agrees = (r.get("agreement") or {}).get("ok")
+        timed.append(
+            f"{label} {r['time_ratio']:.2f}×" + (" (disagrees)" if agrees is False else "")
+        )
+    return f"; Opacus {', '.join(timed)} in the same run" + "".join(f", {n}" for n in not_run)
+
+
 def goals(outcomes: Mapping[str, Any]) -> list[dict[str, Any]]:
     """(area, figure, measured, goal, met) for the figures that have goals, from ``outcomes``:
     benchmark name -> its ``run_all.Outcome`` (a result counts only when its status is "ok")."""
@@ -101,6 +132,32 @@ def goals(outcomes: Mapping[str, Any]) -> list[dict[str, Any]]:
             "bounded memory at 1M rows: peak RSS below the output size",
             data["peak_rss_mb"] < data["output_mb"] if data["rows"] >= 1_000_000 else None,
         )
+    worker = result("worker")
+    if worker:
+        rows = worker["rows"]
+        for row in rows:
+            goal_ratio = WORKER_GOALS.get(row.get("unit", ""))
+            if row["mode"] not in ("vectorized", "randomized") or "step" not in row["case"]:
+                continue
+            if goal_ratio is None or row.get("time_ratio") is None:
+                continue
+            lora = f"LoRA r={row['lora_rank']}" if row.get("lora_rank") else "full"
+            shape = f"{row['users']}×{row['group_size']}×{row['seq_len']}"
+            at_size = (
+                row["preset"] == "gpt2-small"
+                and row["seq_len"] == 128
+                and not row.get("lora_rank")
+                and row.get("device", "cpu") == "cpu"
+                and row.get("dtype", "fp32") == "fp32"
+            )
+            add(
+                "worker",
+                f"{row['mode']} {row['unit']}-level step, {row['preset']} {lora} {shape}",
+                f"{row['time_ratio']:.2f}× non-private ({row['seconds']:.2f} s)"
+                + _opacus_anchor(rows, row),
+                f"≤ {goal_ratio}× non-private on CPU (GPT-2 small, seq 128)",
+                row["time_ratio"] <= goal_ratio if at_size else None,
+            )
     coord = result("coordinator")
     if coord:
         if "round" in coord:

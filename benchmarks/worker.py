@@ -1,4 +1,5 @@
-"""Benchmark the worker's clipping engines against a non-private step on the same tokens.
+"""Benchmark the worker's clipping engines against a non-private step on the same tokens, with
+Opacus as the per-example anchor.
 
 For one token set (``--users`` units of ``--group-size`` random examples of ``--seq-len`` tokens,
 byte vocabulary) it times and measures peak memory of:
@@ -7,6 +8,12 @@ byte vocabulary) it times and measures peak memory of:
   micro-batches), gradients accumulated in ``.grad`` — the cost DP is compared with;
 - ``loop`` / ``vectorized`` / ``randomized`` (k = ``--probes``): ``ClippingEngine.clipped_sum``,
   for ULS (a unit = a user's G examples) and ELS (a unit = one example; same tokens);
+- ELS only, the Opacus anchor (``benchmarks/opacus_anchor.py``): ``opacus-hooks`` (per-example
+  gradients, then DPOptimizer's clipping) and ``opacus-ghost`` (ghost clipping), each the sum
+  Σ_i clip(∇ loss_i, C) on the same model, tokens and micro-batches, before noise. Before timing,
+  the anchor's clipped sum is checked against ``loop`` and ``vectorized``; the result and how
+  Opacus handled each layer are in the rows. Without Opacus installed (the ``bench`` extra)
+  these rows say skipped;
 - long sequences (``--long-seq``, default 1024): ``vectorized`` vs ``randomized`` peak memory.
 
 Timing: one child process per token set runs every mode on the same model and tokens,
@@ -14,10 +21,10 @@ INTERLEAVED round by round (a shared machine drifts), after one warm-up call eac
 the fastest of ``--repeat`` rounds. Memory: one child process per mode (so the peak is its own),
 one call after a warm-up; peak = RSS sampled every 2 ms above the RSS just before the call (CPU),
 or ``torch.cuda.max_memory_allocated`` above the allocation before it (GPU). Prints JSON, then a
-markdown table. ``--profile`` adds, per token set and mode, one call under ``torch.profiler``
-after the timed rounds (not timed): the top ops by self time, with the engines' phases
-(``userdp.forward``, ``userdp.output_backward``, ``userdp.norms``, ``userdp.bookkeeping``), to
-stderr.
+markdown table, then the anchor's agreement and layer notes. ``--profile`` adds, per token set
+and mode, one call under ``torch.profiler`` after the timed rounds (not timed): the top ops by
+self time, with the engines' phases (``userdp.forward``, ``userdp.output_backward``,
+``userdp.norms``, ``userdp.bookkeeping``), to stderr.
 
     .venv/bin/python benchmarks/worker.py                   # GPT-2-small, 64 users, G=8, seq 128
     .venv/bin/python benchmarks/worker.py --quick           # gpt2-tiny, 16 users, G=4, seq 64
@@ -27,7 +34,10 @@ stderr.
 
 ``--preset llama-small`` is Llama-shaped near GPT-2 small's size (12 layers, 768 wide, RMSNorm,
 SwiGLU, grouped-query attention, untied head); ``--lora-rank 0,8`` measures full fine-tuning and
-LoRA (rank 8, PEFT's default targets) as separate cases.
+LoRA (rank 8, PEFT's default targets) as separate cases. ``opacus-hooks`` holds every example's
+gradient of a micro-batch at once (GPT-2 small: 0.34 GB per example in fp32);
+``--opacus-batch N`` gives Opacus at most N examples per backward (BatchMemoryManager's
+physical batches) where that does not fit.
 """
 
 from __future__ import annotations
@@ -40,9 +50,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from opacus_anchor import (  # benchmarks/opacus_anchor.py: this script's folder is on sys.path
+    OPACUS_MODES,
+    OpacusAnchor,
+    anchor_note,
+    check_agreement,
+    opacus_failure,
+    opacus_missing,
+)
 
 VOCAB = 259  # the byte tokenizer
 
@@ -113,12 +132,15 @@ def _setup(spec: dict):
     warm = make_units(1, 1, min(spec["seq_len"], 16), "user", seed=1)
 
     def runner(mode: str):
+        """A call of ``mode`` on units (at clip norm C, default 1, for the DP modes)."""
         if mode == "nonprivate":
             return lambda batch: nonprivate_step(module, batch, spec["token_budget"])
+        if mode in OPACUS_MODES:
+            return OpacusAnchor(module, mode, spec["token_budget"], spec.get("opacus_batch", 0))
         engine = ClippingEngine(
             module, engine=mode, probes=spec["probes"], token_budget=spec["token_budget"]
         )
-        return lambda batch: engine.clipped_sum(batch, 1.0)
+        return lambda batch, clip_norm=1.0: engine.clipped_sum(batch, clip_norm)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -147,11 +169,27 @@ def child_memory(spec: dict) -> dict:
 
 
 def child_timing(spec: dict) -> dict:
-    """Seconds per mode, modes INTERLEAVED round by round, fastest of ``repeat`` rounds."""
+    """Seconds per mode, modes INTERLEAVED round by round, fastest of ``repeat`` rounds; for the
+    Opacus modes also their agreement with the exact engines (checked before timing), how they
+    handled each layer, or the error that stopped them (that mode is then not timed)."""
     _, _, units, warm, runner, sync = _setup(spec)
-    runs = {mode: runner(mode) for mode in spec["modes"]}
-    for run in runs.values():
-        run(warm)
+    runs, errors = {}, {}
+    for mode in spec["modes"]:
+        try:
+            runs[mode] = runner(mode)
+            runs[mode](warm)
+        except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported in its row
+            if mode not in OPACUS_MODES:
+                raise
+            runs.pop(mode, None)
+            errors[mode] = opacus_failure(exc)
+    agreement = {}
+    if any(mode in OPACUS_MODES for mode in runs):
+        agreement = check_agreement(runner, runs, units, spec["dtype"])
+    for mode, failure in [(m, a["error"]) for m, a in agreement.items() if "error" in a]:
+        runs.pop(mode)
+        errors[mode] = failure
+    anchors = [mode for mode in OPACUS_MODES if mode in runs]
     best = {mode: float("inf") for mode in runs}
     for _ in range(spec["repeat"]):
         for mode, run in runs.items():
@@ -166,7 +204,14 @@ def child_timing(spec: dict) -> dict:
             profile_call(
                 lambda run=run: run(units), sync, f"{spec['unit']} {mode}", spec["profile"]
             )
-    return {"seconds": best, "tokens": tokens}
+    layers = {mode: runs[mode].layers for mode in anchors}
+    return {
+        "seconds": best,
+        "tokens": tokens,
+        "errors": errors,
+        "agreement": agreement,
+        "layers": layers,
+    }
 
 
 def profile_call(call, sync, title: str, rows: int) -> None:
@@ -209,19 +254,34 @@ def measure(kind: str, spec: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure_case(case: str, spec: dict, modes: list[str]) -> list[dict]:
-    """Rows for one token set: non-private first, then ``modes``, with ratios to non-private."""
-    all_modes = ["nonprivate", *modes]
-    timing = measure("timing", {**spec, "modes": all_modes})
+def measure_case(
+    case: str, spec: dict, modes: list[str], anchors: Sequence[str] = ()
+) -> list[dict]:
+    """Rows for one token set: non-private first, then ``modes``, then the Opacus ``anchors``
+    (timed in the same rounds), with ratios to non-private. An anchor that could not run has
+    ``seconds`` None and a ``note`` saying why; one that ran has ``agreement`` and ``layers``."""
+    missing = opacus_missing() if anchors else None
+    all_modes = ["nonprivate", *modes, *anchors]
+    timed = all_modes if missing is None else ["nonprivate", *modes]
+    timing = measure("timing", {**spec, "modes": timed})
     rows = []
     for mode in all_modes:
-        memory = measure("memory", {**spec, "mode": mode, "profile": 0})
         row = {"case": case, **spec, "mode": mode, "tokens": timing["tokens"]}
+        note = missing if mode in anchors else None
+        note = timing.get("errors", {}).get(mode, note)
+        if note is not None:
+            row.update(seconds=None, peak_mb=None, note=note)
+            rows.append(row)
+            continue
+        memory = measure("memory", {**spec, "mode": mode, "profile": 0})
         row.update(seconds=timing["seconds"][mode], peak_mb=memory["peak_mb"])
+        if mode in anchors:
+            row.update(agreement=timing["agreement"][mode], layers=timing["layers"][mode])
         rows.append(row)
     for row in rows:
-        row["time_ratio"] = row["seconds"] / rows[0]["seconds"]
-        row["memory_ratio"] = row["peak_mb"] / max(rows[0]["peak_mb"], 1e-9)
+        timed_row = row["seconds"] is not None
+        row["time_ratio"] = row["seconds"] / rows[0]["seconds"] if timed_row else None
+        row["memory_ratio"] = row["peak_mb"] / max(rows[0]["peak_mb"], 1e-9) if timed_row else None
     return rows
 
 
@@ -249,6 +309,16 @@ def main() -> int:
     parser.add_argument("--engines", default="loop,vectorized,randomized")
     parser.add_argument("--skip-els", action="store_true")
     parser.add_argument("--skip-long", action="store_true")
+    parser.add_argument(
+        "--skip-opacus", action="store_true", help="no Opacus anchor rows (per-example case)"
+    )
+    parser.add_argument(
+        "--opacus-batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="at most N examples per Opacus backward (0: the engines' micro-batches)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds; the fastest is kept")
     parser.add_argument(
         "--profile",
@@ -285,8 +355,13 @@ def main() -> int:
     rows = []
     for rank in [int(r) for r in args.lora_rank.split(",") if r]:
         ranked = {**base, "lora_rank": rank}
-        for unit in ["user"] if args.skip_els else ["user", "example"]:
-            rows += measure_case(f"{unit} step", {**ranked, "unit": unit}, engines)
+        rows += measure_case("user step", ranked, engines)
+        if not args.skip_els:
+            anchors = () if args.skip_opacus else OPACUS_MODES
+            example = {**ranked, "unit": "example"}
+            if anchors:
+                example["opacus_batch"] = args.opacus_batch
+            rows += measure_case("example step", example, engines, anchors)
         if not args.skip_long:
             long = {**ranked, "seq_len": args.long_seq, "users": args.long_users, "group_size": 2}
             long["token_budget"] = max(args.token_budget, 2 * args.long_seq)
@@ -307,12 +382,21 @@ def main() -> int:
         shape = f"{r['users']}×{r['group_size']}×{r['seq_len']}"
         mode = r["mode"] + (f" (k={r['probes']})" if r["mode"] == "randomized" else "")
         lora = f"r={r['lora_rank']}" if r["lora_rank"] else "full"
+        figures = (
+            ("seconds", ".2f"),
+            ("time_ratio", ".2f"),
+            ("peak_mb", ".0f"),
+            ("memory_ratio", ".2f"),
+        )
+        cells = " | ".join("—" if r[k] is None else format(r[k], f) for k, f in figures)
         print(
             f"| {r['case']} | {r['preset']} | {lora} | {r['unit']} | {shape} | {mode} | "
-            f"{r['tokens']} | "
-            f"{r['seconds']:.2f} | {r['time_ratio']:.2f} | {r['peak_mb']:.0f} | "
-            f"{r['memory_ratio']:.2f} |"
+            f"{r['tokens']} | {cells} |"
         )
+    notes = [anchor_note(r) for r in rows if r["mode"] in OPACUS_MODES]
+    if notes:
+        print("\nOpacus anchors (same model, tokens and micro-batches; timed in the same rounds):")
+        print("\n".join(notes))
     return 0
 
 
