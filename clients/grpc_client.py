@@ -31,7 +31,6 @@ from typing import Any
 import grpc
 from userdp.clients.task_runner import ModelReceiver, TaskCompute, TaskRunner
 from userdp.proto import userdp_v1_pb2 as pb
-from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -40,6 +39,7 @@ from userdp.proto.channels import (
     channel_options,
     chunk_bytes_within,
 )
+from userdp.proto.chunk_messages import connect
 from userdp.proto.tensors import DEFAULT_CHUNK_BYTES
 
 __all__ = [
@@ -292,7 +292,7 @@ class WorkerClient(TaskRunner):
         )
         beat = threading.Thread(target=self._heartbeats, args=(outbox, session_over), daemon=True)
         try:
-            self._call = pb_grpc.CoordinatorStub(channel).Connect(requests(), metadata=metadata)
+            self._call = connect(channel)(requests(), metadata=metadata)
             worker.start()
             model = ModelReceiver()
             for message in self._call:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from userdp.proto import userdp_v1_pb2 as pb
-from userdp.proto.tensors import WireTensor, tensors_chunks
+from userdp.proto.chunk_messages import ChunkMessage, result_part_messages
+from userdp.proto.tensors import WireTensor
 from userdp.strategies.base import example_unit_id, parse_example_unit_id
 from userdp.strategies.unit_stats import UnitStats
 
@@ -164,21 +165,11 @@ def task_from_proto(task: pb.Task) -> WorkerTask:
 
 def result_parts(
     task: pb.Task, sums: Mapping[str, Any], chunk_bytes: int
-) -> Iterator[pb.WorkerMessage]:
+) -> Iterator[ChunkMessage]:
     """The ``WorkerMessage`` envelopes carrying a task's summed tensors as ``ResultPart``
-    chunks of at most ``chunk_bytes``. Each chunk is written straight into its envelope (no
-    copy of the bytes per nesting level)."""
-    envelopes: list[pb.WorkerMessage] = []
-
-    def new_chunk() -> pb.TensorChunk:
-        message = pb.WorkerMessage()
-        message.result_part.task_id = task.task_id
-        message.result_part.attempt = task.attempt
-        envelopes.append(message)
-        return message.result_part.chunk
-
-    for _ in tensors_chunks(sums, chunk_bytes, new_chunk):
-        yield envelopes.pop()
+    chunks of at most ``chunk_bytes``, encoded around one copy of the bytes
+    (:mod:`userdp.proto.chunk_messages`)."""
+    return result_part_messages(task.task_id, task.attempt, sums, chunk_bytes)
 
 
 def _stats_fields(stats: UnitStats) -> dict[str, Any]:

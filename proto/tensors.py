@@ -108,6 +108,22 @@ def tensor_chunks(
 
     ``new_chunk`` returns the (empty) chunk message to fill; pass one that returns the ``chunk``
     field of a fresh envelope message to build envelopes without a second copy of the bytes."""
+    for dtype, shape, total, offset, data in tensor_pieces(tensor, chunk_bytes):
+        chunk = new_chunk()
+        chunk.name = name
+        chunk.dtype = dtype
+        chunk.shape.extend(shape)
+        chunk.total_bytes = total
+        chunk.offset = offset
+        chunk.data = data.tobytes()
+        yield chunk
+
+
+def tensor_pieces(
+    tensor: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[tuple[str, tuple[int, ...], int, int, memoryview]]:
+    """(dtype, shape, total_bytes, offset, bytes) of each chunk of one tensor, in offset order
+    (one empty piece for an empty tensor); the bytes are views of the tensor's memory."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     dtype, shape, flat = _as_wire(tensor)
@@ -115,14 +131,7 @@ def tensor_chunks(
     offset = 0
     while True:
         end = min(offset + chunk_bytes, total)
-        chunk = new_chunk()
-        chunk.name = name
-        chunk.dtype = dtype
-        chunk.shape.extend(shape)
-        chunk.total_bytes = total
-        chunk.offset = offset
-        chunk.data = flat[offset:end].tobytes()
-        yield chunk
+        yield dtype, shape, total, offset, flat[offset:end]
         offset = end
         if offset >= total:
             return

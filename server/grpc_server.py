@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import DEFAULT_MAX_MESSAGE_BYTES, SERVICE_NAME, TlsFiles, server_options
+from userdp.proto.chunk_messages import decode_worker_message, serialize
 from userdp.server.auth import Authorizer, server_credentials
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import WorkerRegistry
@@ -58,7 +59,8 @@ class _Registrations:
 
 def add_coordinator_service(service: CoordinatorService, server: grpc.Server) -> None:
     """Register ``service`` as the generated code does, with every request deserializer made
-    tolerant (:func:`~userdp.server.service.tolerant_deserializer`)."""
+    tolerant (:func:`~userdp.server.service.tolerant_deserializer`) and the session stream's
+    chunk envelopes read and written by :mod:`userdp.proto.chunk_messages`."""
     registrations = _Registrations()
     pb_grpc.add_CoordinatorServicer_to_server(service, registrations)
     if not registrations.services:
@@ -72,6 +74,11 @@ def add_coordinator_service(service: CoordinatorService, server: grpc.Server) ->
             else handler
             for method, handler in handlers.items()
         }
+        if "Connect" in tolerant:  # the session stream: chunk envelopes without protobuf copies
+            tolerant["Connect"] = tolerant["Connect"]._replace(
+                request_deserializer=tolerant_deserializer(decode_worker_message),
+                response_serializer=serialize,
+            )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, tolerant),))
         server.add_registered_method_handlers(name, tolerant)
 

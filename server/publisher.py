@@ -14,10 +14,14 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from userdp.proto import userdp_v1_pb2 as pb
-from userdp.proto.tensors import chunks_sha256, tensors_chunks
+from userdp.proto.chunk_messages import ChunkMessage, model_part_messages, model_part_of
+from userdp.proto.tensors import chunks_sha256
 
 if TYPE_CHECKING:
     import torch
+
+Message = ChunkMessage | pb.CoordinatorMessage
+"""A message to a worker: a model part (hand-encoded) or any generated message."""
 
 
 class ModelPublisher:
@@ -27,29 +31,23 @@ class ModelPublisher:
         self.chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
         self.version = -1
-        self._trainable_parts: list[pb.CoordinatorMessage] = []
+        self._trainable_parts: list[ChunkMessage] = []
         self._trainable_count = 0
-        self._frozen_chunks: list[pb.TensorChunk] = []
+        self._frozen_parts: list[ChunkMessage] = []
         self._frozen_count = 0
-        self._full_cache: tuple[int, list[pb.CoordinatorMessage]] | None = None
+        self._full_cache: tuple[int, list[Message]] | None = None
 
     def _parts(
         self,
         version: int,
         tensors: Mapping[str, torch.Tensor],
-        sink: Callable[[pb.CoordinatorMessage], None] | None = None,
-    ) -> list:
-        out: list[pb.CoordinatorMessage] = []
-
-        def new_chunk() -> pb.TensorChunk:
-            message = pb.CoordinatorMessage()
-            message.model_part.model_version = version
+        sink: Callable[[Message], None] | None = None,
+    ) -> list[ChunkMessage]:
+        out: list[ChunkMessage] = []
+        for message in model_part_messages(version, tensors, self.chunk_bytes):
             out.append(message)
-            return message.model_part.chunk
-
-        for _ in tensors_chunks(tensors, self.chunk_bytes, new_chunk):
             if sink is not None:
-                sink(out[-1])  # complete: stream it while the next chunk is encoded
+                sink(message)  # complete: stream it while the next chunk is encoded
         return out
 
     def publish(
@@ -57,21 +55,19 @@ class ModelPublisher:
         version: int,
         trainable: Mapping[str, torch.Tensor],
         frozen: Mapping[str, torch.Tensor] | None = None,
-        sink: Callable[[pb.CoordinatorMessage], None] | None = None,
-    ) -> list[pb.CoordinatorMessage]:
+        sink: Callable[[Message], None] | None = None,
+    ) -> list[Message]:
         """Encode ``trainable`` (and ``frozen`` when given) as ``version``; return the update
         messages (trainable tensors + a non-full commit) to send to in-sync workers. ``sink``
         receives each message as soon as it is encoded (the commit included), so sending
         overlaps encoding."""
         parts = self._parts(version, trainable, sink)
-        frozen_chunks = (
-            list(tensors_chunks(frozen, self.chunk_bytes)) if frozen is not None else None
-        )
+        frozen_parts = self._parts(version, frozen) if frozen is not None else None
         with self._lock:
             self.version = version
             self._trainable_parts, self._trainable_count = parts, len(trainable)
-            if frozen_chunks is not None:
-                self._frozen_chunks, self._frozen_count = frozen_chunks, len(frozen)
+            if frozen_parts is not None:
+                self._frozen_parts, self._frozen_count = frozen_parts, len(frozen)
             self._full_cache = None
         commit = pb.CoordinatorMessage(
             model_commit=pb.ModelCommit(
@@ -82,16 +78,16 @@ class ModelPublisher:
             sink(commit)
         return [*parts, commit]
 
-    def full(self) -> tuple[int, list[pb.CoordinatorMessage]]:
+    def full(self) -> tuple[int, list[Message]]:
         """(version, every tensor + a full commit with the model's sha256) for a resync."""
         with self._lock:
             if self._full_cache is None or self._full_cache[0] != self.version:
-                frozen_parts = []
-                for chunk in self._frozen_chunks:
-                    message = pb.CoordinatorMessage()
-                    message.model_part.model_version = self.version
-                    message.model_part.chunk.CopyFrom(chunk)
-                    frozen_parts.append(message)
+                frozen_parts = [
+                    part
+                    if part.model_part.model_version == self.version
+                    else model_part_of(self.version, part.model_part.chunk)
+                    for part in self._frozen_parts
+                ]
                 parts = [*frozen_parts, *self._trainable_parts]
                 commit = pb.ModelCommit(
                     model_version=self.version,
