@@ -8,8 +8,9 @@
 2. ``transfer``: one model update of ``params`` fp32 parameters from the coordinator to one worker
    (chunked ModelParts, reassembly, sha256 check, apply, ack), and one partial sum of the same
    size back (chunked ResultParts, reassembly into the step loop's event), each timed 5 times in
-   a row (best and median; the first transfers into a fresh process are the slowest). Goal:
+   a row after ``WARMUP`` untimed ones (best and median; the warm-up times are in the JSON). Goal:
    ≥ 1 GB/s per stream in each direction, beside a loopback TCP socket copy of the same bytes.
+   Both processes apply the allocator settings the CLI applies (:mod:`userdp.proto.allocator`).
 3. ``--scale`` (the CPU scale simulation): the same real step loop as ``round`` — the
    strategy's Poisson sampling over a population of 1M users (metadata only), planning by shard
    ownership, exactly-once gathering of ``--payload``-element fp32 partials streamed by worker
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 from userdp.clients.grpc_client import WorkerClient
 from userdp.clients.partial import ClippedSum
+from userdp.proto.allocator import keep_freed_memory
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings, Population
 from userdp.server.grpc_server import serve
@@ -263,33 +265,42 @@ def _synced_worker(params: dict[str, torch.Tensor]) -> Iterator[tuple[Any, Any, 
         server.stop(0)
 
 
+WARMUP = 2
+"""Transfers per direction before the timed ones: the first transfers into a fresh process touch
+memory the kernel has not yet given it (on the 2-core VM the first 400 MB ones took 2-4 times as
+long as the later ones); a worker in a run pays that once."""
+
+
 def _rates(num_params: int, seconds: list[float]) -> dict:
-    best = min(seconds)
+    """Best and median rate of the timed transfers (``seconds`` after the ``WARMUP`` ones)."""
+    timed = seconds[WARMUP:]
+    best = min(timed)
     return {
         "params": num_params,
         "bytes": num_params * 4,
         "seconds_best": best,
         "gb_per_s": num_params * 4 / best / 1e9,
-        "gb_per_s_median": num_params * 4 / statistics.median(seconds) / 1e9,
-        "seconds_all": seconds,
+        "gb_per_s_median": num_params * 4 / statistics.median(timed) / 1e9,
+        "seconds_all": timed,
+        "warmup_seconds": seconds[:WARMUP],
     }
 
 
 def bench_transfer(num_params: int, repeats: int = 5) -> dict:
-    """``repeats`` updates of ``num_params`` fp32 parameters to ONE worker process, each timed
-    from the coordinator starting to encode it to the worker's acknowledgement (decoded,
-    applied): one stream. Also times the coordinator's encoding alone."""
+    """``WARMUP`` + ``repeats`` updates of ``num_params`` fp32 parameters to ONE worker process,
+    each timed from the coordinator starting to encode it to the worker's acknowledgement
+    (decoded, applied): one stream. Also times the coordinator's encoding alone."""
     params = {"w": torch.randn(num_params)}
     seconds = []
     with _synced_worker(params) as (registry, publisher, session):
-        for version in range(1, repeats + 1):
+        for version in range(1, WARMUP + repeats + 1):
             params["w"].add_(1.0)
             start = time.perf_counter()
             publisher.publish(version, params, sink=session.send)  # what the step loop does
             _wait_ack(registry, version)
             seconds.append(time.perf_counter() - start)
         start = time.perf_counter()
-        publisher.publish(repeats + 1, params)  # encoding only, no stream
+        publisher.publish(WARMUP + repeats + 1, params)  # encoding only, no stream
         encode_s = time.perf_counter() - start
     return {
         **_rates(num_params, seconds),
@@ -300,8 +311,8 @@ def bench_transfer(num_params: int, repeats: int = 5) -> dict:
 
 
 def bench_partial_transfer(num_params: int, repeats: int = 5) -> dict:
-    """The other direction: ONE worker process returns a partial sum of ``num_params`` fp32
-    values (:class:`ZeroCompute`: no gradient work), timed from the coordinator sending the task
+    """The other direction (``WARMUP`` + ``repeats`` times): ONE worker process returns a partial
+    sum of ``num_params`` fp32 values (:class:`ZeroCompute`: no gradient work), timed from the coordinator sending the task
     to the reassembled partial arriving as the step loop's event (encode on the worker, stream,
     reassemble on the coordinator), less the compute seconds the worker reports."""
     from userdp.proto import userdp_v1_pb2 as pb
@@ -312,7 +323,7 @@ def bench_partial_transfer(num_params: int, repeats: int = 5) -> dict:
     seconds, compute = [], []
     with _synced_worker({"w": torch.zeros(num_params)}) as (registry, _, session):
         spec = TaskSpec(clip_norm=1.0)
-        for attempt in range(repeats):
+        for attempt in range(WARMUP + repeats):
             task = task_proto(spec, 0, f"t{attempt}", 0, 0, ["u0"], 600.0)
             start = time.perf_counter()
             session.send(pb.CoordinatorMessage(task=task))
@@ -371,12 +382,14 @@ def bench_socket(num_bytes: int, repeats: int = 3) -> dict:
 def run_worker(address: str, worker_id: str, shards: str) -> int:
     """A worker process with :class:`ZeroCompute` (used by ``bench_round``)."""
     held = [(n, "0" * 64) for n in shards.split(",") if n]
+    keep_freed_memory()  # as `userdp worker` does
     WorkerClient(address, worker_id, held, ZeroCompute()).run()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    keep_freed_memory()  # as `userdp coordinator` and `userdp simulate` do
     if argv[:1] == ["--worker"]:
         return run_worker(*argv[1:4])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -454,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| update transfer | {t['params']:,} fp32 params ({t['bytes'] / 1e6:.0f} MB), "
             f"1 stream to a worker process | {t['gb_per_s']:.2f} GB/s best of "
-            f"{len(t['seconds_all'])}, median {t['gb_per_s_median']:.2f} "
+            f"{len(t['seconds_all'])} after {WARMUP} warm-up, median {t['gb_per_s_median']:.2f} "
             f"({t['seconds_best'] * 1000:.0f} ms; encoding alone {t['encode_gb_per_s']:.2f} GB/s) "
             f"| ≥ 1 GB/s |"
         )
@@ -462,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| partial-sum transfer | {partial['params']:,} fp32 ({partial['bytes'] / 1e6:.0f} "
             f"MB), 1 stream from a worker process to the coordinator's step loop | "
-            f"{partial['gb_per_s']:.2f} GB/s best of {len(partial['seconds_all'])}, median "
+            f"{partial['gb_per_s']:.2f} GB/s best of {len(partial['seconds_all'])} after "
+            f"{WARMUP} warm-up, median "
             f"{partial['gb_per_s_median']:.2f} ({partial['seconds_best'] * 1000:.0f} ms) "
             "| ≥ 1 GB/s |"
         )

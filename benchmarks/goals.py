@@ -174,23 +174,23 @@ def goals(outcomes: Mapping[str, Any]) -> list[dict[str, Any]]:
             add(
                 "coordinator",
                 f"update transfer, {t['params']:,} fp32 params, 1 stream",
-                f"{t['gb_per_s']:.2f} GB/s"
+                f"{_rate(t)}"
                 + (
                     f" (loopback socket anchor {t['socket_anchor']['gb_per_s']:.2f} GB/s)"
                     if "socket_anchor" in t
                     else ""
                 ),
-                "≥ 1 GB/s (100M params)",
-                t["gb_per_s"] >= 1.0 if t["params"] >= 100_000_000 else None,
+                "median ≥ 1 GB/s (100M params)",
+                _median_rate(t) >= 1.0 if t["params"] >= 100_000_000 else None,
             )
             partial = t.get("partial_sum")
             if partial:
                 add(
                     "coordinator",
                     f"partial-sum transfer, {partial['params']:,} fp32, worker → step loop",
-                    f"{partial['gb_per_s']:.2f} GB/s (same socket anchor)",
-                    "≥ 1 GB/s (100M params)",
-                    partial["gb_per_s"] >= 1.0 if partial["params"] >= 100_000_000 else None,
+                    f"{_rate(partial)} (same socket anchor)",
+                    "median ≥ 1 GB/s (100M params)",
+                    _median_rate(partial) >= 1.0 if partial["params"] >= 100_000_000 else None,
                 )
     scale = result("scale")
     if scale:
@@ -262,3 +262,12 @@ def goals(outcomes: Mapping[str, Any]) -> list[dict[str, Any]]:
                 None,
             )
     return out
+
+
+def _median_rate(transfer: Mapping[str, Any]) -> float:
+    """The median rate of a transfer figure (the best one where the run recorded no median)."""
+    return transfer.get("gb_per_s_median", transfer["gb_per_s"])
+
+
+def _rate(transfer: Mapping[str, Any]) -> str:
+    return f"{_median_rate(transfer):.2f} GB/s median, {transfer['gb_per_s']:.2f} best"

@@ -30,8 +30,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from userdp.config import load_config
+    from userdp.proto.allocator import keep_freed_memory
     from userdp.server.startup import progress_logger
 
+    keep_freed_memory()  # chunk messages reuse freed pages (see the module)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

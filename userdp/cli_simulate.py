@@ -84,8 +84,10 @@ def _logging(quiet: bool) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """``simulate`` (grpc, or in-process) and ``train`` (external workers)."""
+    from userdp.proto.allocator import keep_freed_memory
     from userdp.simulation import run
 
+    keep_freed_memory()  # chunk messages reuse freed pages (see the module)
     config = _load(args)
     args.log_dir = Path(args.output or config.output.dir) / "logs"
     _logging(args.quiet)

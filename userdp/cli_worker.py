@@ -98,8 +98,10 @@ def _serve(args: argparse.Namespace) -> int:
     from userdp.clients.startup import StartupReporter
     from userdp.config import Config, load_config
     from userdp.proto import userdp_v1_pb2 as pb
+    from userdp.proto.allocator import keep_freed_memory
     from userdp.proto.channels import read_tls_files, read_token
 
+    keep_freed_memory()  # chunk messages reuse freed pages (see the module)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
