@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,14 +102,10 @@ def tensor_chunks(
     name: str,
     tensor: Any,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    new_chunk: Callable[[], pb.TensorChunk] = pb.TensorChunk,
 ) -> Iterator[pb.TensorChunk]:
-    """The ``TensorChunk`` messages of one tensor, in offset order (one chunk for an empty one).
-
-    ``new_chunk`` returns the (empty) chunk message to fill; pass one that returns the ``chunk``
-    field of a fresh envelope message to build envelopes without a second copy of the bytes."""
+    """The ``TensorChunk`` messages of one tensor, in offset order (one chunk for an empty one)."""
     for dtype, shape, total, offset, data in tensor_pieces(tensor, chunk_bytes):
-        chunk = new_chunk()
+        chunk = pb.TensorChunk()
         chunk.name = name
         chunk.dtype = dtype
         chunk.shape.extend(shape)
@@ -140,11 +136,10 @@ def tensor_pieces(
 def tensors_chunks(
     tensors: Mapping[str, Any],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    new_chunk: Callable[[], pb.TensorChunk] = pb.TensorChunk,
 ) -> Iterator[pb.TensorChunk]:
     """Chunks of every tensor of a name -> tensor mapping, name-sorted (deterministic order)."""
     for name in sorted(tensors):
-        yield from tensor_chunks(name, tensors[name], chunk_bytes, new_chunk)
+        yield from tensor_chunks(name, tensors[name], chunk_bytes)
 
 
 class TensorAssembler:
