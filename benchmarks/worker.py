@@ -18,7 +18,9 @@ byte vocabulary) it times and measures peak memory of:
 
 Timing: one child process per token set runs every mode on the same model and tokens,
 INTERLEAVED round by round (a shared machine drifts), after one warm-up call each; the time is
-the fastest of ``--repeat`` rounds. Memory: one child process per mode (so the peak is its own),
+the fastest of ``--repeat`` rounds. Every child applies the allocator settings ``userdp worker``
+runs with (``proto/allocator.py``: freed memory is kept for reuse, not returned to the OS and
+faulted in again by the next call). Memory: one child process per mode (so the peak is its own),
 one call after a warm-up; peak = RSS sampled every 2 ms above the RSS just before the call (CPU),
 or ``torch.cuda.max_memory_allocated`` above the allocation before it (GPU). Prints JSON, then a
 markdown table, then the anchor's agreement and layer notes. ``--profile`` adds, per token set
@@ -120,6 +122,9 @@ def _setup(spec: dict):
     import torch
     from userdp.clients.engine import ClippingEngine
     from userdp.clients.model import ModelShape, build_model
+    from userdp.proto.allocator import keep_freed_memory
+
+    keep_freed_memory()  # the allocator settings `userdp worker` runs with
 
     torch.set_num_threads(spec["threads"])
     from userdp.config import ModelConfig

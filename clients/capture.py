@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from userdp.clients.batching import EngineError, MicroBatch
 
 try:
@@ -81,11 +82,24 @@ class Call:
     kind: str
     inputs: torch.Tensor | None
     """The call's tensor argument (None for a generic call: see ``args``/``kwargs``)."""
-    output: torch.Tensor
+    output: GradientEdge
+    """The autograd edge of the call's output: its gradient is requested through the edge, so
+    the output itself is not kept alive (autograd frees it once nothing needs it, as in a plain
+    backward)."""
+    output_like: torch.Tensor
+    """The output's shape and dtype (a tensor on the meta device)."""
     grad: torch.Tensor | None = None
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     """A generic call's arguments, detached, for re-running it per unit."""
+
+
+def _call(
+    module: torch.nn.Module, kind: str, inputs: torch.Tensor | None, output: torch.Tensor, **kwargs
+) -> Call:
+    """A :class:`Call` that refers to ``output`` by its autograd edge only."""
+    like = torch.empty(output.shape, dtype=output.dtype, device="meta")
+    return Call(module, kind, inputs, get_gradient_edge(output), like, **kwargs)
 
 
 @dataclass
@@ -145,14 +159,14 @@ class Capture:
                 # output back through them, so their gradients are the output's
                 x = x.reshape(self.rows, self.length, *x.shape[1:])
                 shaped = output.reshape(self.rows, self.length, *output.shape[1:])
-                self.calls.append(Call(module, kind, x.detach(), shaped))
+                self.calls.append(_call(module, kind, x.detach(), shaped))
                 return shaped.reshape(output.shape)
             if x.shape[:1] == (1,) and output.shape[:1] == (1,) and self.rows > 1:
                 # broadcast over rows (e.g. GPT-2's position embedding of [1, length] position
                 # ids): expand so that each row gets its own output gradient
                 x = x.expand(self.rows, *x.shape[1:])
                 output = output.expand(self.rows, *output.shape[1:])
-            self.calls.append(Call(module, kind, x.detach(), output))
+            self.calls.append(_call(module, kind, x.detach(), output))
             return output
 
         return hook
@@ -170,7 +184,7 @@ class Capture:
         def detach(value):
             return value.detach() if isinstance(value, torch.Tensor) else value
 
-        call = Call(
+        call = _call(
             module,
             GENERIC,
             None,

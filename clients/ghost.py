@@ -1,12 +1,13 @@
 """The ``vectorized`` (exact) and ``randomized`` (Hutchinson) engines: per-unit norms of many units
-from ONE forward and ONE activation backward, then the clipped sum by book-keeping.
+from ONE forward and ONE activation backward, then the clipped sum from retained per-unit
+gradients or by book-keeping.
 
 Per micro-batch (rows = examples of whole units, see :mod:`userdp.clients.batching`):
 
 1. Forward with hooks on every module that owns a trainable parameter; each call records its
-   input and keeps its output.
-2. ``torch.autograd.grad(Σ_u loss_u, outputs)``: the gradient G of every recorded output. Weight
-   gradients are NOT computed (they are not requested), nothing touches ``.grad``.
+   input and its output's autograd edge (not the output: autograd frees it when done with it).
+2. ``torch.autograd.grad(Σ_u loss_u, output edges)``: the gradient G of every recorded output.
+   Weight gradients are NOT computed (they are not requested), nothing touches ``.grad``.
 3. Per unit u and parameter, the gradient is a sum over the unit's (real) tokens t of rank-one
    terms. Writing a weight as [dim0, dim1] in its storage layout, every use c of it contributes
    L_c,t R_c,tᵀ:
@@ -26,19 +27,26 @@ Per micro-batch (rows = examples of whole units, see :mod:`userdp.clients.batchi
    User-level norm (docs/design.md, "User-level norms"): over ALL the unit's tokens,
        ‖M_u‖²_F = Σ_{c,c'} Σ_{t,s} (L_c,t·L_c',s)(R_c,t·R_c',s)          ("ghost", T_u² terms)
    (onehot·onehot = [x_t = x_s], onehot(x_t)·g_s = g_s[x_t]), or materialize M_u (d0×d1) and
-   square it. Per unit and parameter we pick the cheaper: ghost costs ≈ T_u²(d0 + d1), the
-   materialized gradient T_u·d0·d1 (onehot uses: T_u·d1). Long users (T_u ≫ width) therefore
-   materialize; short examples use the ghost identity.
+   square it. Per micro-batch and weight:
+   - RETAIN: when the units' M_u (U·d0·d1 float32) take at most ``RETAIN_RATIO`` times the
+     bytes of the weight's captured rows, materialize them and keep them for step 5, which then
+     needs no product of its own: the norm costs the T_u·d0·d1 per unit the clipped sum costs
+     anyway. Long users (float32 GPT-2 small: T_u ≥ 307 tokens for the MLP weights) take this
+     way (:func:`userdp.clients.unit_gradients.retains_unit_gradients`).
+   - otherwise the cheaper of ghost, ≈ T_u²(d0 + d1), and a materialized gradient that is
+     squared and discarded, T_u·d0·d1 (onehot uses: T_u·d1). Short examples use the ghost
+     identity.
 
    Biases (Σ_t g_t) and parameters of any other module (LayerNorm, RMSNorm, …: "generic") are
    small: their per-unit gradients are materialized, for generic modules by re-running the
    module on the unit's rows of its recorded input and a vjp with the unit's rows of G.
 
 4. c_u = min(1, C/‖g_u‖) with ‖g_u‖² = Σ over parameters; non-finite → the unit is dropped.
-5. Book-keeping (Bu et al. 2023): Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the tokens of the kept
-   units (c_t = the token's unit factor) — one weight-gradient-sized matmul per use, no second
-   backward. Tokens of dropped units are removed before the product, so a NaN there cannot reach
-   the sum.
+5. The clipped sum over the finite units: Σ_u c_u M_u from the retained M_u (and the small
+   parameters' per-unit gradients), and for the other weights by book-keeping (Bu et al. 2023):
+   Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the tokens of the finite units (c_t = the token's
+   unit factor) — one weight-gradient-sized matmul per use, no second backward. Dropped units
+   (and their tokens) are left out, not multiplied by 0, so a NaN there cannot reach the sum.
 
 Randomized (DP-SGD-RC: the Hutchinson estimator of "Efficient DP-SGD for LLMs with Randomized
 Clipping"): step 3 for the L/R weights is replaced by a sketch. Per
@@ -99,6 +107,11 @@ from userdp.clients.norms import (
     tensor_cores_active,
 )
 from userdp.clients.sketch import ProbeSource, sketched_squared_norms
+from userdp.clients.unit_gradients import (
+    UnitGradients,
+    batched_unit_gradients,
+    retains_unit_gradients,
+)
 
 
 def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]):
@@ -112,15 +125,12 @@ def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]
     for call in calls:
         module = call.module
         grad = call.grad
-        if grad is None:
-            grad = torch.zeros_like(call.output)
         owned = [
             (local, names[id(p)])
             for local, p in module.named_parameters(recurse=False)
             if id(p) in names
         ]
         if call.kind == GENERIC:
-            call.grad = grad
             generic.append((call, owned))
             continue
         g = layout.real(grad, f"{type(module).__name__} output")
@@ -225,7 +235,7 @@ def _micro_batch(
     :func:`verify_attribution`). Returns whether a verification ran and passed.
     ``tensor_cores``: bf16 GEMMs for the norms and book-keeping (:mod:`userdp.clients.norms`),
     every norm inflated by ``TENSOR_CORE_NORM_MARGIN``. ``workspace``: the buffer for
-    materialized per-unit gradients, reused across micro-batches."""
+    materialized per-unit gradients whose only use is their norm, reused across micro-batches."""
     # the token layout first: its host work and index copies then wait for nothing on the device
     layout = Layout.of(batch)
     padded = Padded.of(layout.spans, len(layout.positions), layout.positions.device)
@@ -250,9 +260,17 @@ def _micro_batch(
     with record_function("userdp.output_backward"):
         grads = torch.autograd.grad(weighted, outputs, allow_unused=True)
     for call, grad in zip(capture.calls, grads, strict=True):
+        if grad is None:  # the loss does not depend on this output
+            like = call.output_like
+            grad = torch.zeros(like.shape, dtype=like.dtype, device=layout.positions.device)
         call.grad = grad
-        call.output = call.output.detach()
+    del grads
     weights, token_rows, generic = _uses(capture.calls, layout, params)
+    # from here on the factors live in ``weights`` and ``token_rows`` only (generic calls are
+    # re-run from their own records), so a weight's factors are freed once they are used up
+    for call in capture.calls:
+        if call.kind != GENERIC:
+            call.inputs = call.grad = None
     with exact_matmul(tensor_cores):
         return _clip_and_add(
             params,
@@ -303,22 +321,15 @@ def _clip_and_add(
 ) -> bool:
     """Steps 3-5 of the module docstring for one micro-batch. Per-unit quantities stay on the
     device until one copy to the host (norms and losses), so the GPU is not stalled per weight
-    or per unit."""
+    or per unit. Consumes ``token_rows``, and the factors of every weight whose per-unit
+    gradients it retains (they leave ``weights``), so that their memory is freed as it goes."""
     n_units = len(layout.spans)
     device = layout.positions.device
     sq = torch.zeros(n_units, dtype=torch.float64, device=device)
-    # weights: exact (ghost or materialized) or sketched, batched over the units
+    # per-unit gradients retained for the clipped sum Σ_u c_u M_u: biases, LayerNorm and generic
+    # parameters always, weights where retains_unit_gradients says so (exact norms only)
+    retained: dict[str, UnitGradients] = {}
     with record_function("userdp.norms"):
-        for name, uses in weights.items():
-            shape = params[name].shape
-            if probes is not None:  # fresh probes per weight (Hutchinson or Hutch++)
-                estimate = sketched_squared_norms(
-                    uses, probes, padded, shape[0], params[name].device
-                )
-                sq += estimate.to(device)
-            else:
-                sq += batched_exact_squared_norms(uses, padded, shape, workspace).to(device)
-        # biases, LayerNorm and generic parameters: materialized per-unit gradients [U, numel]
         small: dict[str, torch.Tensor] = {}
         for name, parts in token_rows.items():
             rows = parts[0].to(torch.float32)
@@ -327,11 +338,30 @@ def _clip_and_add(
             # per-unit sums over each unit's own slots (not a matmul with an assignment matrix:
             # 0·NaN from a non-finite unit's rows would reach every other unit)
             small[name] = padded.rows(rows).sum(1)
+        token_rows.clear()  # the rows (an output gradient, for a bias) are used up
         for call, owned in generic:
             for name, per_unit in _generic_unit_grads(call, owned, layout, capture).items():
                 small[name] = small[name] + per_unit if name in small else per_unit
-        for per_unit in small.values():
+        for name, per_unit in small.items():
             sq += per_unit.double().pow(2).sum(1)
+            retained[name] = UnitGradients((per_unit,))
+        # weights: exact (retained, ghost or materialized) or sketched, batched over the units
+        for name in list(weights):
+            shape = params[name].shape
+            if probes is not None:  # fresh probes per weight (Hutchinson or Hutch++)
+                estimate = sketched_squared_norms(
+                    weights[name], probes, padded, shape[0], params[name].device
+                )
+                sq += estimate.to(device)
+            elif retains_unit_gradients(weights[name], padded, shape):
+                # the weight's factors leave ``weights`` and are freed: from here on its
+                # per-unit gradients stand for them
+                retained[name] = batched_unit_gradients(weights.pop(name), padded, shape)
+                sq += retained[name].squared_norms().to(device)
+            else:
+                sq += batched_exact_squared_norms(weights[name], padded, shape, workspace).to(
+                    device
+                )
 
     if tensor_cores_active(device):  # covers the tensor cores' accumulation error (norms.py)
         sq *= (1 + TENSOR_CORE_NORM_MARGIN) ** 2
@@ -347,7 +377,7 @@ def _clip_and_add(
         factors.append(acc.record(norm, float(host[1, j]), span.stop - span.start))
     verified = False
     if direct is not None and all(f is not None for f in factors):
-        verify_attribution(params, direct, weights, small)
+        verify_attribution(params, direct, weights, retained)
         verify_unit_norms(params, unit_checks or {}, host[0], tensor_cores_active(device))
         verified = True
     kept = [j for j, f in enumerate(factors) if f is not None]
@@ -361,15 +391,14 @@ def _clip_and_add(
         keep = torch.cat([torch.arange(layout.spans[j].start, layout.spans[j].stop) for j in kept])
         keep = keep.to(device)
     token_factor = unit_factor[layout.position_unit][keep][:, None]
-    # book-keeping: Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the kept tokens
     with record_function("userdp.bookkeeping"):
+        # book-keeping: Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the finite units' tokens
         for name, uses in weights.items():
             scaled = [(f.select(keep), r[keep] * token_factor) for f, r in uses]  # float32
             acc.add(name, materialize(scaled, params[name].shape))
-        kept_index = torch.tensor(kept, device=device)
-        for name, per_unit in small.items():
-            kept_rows = per_unit[kept_index] * unit_factor[kept_index][:, None]
-            acc.add(name, kept_rows.sum(0).reshape(params[name].shape))
+        # retained per-unit gradients: Σ_u c_u M_u over the finite units
+        for name, per_unit in retained.items():
+            acc.add(name, per_unit.clipped_sum(unit_factor, kept).reshape(params[name].shape))
     return verified
 
 
@@ -377,18 +406,19 @@ def verify_attribution(
     params: dict[str, torch.Tensor],
     direct: Sequence[torch.Tensor | None],
     weights: dict[str, list[tuple[Factor, torch.Tensor]]],
-    small: dict[str, torch.Tensor],
+    per_unit: dict[str, UnitGradients],
 ) -> None:
     """Σ_u (per-unit gradient as attributed by the hooks) must equal autograd's batch gradient
     for every parameter; otherwise some use of a parameter escaped the hooks (e.g. a weight used
-    functionally outside its module) and per-unit norms would be wrong: refuse."""
+    functionally outside its module) and per-unit norms would be wrong: refuse. ``per_unit``:
+    the per-unit gradients the clipped sum is formed from, where it has them."""
     bad = []
     for (name, param), expected in zip(params.items(), direct, strict=True):
         want = torch.zeros(param.shape) if expected is None else expected.float().cpu()
-        if name in weights:
+        if name in per_unit:
+            got = per_unit[name].total().reshape(param.shape).cpu()
+        elif name in weights:
             got = materialize(weights[name], param.shape).cpu()
-        elif name in small:
-            got = small[name].sum(0).reshape(param.shape).cpu()
         else:
             got = torch.zeros(param.shape)
         tol = 5e-2 if param.dtype in (torch.bfloat16, torch.float16) else 1e-3

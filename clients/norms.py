@@ -8,6 +8,8 @@ weight (two for a tied embedding / LM head). L is dense [n, d0] or onehot (token
 - :func:`ghost_squared_norm`: ‖M‖² = Σ_{c,c'} ⟨L_c L_c'ᵀ, R_c R_c'ᵀ⟩, cost n²·(d0 + d1), no d0×d1
   buffer (Li et al. 2021's ghost norm, summed over ALL the unit's tokens: cross-token terms).
 - :func:`exact_squared_norm`: the cheaper of the two (Bu et al. 2023's mixed ghost clipping).
+- :func:`padded_unit_gradients`: every unit's M at once from padded factors (for its norm, or
+  retained for the clipped sum by :mod:`userdp.clients.unit_gradients`).
 - :func:`sketch_squared_norm`: n̂ = ‖Mᵀ P‖², the Hutchinson estimate for probes P [d0, k].
 - :func:`batched_hutchpp_squared_norms`: n̂ = ‖MᵀQ‖² + ‖Mᵀ(I − QQᵀ)P‖², the Hutch++ estimate
   (Q: an orthonormal basis of M Mᵀ S for a second probe matrix S).
@@ -350,6 +352,60 @@ def _batched_gram(a: tuple, b: tuple) -> torch.Tensor:
     return torch.gather(xa, 2, index).to(torch.float32)
 
 
+def padded_factors(
+    uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded
+) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+    """Per use, L as ('ids', [U, T_max]) or ('dense', [U, T_max, d0]) and R [U, T_max, d1];
+    float32, or bf16 where the tensor-core GEMMs take them as they are (:func:`bf16_exact`)."""
+    keep = all(bf16_exact(r) and (f.dense is None or bf16_exact(f.dense)) for f, r in uses)
+    lefts = [
+        ("ids", padded.ids(f.index))
+        if f.dense is None
+        else ("dense", padded.rows(f.dense, keep_bf16=keep))
+        for f, _ in uses
+    ]
+    return lefts, [padded.rows(r, keep_bf16=keep) for _, r in uses]
+
+
+def padded_unit_gradients(
+    lefts: Sequence[tuple[str, torch.Tensor]],
+    rights: Sequence[torch.Tensor],
+    shape: torch.Size,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[u, d0, d1] float32 of Σ_c L_cᵀ R_c per unit from padded factors, dense uses first; the
+    first use's product goes into ``out`` [u, d0, d1] when given and that use is float32."""
+    d0, d1 = shape
+    matrix = None
+    dense_first = sorted(zip(lefts, rights, strict=True), key=lambda use: use[0][0] != "dense")
+    for (kind, left), right in dense_first:
+        count = right.shape[0]
+        float32 = left.dtype == right.dtype == torch.float32
+        if kind == "dense" and matrix is None and out is not None and float32:
+            # the mm32 product (IEEE float32 under exact_matmul), written into ``out`` (bmm sets
+            # every element of it)
+            part = torch.bmm(left.transpose(1, 2), right, out=out)
+        elif kind == "dense":
+            part = mm32(left.transpose(1, 2), right)
+        else:
+            rows = left + torch.arange(count, device=left.device)[:, None] * d0
+            flat = scatter_rows(rows.reshape(-1), right.flatten(0, 1).to(torch.float32), count * d0)
+            part = flat.view(count, d0, d1)
+        if matrix is None:
+            matrix = part
+        else:  # in place: ``matrix`` is this loop's own buffer
+            matrix += part
+    if matrix is None:
+        raise ValueError("a weight needs at least one use")
+    return matrix
+
+
+def unit_squared_norms(unit_gradients: torch.Tensor) -> torch.Tensor:
+    """[U] float64 of ‖M_u‖² for per-unit gradients [U, ...] (float32 accumulation)."""
+    flat = unit_gradients.reshape(unit_gradients.shape[0], -1)
+    return torch.linalg.vector_norm(flat, dim=1).double().square()
+
+
 def batched_exact_squared_norms(
     uses: Sequence[tuple[Factor, torch.Tensor]],
     padded: Padded,
@@ -367,14 +423,7 @@ def batched_exact_squared_norms(
     ghost = ghost_cost < dense_cost
     per_unit = width * width if ghost else d0 * d1
     chunk = max(1, MAX_BUFFER_ELEMENTS // max(per_unit, 1))
-    keep = all(bf16_exact(r) and (f.dense is None or bf16_exact(f.dense)) for f, r in uses)
-    all_lefts = [
-        ("ids", padded.ids(f.index))
-        if f.dense is None
-        else ("dense", padded.rows(f.dense, keep_bf16=keep))
-        for f, _ in uses
-    ]
-    all_rights = [padded.rows(r, keep_bf16=keep) for _, r in uses]
+    all_lefts, all_rights = padded_factors(uses, padded)
     out = []
     for start in range(0, n_units, chunk):
         units = slice(start, min(start + chunk, n_units))
@@ -390,28 +439,13 @@ def batched_exact_squared_norms(
                     term = term.sum((1, 2)).double() * (1 if i == j else 2)
                     total = term if total is None else total + term
         else:
-            count = units.stop - units.start
-            matrix = None
-            for (kind, left), right in zip(lefts, rights, strict=True):
-                float32 = left.dtype == right.dtype == torch.float32
-                if kind == "dense" and matrix is None and workspace is not None and float32:
-                    # the mm32 product (IEEE float32 under exact_matmul), written into the reused
-                    # buffer: bmm sets every element of ``out``
-                    buffer = workspace.take((count, d0, d1), left.device)
-                    part = torch.bmm(left.transpose(1, 2), right, out=buffer)
-                elif kind == "dense":
-                    part = mm32(left.transpose(1, 2), right)
-                else:
-                    rows = left + torch.arange(count, device=left.device)[:, None] * d0
-                    flat = scatter_rows(
-                        rows.reshape(-1), right.flatten(0, 1).to(torch.float32), count * d0
-                    )
-                    part = flat.view(count, d0, d1)
-                if matrix is None:
-                    matrix = part
-                else:  # in place: ``matrix`` is this loop's own buffer
-                    matrix += part
-            total = torch.linalg.vector_norm(matrix, dim=(1, 2)).double().square()
+            buffer = None
+            if workspace is not None and any(
+                kind == "dense" and left.dtype == right.dtype == torch.float32
+                for (kind, left), right in zip(lefts, rights, strict=True)
+            ):
+                buffer = workspace.take((units.stop - units.start, d0, d1), padded.index.device)
+            total = unit_squared_norms(padded_unit_gradients(lefts, rights, shape, buffer))
         out.append(total)
     return torch.cat(out)
 
@@ -472,7 +506,7 @@ def _left_transpose_times(left: tuple, rows: torch.Tensor, d0: int) -> torch.Ten
     return scatter_rows(slots.reshape(-1), rows.flatten(0, 1), count * d0).view(count, d0, k)
 
 
-def _sum_terms(terms: Iterator[torch.Tensor]) -> torch.Tensor:
+def sum_terms(terms: Iterator[torch.Tensor]) -> torch.Tensor:
     """Σ of a non-empty iterable of tensors (no zero start: one buffer fewer than ``sum``)."""
     terms = iter(terms)
     total = next(terms)
@@ -518,20 +552,20 @@ def batched_hutchpp_squared_norms(
         lefts = [_left_rows(f, padded, units) for f, _ in uses]
         # X = Mᵀ S [u, d1, k], scaled per unit (only the span of M X matters) so that M X stays
         # in float32 range for any gradient scale
-        x = _sum_terms(
+        x = sum_terms(
             torch.bmm(rt, _unit_rows(padded, ls, units))
             for rt, ls in zip(rights, left_head, strict=True)
         )
         x = x / x.abs().amax((1, 2), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        y = _sum_terms(
+        y = sum_terms(
             _left_transpose_times(left, torch.bmm(rt.transpose(1, 2), x), d0)
             for left, rt in zip(lefts, rights, strict=True)
         )
         q = torch.linalg.qr(y, mode="reduced").Q  # [u, d0, min(d0, k)]
-        head = _sum_terms(
+        head = sum_terms(
             torch.bmm(rt, _left_times(left, q)) for left, rt in zip(lefts, rights, strict=True)
         )
-        sketch = _sum_terms(
+        sketch = sum_terms(
             torch.bmm(rt, _unit_rows(padded, lp, units))
             for rt, lp in zip(rights, left_tail, strict=True)
         )

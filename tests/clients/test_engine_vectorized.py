@@ -1,6 +1,7 @@
 """The ``vectorized`` engine (clients/ghost.py) agrees with ``loop``: ghost and materialized
-user-level norms, the tied wte/lm_head weight, LayerNorm and generic modules, book-keeping sums,
-non-finite units, oversized units; unsupported layouts are refused, not silently mis-clipped."""
+user-level norms, the tied wte/lm_head weight, LayerNorm and generic modules, book-keeping sums
+and sums of retained per-unit gradients, non-finite units, oversized units; unsupported layouts
+are refused, not silently mis-clipped."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from userdp.clients import norms
+from userdp.clients import ghost, norms, unit_gradients
 from userdp.clients.engine import ClippingEngine, EngineError, Unit
 from userdp.clients.norms import Factor, Padded, ghost_squared_norm, materialize
 
@@ -92,6 +93,77 @@ def test_batched_unit_norms_equal_per_unit_materialized_norms(monkeypatch, d0, d
         assert float(got[j]) == pytest.approx(want, rel=1e-4)
 
 
+def spy_retained(monkeypatch) -> list[tuple[tuple[int, ...], bool]]:
+    """Records (weight shape, retained?) for every exact weight norm the engine plans."""
+    decisions = []
+    plan = ghost.retains_unit_gradients
+
+    def spy(uses, padded, shape):
+        retained = plan(uses, padded, shape)
+        decisions.append((tuple(shape), retained))
+        return retained
+
+    monkeypatch.setattr(ghost, "retains_unit_gradients", spy)
+    return decisions
+
+
+def test_gpt2_small_users_retain_their_gradients_and_examples_do_not():
+    """The rule at GPT-2 small's shapes: 4 users × 4 × 127 positions retain the MLP and attention
+    weights' per-unit gradients (no book-keeping product for them); 16 examples of 127 positions
+    keep the ghost norm and the book-keeping; bf16 rows (half the bytes) need users twice as
+    long."""
+
+    def retained(units: int, positions: int, shape: tuple[int, int], dtype=torch.float32):
+        spans = [slice(u * positions, (u + 1) * positions) for u in range(units)]
+        padded = Padded.of(spans, units * positions, torch.device("cpu"))
+        left = Factor(torch.empty(0, shape[0], dtype=dtype), None, shape[0])
+        use = (left, torch.empty(0, shape[1], dtype=dtype))
+        return unit_gradients.retains_unit_gradients([use], padded, torch.Size(shape))
+
+    for shape in [(768, 3072), (3072, 768), (768, 2304), (768, 768)]:
+        assert retained(4, 4 * 127, shape)
+        assert not retained(16, 127, shape)
+        assert retained(4, 8 * 127, shape, torch.bfloat16)
+    assert not retained(4, 4 * 127, (768, 3072), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "chunk"),
+    [
+        (unit_gradients.RETAIN_RATIO, unit_gradients.RETAINED_CHUNK_ELEMENTS),
+        (0.0, None),
+        (0.6, None),
+        (2.0, 1),
+    ],
+)
+def test_retained_and_book_kept_weights_both_equal_loop(monkeypatch, model, ratio, chunk):
+    """Users of 3 examples × 20–24 tokens: at the default ratio every weight of gpt2-tiny
+    retains its per-unit gradients (Σ_u c_u M_u, no book-keeping product); ratio 0 sends the same
+    micro-batch through ghost / materialized norms and book-keeping; 0.6 mixes both ways in one
+    micro-batch; chunk 1: one unit per retained chunk. Each equals loop, clipped and not."""
+    if chunk is not None:
+        monkeypatch.setattr(unit_gradients, "RETAINED_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(unit_gradients, "RETAIN_RATIO", ratio)
+    decisions = spy_retained(monkeypatch)
+    rng = np.random.default_rng(21)
+    units = [
+        Unit(f"r{i}", [rng.integers(3, 259, int(rng.integers(20, 25))) for _ in range(3)])
+        for i in range(5)
+    ]
+    free = ClippingEngine(model, engine="loop").clipped_sum(units, 1e6)
+    clip_norm = free.stats.norm_sum / free.stats.count  # the mean norm: some units clip
+    loop, vec = both(model, units, clip_norm)
+    assert 0 < loop.stats.clipped < 5
+    assert_same(loop, vec)
+    retained = {shape: r for shape, r in decisions}
+    if ratio == 0.0:
+        assert not any(retained.values())
+    elif ratio == 0.6:
+        assert retained[(64, 64)] and not retained[(64, 256)]
+    else:
+        assert all(retained.values()) and (64, 256) in retained
+
+
 @pytest.mark.parametrize("clip_norm", [3.5, 1e6])
 def test_vectorized_equals_loop(model, clip_norm):
     # up to 6 examples of up to 24 tokens: units below and above the ghost/materialize switch
@@ -130,7 +202,15 @@ def test_vectorized_huge_gradient_contributes_exactly_c():
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_vectorized_nonfinite_unit_is_dropped_from_a_shared_micro_batch(value):
+@pytest.mark.parametrize(("ratio", "chunk"), [(0.0, None), (float("inf"), 1), (float("inf"), None)])
+def test_vectorized_nonfinite_unit_is_dropped_from_a_shared_micro_batch(
+    monkeypatch, value, ratio, chunk
+):
+    """Book-kept (ratio 0) and retained per-unit gradients (one unit per chunk, or one chunk):
+    the poisoned unit in the middle of the micro-batch reaches no other unit's sum."""
+    monkeypatch.setattr(unit_gradients, "RETAIN_RATIO", ratio)
+    if chunk is not None:
+        monkeypatch.setattr(unit_gradients, "RETAINED_CHUNK_ELEMENTS", chunk)
     module = tiny_model()
     poison = 200
     clean = [u for u in random_units(8, seed=5) if all(poison not in e for e in u.examples)][:4]
