@@ -167,8 +167,12 @@ def test_a_hutchpp_training_step_clips_like_loop_when_ranks_are_small(model):
     assert plus.stats.clipped == loop.stats.clipped
     assert plus.stats.norm_sum == pytest.approx(loop.stats.norm_sum, rel=1e-5)
     assert_sums_close(plus.sums, loop.sums, rtol=2e-5)
-    plain = ClippingEngine(model, engine="randomized", probes=20).clipped_sum(units, 10.0)
-    assert plain.stats.norm_sum != pytest.approx(loop.stats.norm_sum, rel=1e-3)  # estimates
+    # plain Hutchinson with as many probes only estimates: its relative error on this norm sum
+    # has a standard deviation of about 2 % (300 draws), so an unseeded draw lands within 1e-3
+    # of the exact sum about 4 % of the time; seed 0's draw is 1.5 % off
+    plain = ClippingEngine(model, engine="randomized", probes=20)
+    estimate = plain.clipped_sum(units, 10.0, probe_seed=0)
+    assert estimate.stats.norm_sum != pytest.approx(loop.stats.norm_sum, rel=1e-3)
 
 
 def test_the_strategys_estimator_reaches_the_engine_over_the_wire_task(model):
