@@ -57,7 +57,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
         }
     )
 
-    bins = BallsInBinsSampler(n // cohort, "fixed", seed=None)
+    bins = BallsInBinsSampler(n // cohort, "balls-in-bins-fixed", seed=None)
     rows.append(
         {
             "name": "balls_in_bins_sample",
