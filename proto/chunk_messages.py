@@ -195,18 +195,25 @@ def _envelope(
     return message
 
 
-def model_part_messages(
-    version: int, tensors: Mapping[str, Any], chunk_bytes: int
+def _part_messages(
+    kind: str, outer: int, fields: bytes, inner: int, tensors: Mapping[str, Any], chunk_bytes: int
 ) -> Iterator[ChunkMessage]:
-    """The ``CoordinatorMessage{model_part}`` envelopes of ``tensors`` (name-sorted, chunks of at
-    most ``chunk_bytes``) for model ``version``; each keeps a snapshot of its bytes."""
-    fields = _scalar(_MODEL_PART_VERSION, version)
+    """The envelopes of ``tensors`` (name-sorted, chunks of at most ``chunk_bytes``), each part
+    holding ``fields`` and one chunk as field ``inner``; each keeps a snapshot of its bytes."""
     for name in sorted(tensors):
         for dtype, shape, total, offset, data in tensor_pieces(tensors[name], chunk_bytes):
             header = _chunk_header(name, dtype, shape, total, offset)
-            yield _envelope(
-                "model_part", _COORDINATOR_MODEL_PART, fields, _MODEL_PART_CHUNK, header, data
-            )
+            yield _envelope(kind, outer, fields, inner, header, data)
+
+
+def model_part_messages(
+    version: int, tensors: Mapping[str, Any], chunk_bytes: int
+) -> Iterator[ChunkMessage]:
+    """The ``CoordinatorMessage{model_part}`` envelopes of ``tensors`` for model ``version``."""
+    fields = _scalar(_MODEL_PART_VERSION, version)
+    return _part_messages(
+        "model_part", _COORDINATOR_MODEL_PART, fields, _MODEL_PART_CHUNK, tensors, chunk_bytes
+    )
 
 
 def model_part_of(version: int, chunk: Chunk) -> ChunkMessage:
@@ -223,12 +230,9 @@ def result_part_messages(
 ) -> Iterator[ChunkMessage]:
     """The ``WorkerMessage{result_part}`` envelopes of a task's summed ``tensors``."""
     fields = _text(_RESULT_PART_TASK, task_id) + _scalar(_RESULT_PART_ATTEMPT, attempt)
-    for name in sorted(tensors):
-        for dtype, shape, total, offset, data in tensor_pieces(tensors[name], chunk_bytes):
-            header = _chunk_header(name, dtype, shape, total, offset)
-            yield _envelope(
-                "result_part", _WORKER_RESULT_PART, fields, _RESULT_PART_CHUNK, header, data
-            )
+    return _part_messages(
+        "result_part", _WORKER_RESULT_PART, fields, _RESULT_PART_CHUNK, tensors, chunk_bytes
+    )
 
 
 # ---- reading --------------------------------------------------------------------------------
