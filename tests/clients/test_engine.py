@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from userdp.clients import unit_gradients
 from userdp.clients.engine import ClippingEngine, EngineError, Unit, build_engine
 
 from tests.clients.engine_fixtures import (
@@ -45,8 +46,17 @@ def reference_clipped_sum(model: torch.nn.Module, units, clip_norm: float):
     return {n: t.float() for n, t in total.items()}, norms
 
 
-def test_loop_matches_an_independent_reference():
-    engine = tiny_engine("loop")
+@pytest.mark.parametrize(
+    ("engine_name", "retain_ratio"),
+    [("loop", None), ("vectorized", float("inf")), ("vectorized", 0.0)],
+    ids=["loop", "vectorized-retained", "vectorized-book-kept"],
+)
+def test_engines_match_an_independent_reference(monkeypatch, engine_name, retain_ratio):
+    """``loop``, and ``vectorized`` with every weight's per-unit gradients retained (Σ_u c_u M_u)
+    and with none (ghost or materialized norms, book-keeping sums)."""
+    if retain_ratio is not None:
+        monkeypatch.setattr(unit_gradients, "RETAIN_RATIO", retain_ratio)
+    engine = tiny_engine(engine_name)
     units = random_units(5, seed=1)
     expected, norms = reference_clipped_sum(engine.module, units, clip_norm=3.5)
     assert min(norms) < 3.5 < max(norms), "the case must mix clipped and unclipped units"
@@ -60,24 +70,6 @@ def test_loop_matches_an_independent_reference():
     assert got.stats.norm_sum_sq == pytest.approx(sum(n * n for n in norms), rel=1e-4)
     assert got.stats.tokens == sum(len(e) - 1 for u in units for e in u.examples)
     assert got.stats.loss_sum / got.stats.tokens == pytest.approx(math.log(259), rel=0.1)
-
-
-@pytest.mark.parametrize("retain", [True, False])
-def test_vectorized_matches_the_independent_reference(monkeypatch, retain):
-    """The exact vectorized engine against the float64-accumulated reference above, with every
-    weight's per-unit gradients retained (Σ_u c_u M_u) and with none (ghost or materialized
-    norms, book-keeping sums)."""
-    from userdp.clients import unit_gradients
-
-    monkeypatch.setattr(unit_gradients, "RETAIN_RATIO", float("inf") if retain else 0.0)
-    engine = tiny_engine("vectorized")
-    units = random_units(5, seed=1)
-    expected, norms = reference_clipped_sum(engine.module, units, clip_norm=3.5)
-    assert min(norms) < 3.5 < max(norms), "the case must mix clipped and unclipped units"
-    got = engine.clipped_sum(units, 3.5)
-    assert_sums_close(got.sums, expected)
-    assert got.stats.clipped == sum(n > 3.5 for n in norms)
-    assert got.stats.norm_sum == pytest.approx(sum(norms), rel=1e-4)
 
 
 def test_sums_are_cpu_float32_for_trainable_parameters_only_tied_once():
