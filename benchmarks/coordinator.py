@@ -312,9 +312,10 @@ def bench_transfer(num_params: int, repeats: int = 5) -> dict:
 
 def bench_partial_transfer(num_params: int, repeats: int = 5) -> dict:
     """The other direction (``WARMUP`` + ``repeats`` times): ONE worker process returns a partial
-    sum of ``num_params`` fp32 values (:class:`ZeroCompute`: no gradient work), timed from the coordinator sending the task
-    to the reassembled partial arriving as the step loop's event (encode on the worker, stream,
-    reassemble on the coordinator), less the compute seconds the worker reports."""
+    sum of ``num_params`` fp32 values (:class:`ZeroCompute`: no gradient work), timed from the
+    coordinator sending the task to the reassembled partial arriving as the step loop's event
+    (encode on the worker, stream, reassemble on the coordinator), less the compute seconds the
+    worker reports."""
     from userdp.proto import userdp_v1_pb2 as pb
     from userdp.proto.codec import task_proto
     from userdp.server.registry import ResultReceived
@@ -382,14 +383,13 @@ def bench_socket(num_bytes: int, repeats: int = 3) -> dict:
 def run_worker(address: str, worker_id: str, shards: str) -> int:
     """A worker process with :class:`ZeroCompute` (used by ``bench_round``)."""
     held = [(n, "0" * 64) for n in shards.split(",") if n]
-    keep_freed_memory()  # as `userdp worker` does
     WorkerClient(address, worker_id, held, ZeroCompute()).run()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    keep_freed_memory()  # as `userdp coordinator` and `userdp simulate` do
+    keep_freed_memory()  # as `userdp coordinator` and `userdp worker` do; --worker children too
     if argv[:1] == ["--worker"]:
         return run_worker(*argv[1:4])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -148,9 +148,8 @@ def goals(outcomes: Mapping[str, Any]) -> list[dict[str, Any]]:
         rows = worker["rows"]
         for row in rows:
             goal_ratio = WORKER_GOALS.get(row.get("unit", ""))
-            if row["mode"] not in ("vectorized", "randomized") or "step" not in row["case"]:
-                continue
-            if goal_ratio is None or row.get("time_ratio") is None:
+            engine_step = row["mode"] in ("vectorized", "randomized") and "step" in row["case"]
+            if not engine_step or goal_ratio is None or row.get("time_ratio") is None:
                 continue
             lora = f"LoRA r={row['lora_rank']}" if row.get("lora_rank") else "full"
             shape = f"{row['users']}×{row['group_size']}×{row['seq_len']}"
@@ -185,7 +184,7 @@ def goals(outcomes: Mapping[str, Any]) -> list[dict[str, Any]]:
             add(
                 "coordinator",
                 f"update transfer, {t['params']:,} fp32 params, 1 stream",
-                f"{_rate(t)}"
+                _rate(t)
                 + (
                     f" (loopback socket anchor {t['socket_anchor']['gb_per_s']:.2f} GB/s)"
                     if "socket_anchor" in t

@@ -371,19 +371,20 @@ def padded_unit_gradients(
     lefts: Sequence[tuple[str, torch.Tensor]],
     rights: Sequence[torch.Tensor],
     shape: torch.Size,
-    out: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """[u, d0, d1] float32 of Σ_c L_cᵀ R_c per unit from padded factors, dense uses first; the
-    first use's product goes into ``out`` [u, d0, d1] when given and that use is float32."""
+    first use's product goes into a buffer of ``workspace`` when given and that use is float32."""
     d0, d1 = shape
     matrix = None
     dense_first = sorted(zip(lefts, rights, strict=True), key=lambda use: use[0][0] != "dense")
     for (kind, left), right in dense_first:
         count = right.shape[0]
         float32 = left.dtype == right.dtype == torch.float32
-        if kind == "dense" and matrix is None and out is not None and float32:
-            # the mm32 product (IEEE float32 under exact_matmul), written into ``out`` (bmm sets
-            # every element of it)
+        if kind == "dense" and matrix is None and workspace is not None and float32:
+            # the mm32 product (IEEE float32 under exact_matmul), written into the reused buffer
+            # (bmm sets every element of it)
+            out = workspace.take((count, d0, d1), left.device)
             part = torch.bmm(left.transpose(1, 2), right, out=out)
         elif kind == "dense":
             part = mm32(left.transpose(1, 2), right)
@@ -439,13 +440,7 @@ def batched_exact_squared_norms(
                     term = term.sum((1, 2)).double() * (1 if i == j else 2)
                     total = term if total is None else total + term
         else:
-            buffer = None
-            if workspace is not None and any(
-                kind == "dense" and left.dtype == right.dtype == torch.float32
-                for (kind, left), right in zip(lefts, rights, strict=True)
-            ):
-                buffer = workspace.take((units.stop - units.start, d0, d1), padded.index.device)
-            total = unit_squared_norms(padded_unit_gradients(lefts, rights, shape, buffer))
+            total = unit_squared_norms(padded_unit_gradients(lefts, rights, shape, workspace))
         out.append(total)
     return torch.cat(out)
 

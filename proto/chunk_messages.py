@@ -5,9 +5,9 @@ partial sum's chunks) carry nearly all of a session's bytes. The protobuf runtim
 field at every step: into the message, out of it when serializing, into the parsed message, and
 out again on each read of the field. Here the bytes are copied once per side:
 
-- :func:`model_part_messages` / :func:`result_part_messages` build :class:`ChunkMessage`\ s whose serialized form is
-  one join of a small header and the chunk's bytes (the snapshot the message keeps); serializing
-  returns that form without another copy;
+- :func:`model_part_messages` / :func:`result_part_messages` build :class:`ChunkMessage`\ s
+  whose serialized form is one join of a small header and the chunk's bytes (the snapshot the
+  message keeps); serializing returns that form without another copy;
 - :func:`decode_coordinator_message` / :func:`decode_worker_message` parse a received envelope
   with the chunk's bytes left in place: ``chunk.data`` is a view of the received buffer, which
   :class:`~userdp.proto.tensors.TensorAssembler` copies once into the tensor.
@@ -44,12 +44,21 @@ __all__ = [
     "serialize",
 ]
 
-# Field numbers of userdp_v1.proto.
-_COORDINATOR_MODEL_PART = 4  # CoordinatorMessage.model_part
-_WORKER_RESULT_PART = 3  # WorkerMessage.result_part
-_MODEL_PART_VERSION, _MODEL_PART_CHUNK = 1, 2  # ModelPart
-_RESULT_PART_TASK, _RESULT_PART_ATTEMPT, _RESULT_PART_CHUNK = 1, 2, 3  # ResultPart
-_NAME, _DTYPE, _SHAPE, _TOTAL, _OFFSET, _DATA = 1, 2, 3, 4, 5, 6  # TensorChunk
+
+def _numbers(message: Any, *fields: str) -> tuple[int, ...]:
+    """The field numbers of ``fields`` in a generated message type (userdp_v1.proto)."""
+    return tuple(message.DESCRIPTOR.fields_by_name[field].number for field in fields)
+
+
+(_COORDINATOR_MODEL_PART,) = _numbers(pb.CoordinatorMessage, "model_part")
+(_WORKER_RESULT_PART,) = _numbers(pb.WorkerMessage, "result_part")
+_MODEL_PART_VERSION, _MODEL_PART_CHUNK = _numbers(pb.ModelPart, "model_version", "chunk")
+_RESULT_PART_TASK, _RESULT_PART_ATTEMPT, _RESULT_PART_CHUNK = _numbers(
+    pb.ResultPart, "task_id", "attempt", "chunk"
+)
+_NAME, _DTYPE, _SHAPE, _TOTAL, _OFFSET, _DATA = _numbers(
+    pb.TensorChunk, "name", "dtype", "shape", "total_bytes", "offset", "data"
+)
 
 _VARINT, _LEN = 0, 2  # wire types
 _U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
