@@ -23,7 +23,7 @@ from userdp.strategies import samplers
 from userdp.strategies import tensors as T
 from userdp.strategies.base import NoisyStatistic, Release, Strategy, as_population
 from userdp.strategies.blt import BandedNoise
-from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
+from userdp.strategies.builtins import ExampleLevelSampling, RandomizedClipping, UserLevelSampling
 from userdp.strategies.noise import GaussianNoise, NoiseMechanism, NoiseRng
 
 # ---------------------------------------------------------------------------------------------
@@ -645,3 +645,58 @@ def mutation_banded_poisson_ignores_column_norm(monkeypatch):
     from userdp.accounting import banded_poisson
 
     monkeypatch.setattr(banded_poisson, "column_norm", lambda correlation, bands, steps: 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# randomized clipping, the budget check, the tensor-core margin
+
+
+@pytest.fixture
+def mutation_hutchpp_total_probes_to_accountant(monkeypatch):
+    """Hutch++ tells the accountant all of its probes, the head sketch S's k plus the tail P's
+    k, instead of the k tail probes its envelope is for (ε too small for the σ run)."""
+    original = RandomizedClipping.mechanism
+
+    def mechanism(self):
+        told = original(self)
+        if self.estimator != "hutch++":
+            return told
+        return dataclasses.replace(told, probes=2 * self.probes)
+
+    monkeypatch.setattr(RandomizedClipping, "mechanism", mechanism)
+
+
+@pytest.fixture
+def mutation_task_halves_probes(monkeypatch):
+    """The task asks the engine for half of the probes the accountant is told (a speed-up that
+    forgot the accountant)."""
+    original = RandomizedClipping.configure_task
+
+    def configure_task(self, step, cohort):
+        spec = original(self, step, cohort)
+        return dataclasses.replace(spec, probes=max(1, spec.probes // 2))
+
+    monkeypatch.setattr(RandomizedClipping, "configure_task", configure_task)
+
+
+@pytest.fixture
+def mutation_budget_checked_only_at_append(monkeypatch):
+    """``begin_step`` without its budget check: the ledger's append still refuses a step over
+    budget, but only after its cohort was sampled and its units computed."""
+    from userdp.strategies import step as step_module
+
+    original = step_module.begin_step
+
+    def begin_step(strategy, step, population, ledger=None, **options):
+        return original(strategy, step, population, None, **options)
+
+    monkeypatch.setattr(step_module, "begin_step", begin_step)
+
+
+@pytest.fixture
+def mutation_tensor_core_margin_dropped(monkeypatch):
+    """The vectorized engine clips by the tensor cores' norms as they come, without the margin
+    that covers their non-IEEE accumulation."""
+    from userdp.clients import ghost
+
+    monkeypatch.setattr(ghost, "TENSOR_CORE_NORM_MARGIN", 0.0)

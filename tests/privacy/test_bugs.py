@@ -21,12 +21,15 @@ from functools import partial
 
 import pytest
 
+from . import checks_budget as budget
 from . import checks_clipping as clipping
 from . import checks_coordinator as coordinator
 from . import checks_gather as gather
 from . import checks_model_noise as model_noise
 from . import checks_noise as noise
+from . import checks_randomized as randomized
 from . import checks_sampling as sampling
+from . import checks_tensor_cores as tensor_cores
 from . import checks_user_filter as user_filter
 
 
@@ -84,6 +87,17 @@ CHECKS: dict[str, Callable[[object], None]] = {
         user_filter.check_above_threshold_halting_probability
     ),
     "user_filter_ledger_epsilon": _no_tmp(user_filter.check_user_filter_ledger_epsilon),
+    "rc_accountant_tail_probes_hutchinson": _no_tmp(
+        partial(randomized.check_accountant_gets_the_engines_tail_probes, "hutchinson")
+    ),
+    "rc_accountant_tail_probes_hutchpp": _no_tmp(
+        partial(randomized.check_accountant_gets_the_engines_tail_probes, "hutch++")
+    ),
+    "budget_before_work_inprocess": budget.check_inprocess_budget_stops_before_sampling,
+    "budget_before_work_coordinator": budget.check_coordinator_budget_stops_before_tasks,
+    "engine_tensor_core_margin": _no_tmp(
+        tensor_cores.check_tensor_core_margin_covers_accumulation_error
+    ),
 }
 
 
@@ -435,6 +449,35 @@ CASES: list[Case] = [
         r"AboveThreshold's ε/2",
         "user_filter_ledger_epsilon",
     ),
+    # --- randomized clipping, the budget check, the tensor-core margin --------------------------
+    *_cases(
+        "accountant given more probes than the norm estimate's tail",
+        "mutation_hutchpp_total_probes_to_accountant",
+        r"the accountant \(ledger mechanism\) is told k = 12 probes, but the engine's norm "
+        r"estimate has 6 tail probes",
+        "rc_accountant_tail_probes_hutchpp",
+    ),
+    *_cases(
+        "accountant given more probes than the norm estimate's tail",
+        "mutation_task_halves_probes",
+        r"the accountant \(ledger mechanism\) is told k = 6 probes, but the engine's norm "
+        r"estimate has 3 tail probes",
+        "rc_accountant_tail_probes_hutchinson",
+        "rc_accountant_tail_probes_hutchpp",
+    ),
+    *_cases(
+        "budget checked only after the step's work",
+        "mutation_budget_checked_only_at_append",
+        r"the budget must be checked before the step's cohort is sampled",
+        "budget_before_work_inprocess",
+        "budget_before_work_coordinator",
+    ),
+    *_cases(
+        "tensor-core norms clipped without their margin",
+        "mutation_tensor_core_margin_dropped",
+        r"the tensor-core norm margin does not cover the accumulation error",
+        "engine_tensor_core_margin",
+    ),
 ]
 
 REQUIRED_BUGS = frozenset(
@@ -465,6 +508,9 @@ REQUIRED_BUGS = frozenset(
         "user-wise filter: noise std missing √(8 log(e^ε T/δ))",
         "AboveThreshold noise too small for its ε",
         "accountant omits AboveThreshold's ε",
+        "accountant given more probes than the norm estimate's tail",
+        "budget checked only after the step's work",
+        "tensor-core norms clipped without their margin",
     }
 )
 
