@@ -1,4 +1,5 @@
-"""Inverse accounting queries: σ for a target (ε, δ), and the largest number of steps in a budget.
+"""Inverse accounting queries: σ for a target (ε, δ), the largest number of steps in a budget, and
+the certified ε of a Monte Carlo accountant.
 
 Both searches only ever return a point that the forward accountant (``api.epsilon``, at the
 reporting discretization) has verified to be within the target: the returned σ gives
@@ -38,6 +39,7 @@ __all__ = [
     "CalibrationError",
     "cache_dir",
     "calibrate_noise_multiplier",
+    "certified_monte_carlo_epsilon",
     "max_steps",
 ]
 
@@ -226,6 +228,56 @@ def _shrink(
     except (ValueError, ZeroDivisionError, OverflowError):
         slope = None
     return high, slope
+
+
+# --------------------------------------------------------------------------------------------
+# certified ε of a Monte Carlo accountant
+
+
+def certified_monte_carlo_epsilon(
+    mechanism: BallsInBinsMechanism, steps: int, delta: float, *, seed: int, use_cache: bool = True
+) -> float | None:
+    """ε(δ) after ``steps`` steps of a balls-in-bins mechanism, certified by Estimate-Verify-
+    Release (:func:`userdp.accounting.balls_in_bins.certified_epsilon`, default sample counts):
+    an upper bound except with probability at most δ over the verification samples. ``seed``
+    fixes both the estimate and the verification streams, so the same query gives the same ε.
+    None when the fresh-sample check fails (probability ≤ its rejection probability, 1 %, for a
+    correct estimate); the ε estimated on the same seed is then not certified and a new seed is
+    a new test that spends its own δ."""
+    if not isinstance(mechanism, BallsInBinsMechanism):
+        raise InvalidMechanismError(
+            f"mechanism kind {mechanism.kind!r} has an exact accountant; certified Monte Carlo ε "
+            "applies to balls-in-bins only"
+        )
+    api._check_delta(delta)
+    steps = api._check_steps(steps)
+    epochs = api.balls_in_bins_epochs(mechanism, steps)
+    query = {
+        "op": "certified_monte_carlo_epsilon",
+        "mechanism": mechanism.to_dict(),
+        "epochs": epochs,
+        "delta": float(delta),
+        "seed": str(int(seed)),
+    }
+
+    def compute() -> float | None:
+        balls_in_bins = api._accountant_module("balls_in_bins", mechanism.kind)
+        try:
+            return float(
+                balls_in_bins.certified_epsilon(
+                    mechanism.noise_multiplier,
+                    mechanism.bins,
+                    epochs,
+                    delta,
+                    bin_semantics=mechanism.bin_semantics,
+                    correlation=mechanism.correlation,
+                    seed=int(seed),
+                )
+            )
+        except balls_in_bins.VerificationFailedError:
+            return None
+
+    return _cached(query, use_cache, compute)
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from userdp.accounting.facts import (
     Unit,
 )
 from userdp.accounting.ledger import group_phases, ledger_state, read_ledger
+from userdp.accounting.mechanisms import BallsInBinsMechanism
+from userdp.accounting.monte_carlo_report import ledger_seed, monte_carlo_epsilon
 
 ADD_REMOVE = "add/remove one {unit}"
 ZERO_OUT = "zero-out one {unit}"
@@ -57,8 +59,9 @@ GROUP_PRIVACY_CAVEAT = (
     "mixture-of-Gaussians (ELS) accountant is the tight one."
 )
 MONTE_CARLO_CAVEAT = (
-    "ε comes from a Monte Carlo accountant: it holds except with the accountant's small "
-    "verification failure probability (Estimate-Verify-Release)."
+    "ε comes from a Monte Carlo accountant: a report states the ε certified by "
+    "Estimate-Verify-Release on samples seeded from the ledger (a value whose true δ exceeds δ "
+    "passes with probability at most δ), never a point estimate as the guarantee."
 )
 NON_PRIVATE_HYPERPARAMETERS_CAVEAT = (
     "The clip norm and other hyperparameters were chosen without spending privacy budget; tuning "
@@ -148,6 +151,9 @@ class PrivacyReport:
     ledger: dict[str, Any] = field(default_factory=dict)
     """The ledger state this report was computed from (``steps``, ``last_hash``): a reader
     compares it with the ledger (:func:`check_report_current`) and refuses a stale report."""
+    monte_carlo: dict[str, Any] | None = None
+    """Balls-in-bins runs: how the certified ε was computed, and the point estimate
+    (``epsilon_estimate``, labelled, NOT a guarantee); :mod:`userdp.accounting.monte_carlo_report`."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -206,8 +212,21 @@ class PrivacyReport:
             f"| {p['steps']} | `{json.dumps(p['mechanism'], sort_keys=True)}` |"
             for p in self.phases
         ]
+        if self.monte_carlo:
+            mc = self.monte_carlo
+            lines += [
+                "",
+                "## Monte Carlo accountant",
+                "",
+                "| | ε | |",
+                "|---|---|---|",
+                f"| stated (certified by Estimate-Verify-Release) | {self.epsilon:.4g} | "
+                f"{'certified' if mc['certified'] else 'NOT certified: the check failed'} |",
+                f"| point estimate (not a guarantee) | {mc['epsilon_estimate']:.4g} | estimate |",
+            ]
         if self.epsilon_curve:
-            lines += ["", "## ε by step", "", "| step | ε |", "|---|---|"]
+            what = " (Monte Carlo point estimates, not guarantees)" if self.monte_carlo else ""
+            lines += ["", f"## ε by step{what}", "", "| step | ε |", "|---|---|"]
             lines += [f"| {s} | {e:.4g} |" for s, e in self.epsilon_curve]
         return "\n".join(lines) + "\n"
 
@@ -283,18 +302,30 @@ def build_report(
         raise ValueError(f"ledger {ledger_path} has no released steps; nothing to report")
     phases = group_phases(records)
     _check_sampling_matches_mechanisms(sampling, [m.to_dict() for m, _ in phases])
-    eps = compose_epsilon(phases, delta, **accountant_options)
     adjacency, matches, caveats = assumptions(unit, sampling, [m.kind for m, _ in phases])
+    monte_carlo = None
+    if len(phases) == 1 and isinstance(phases[0][0], BallsInBinsMechanism):
+        # a whole-run Monte Carlo accountant: the certified ε, never the point estimate
+        monte_carlo = monte_carlo_epsilon(*phases[0], delta, header["run_id"])
+        eps = monte_carlo.epsilon
+        # the general Monte Carlo caveat, replaced by what was computed for this ledger
+        caveats = [monte_carlo.caveat(delta) if c == MONTE_CARLO_CAVEAT else c for c in caveats]
+    else:
+        eps = compose_epsilon(phases, delta, **accountant_options)
+
+    def prefix_epsilon(k: int) -> float:
+        prefix = group_phases(records[:k])
+        if monte_carlo is None:
+            return compose_epsilon(prefix, delta, **accountant_options)
+        # labelled estimates (to_markdown), on the ledger's samples: the same curve every time
+        (mechanism, steps), run_id = prefix[0], header["run_id"]
+        return compose_epsilon(prefix, delta, seed=ledger_seed(run_id, mechanism, steps))
+
     curve: list[tuple[int, float]] = []
     if curve_points > 0:
         n = len(records)
         for k in sorted({max(1, round(n * i / curve_points)) for i in range(1, curve_points + 1)}):
-            curve.append(
-                (
-                    records[k - 1]["step"],
-                    compose_epsilon(group_phases(records[:k]), delta, **accountant_options),
-                )
-            )
+            curve.append((records[k - 1]["step"], prefix_epsilon(k)))
     secure_noise, noise_caveats = _noise_of_records(records, secure_noise)
     last = phases[-1][0]
     return PrivacyReport(
@@ -320,6 +351,7 @@ def build_report(
         secure_noise=secure_noise,
         epsilon_curve=curve,
         ledger=ledger_state(records, header),
+        monte_carlo=None if monte_carlo is None else monte_carlo.to_dict(),
     )
 
 

@@ -11,12 +11,14 @@ comes from :mod:`userdp.accounting.correlation`, the module the accountant build
 holds a :class:`~userdp.accounting.correlation.BandedCorrelation`. This module streams C⁻¹Z
 (:class:`BltNoise`, :class:`BandedNoise`) and optimizes C.
 
-Optimization (:func:`optimize_blt`) minimizes jax_privacy's objective
-loss(C) = sens²(C; b, k) · max_t ‖row_t(A C⁻¹)‖², A the prefix-sum matrix, over the
-``buf_decay_pair`` parameterization (θ, θ̂) → (ω, ω̂) in closed form (Lemma 5.2 of 2404.16706),
-with numpy/scipy instead of JAX. Pinned against jax_privacy 2.0.0: n=1000 single participation,
-3 buffers → 10.692; n=1000, min_sep=100, k=10, 2 buffers → 223.591. :func:`optimize_banded` fits
-banded coefficients to the same objective.
+Optimization (:func:`optimize_blt`) minimizes loss(C) = sens²(C; b, k) · error(C⁻¹), A the
+prefix-sum matrix, for one of two errors (:data:`OBJECTIVES`): ``"max-error"``, jax_privacy's
+max_t ‖row_t(A C⁻¹)‖² (the default), or ``"rmse"``, the mean ‖A C⁻¹‖²_F / n (the squared RMSE of
+prefix sums, §1.2 of "Near Exact Privacy Amplification for Matrix Mechanisms", arXiv:2410.06266).
+The search runs over the ``buf_decay_pair`` parameterization (θ, θ̂) → (ω, ω̂) in closed form
+(Lemma 5.2 of 2404.16706), with numpy/scipy instead of JAX. Pinned against jax_privacy 2.0.0
+(max error): n=1000 single participation, 3 buffers → 10.692; n=1000, min_sep=100, k=10,
+2 buffers → 223.591. :func:`optimize_banded` fits banded coefficients to the same objectives.
 
 The buffers are checkpointed (a resumed run must continue the SAME correlated stream); they are
 secret like the noise itself, so checkpoints must be protected like the model's noise.
@@ -25,7 +27,7 @@ secret like the noise itself, so checkpoints must be protected like the model's 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +48,10 @@ __all__ = [
     "BltError",
     "BandedNoise",
     "BltNoise",
+    "OBJECTIVES",
     "banded_inverse_coefs",
     "max_error",
+    "mean_error",
     "decode_pair",
     "min_sep_column",
     "min_sep_sensitivity_squared",
@@ -91,6 +95,31 @@ class Blt(BltCorrelation):
 def max_error(inverse_coefs: np.ndarray) -> float:
     """max_t ‖row_t(A C⁻¹)‖² = Σ_{i<n} (Σ_{j≤i} ĉ_j)² for Toeplitz C⁻¹ (the last row is max)."""
     return float(np.sum(np.cumsum(inverse_coefs) ** 2))
+
+
+def mean_error(inverse_coefs: np.ndarray) -> float:
+    """‖A C⁻¹‖²_F / n = (1/n) Σ_{i<n} (n − i)(Σ_{j≤i} ĉ_j)² for Toeplitz C⁻¹: the squared error
+    of the n prefix sums, averaged (RMSE² at σ = 1, §1.2 of arXiv:2410.06266)."""
+    prefix = np.cumsum(inverse_coefs)
+    n = len(prefix)
+    return float(np.sum((n - np.arange(n)) * prefix**2) / n)
+
+
+OBJECTIVES: dict[str, Callable[[np.ndarray], float]] = {
+    "max-error": max_error,
+    "rmse": mean_error,
+}
+"""The error of A C⁻¹ each objective name stands for (a function of C⁻¹'s first column)."""
+
+
+def objective_error(objective: str) -> Callable[[np.ndarray], float]:
+    """The error function of ``objective`` (:data:`OBJECTIVES`)."""
+    try:
+        return OBJECTIVES[objective]
+    except KeyError:
+        raise BltError(
+            f"objective={objective!r} is not known; expected one of {', '.join(OBJECTIVES)}"
+        ) from None
 
 
 def min_sep_column(coefs: np.ndarray, min_sep: int = 1, participations: int = 1) -> np.ndarray:
@@ -145,13 +174,18 @@ def decode_pair(params: np.ndarray, d: int, n: int) -> tuple[np.ndarray, ...] | 
 
 
 def _pair_loss(
-    params: np.ndarray, d: int, n: int, min_sep: int, participations: int
+    params: np.ndarray,
+    d: int,
+    n: int,
+    min_sep: int,
+    participations: int,
+    error: Callable[[np.ndarray], float] = max_error,
 ) -> tuple[float, np.ndarray | None, np.ndarray | None]:
     decoded = decode_pair(params, d, n)
     if decoded is None:
         return math.inf, None, None
     theta, omega, coefs, inverse = decoded
-    loss = min_sep_sensitivity_squared(coefs, min_sep, participations) * max_error(inverse)
+    loss = min_sep_sensitivity_squared(coefs, min_sep, participations) * error(inverse)
     return (loss if math.isfinite(loss) else math.inf), theta, omega
 
 
@@ -163,8 +197,10 @@ def optimize_blt(
     participations: int = 1,
     restarts: int = 4,
     seed: int = 0,
+    objective: str = "max-error",
 ) -> tuple[Blt, float]:
-    """The BLT with ``buffers`` buffers minimizing sens² · max error for n steps, and its loss.
+    """The BLT with ``buffers`` buffers minimizing sens² · error for n steps, and its loss; the
+    error is ``objective``'s (:data:`OBJECTIVES`: max error, or ‖A C⁻¹‖²_F / n for ``"rmse"``).
 
     Nelder–Mead on logits of (θ, θ̂) from a few deterministic and random starts, then a
     polishing run from the best. Single participation: min_sep=1, participations=1.
@@ -173,9 +209,10 @@ def optimize_blt(
         raise BltError(f"buffers={buffers} is out of range; expected >= 1")
     d = buffers
     rng = np.random.default_rng(seed)
+    error = objective_error(objective)
 
-    def objective(p: np.ndarray) -> float:
-        return _pair_loss(p, d, n, min_sep, participations)[0]
+    def loss_of(p: np.ndarray) -> float:
+        return _pair_loss(p, d, n, min_sep, participations, error)[0]
 
     def logit(x: np.ndarray) -> np.ndarray:
         return np.log(x / (1 - x))
@@ -191,10 +228,10 @@ def optimize_blt(
         starts.append(interlaced(theta, rng.uniform(0.2, 0.8, d)))
     best = None
     for start in starts:
-        if not math.isfinite(objective(start)):
+        if not math.isfinite(loss_of(start)):
             continue
         res = sopt.minimize(
-            objective,
+            loss_of,
             start,
             method="Nelder-Mead",
             options={"maxiter": 4000 * d, "xatol": 1e-10, "fatol": 1e-12},
@@ -205,14 +242,14 @@ def optimize_blt(
         raise BltError("no feasible starting point found")
     for _ in range(3):  # restarted Nelder-Mead polishes the simplex
         res = sopt.minimize(
-            objective,
+            loss_of,
             best.x,
             method="Nelder-Mead",
             options={"maxiter": 4000 * d, "xatol": 1e-12, "fatol": 1e-14},
         )
         if res.fun < best.fun:
             best = res
-    loss, theta, omega = _pair_loss(best.x, d, n, min_sep, participations)
+    loss, theta, omega = _pair_loss(best.x, d, n, min_sep, participations, error)
     order = np.argsort(-theta)
     return Blt(tuple(theta[order]), tuple(omega[order])), float(loss)
 
@@ -324,30 +361,42 @@ def banded_inverse_coefs(coefs: Sequence[float], n: int) -> np.ndarray:
     return BandedCorrelation(coefs).inverse_coefs(n)
 
 
-def _banded_loss(coefs: Sequence[float], n: int, min_sep: int, participations: int) -> float:
+def _banded_loss(
+    coefs: Sequence[float],
+    n: int,
+    min_sep: int,
+    participations: int,
+    error: Callable[[np.ndarray], float] = max_error,
+) -> float:
     banded = BandedCorrelation(coefs)
     sens2 = min_sep_sensitivity_squared(banded.toeplitz_coefs(n), min_sep, participations)
-    return sens2 * max_error(banded.inverse_coefs(n))
+    return sens2 * error(banded.inverse_coefs(n))
 
 
 def optimize_banded(
-    n: int, bands: int, *, min_sep: int = 1, participations: int = 1
+    n: int,
+    bands: int,
+    *,
+    min_sep: int = 1,
+    participations: int = 1,
+    objective: str = "max-error",
 ) -> tuple[np.ndarray, float]:
     """Banded Toeplitz coefficients c_0 = 1, c_1..c_{bands−1} ∈ [0, 1] minimizing
-    sens² · max error (the BLT objective), by L-BFGS-B. With ``bands ≤ min_sep`` participations
-    never share a band, so the min-sep sensitivity is exact."""
+    sens² · error (the BLT objectives, :data:`OBJECTIVES`), by L-BFGS-B. With
+    ``bands ≤ min_sep`` participations never share a band, so the min-sep sensitivity is exact."""
     if bands < 1:
         raise BltError(f"bands={bands} is out of range; expected >= 1")
+    error = objective_error(objective)
     coefs = np.ones(1)
     if bands > 1:
 
-        def objective(free: np.ndarray) -> float:
-            return _banded_loss(np.concatenate([[1.0], free]), n, min_sep, participations)
+        def loss_of(free: np.ndarray) -> float:
+            return _banded_loss(np.concatenate([[1.0], free]), n, min_sep, participations, error)
 
         start = 0.5 ** np.arange(1, bands)
-        res = sopt.minimize(objective, start, method="L-BFGS-B", bounds=[(0.0, 1.0)] * (bands - 1))
+        res = sopt.minimize(loss_of, start, method="L-BFGS-B", bounds=[(0.0, 1.0)] * (bands - 1))
         coefs = np.concatenate([[1.0], res.x])
-    return coefs, float(_banded_loss(coefs, n, min_sep, participations))
+    return coefs, float(_banded_loss(coefs, n, min_sep, participations, error))
 
 
 def _axpy(y: Any, a: float, x: Any) -> None:

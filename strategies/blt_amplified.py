@@ -1,25 +1,33 @@
 """BLT parameters optimized for balls-in-bins amplification (Choquette-Choo et al., "Near Exact
-Privacy Amplification for Matrix Mechanisms", §4.2).
+Privacy Amplification for Matrix Mechanisms", arXiv:2410.06266, §4.2).
 
-:func:`~userdp.strategies.blt.optimize_blt` minimizes sens²(C)·max_error(C⁻¹), the loss of a
-matrix mechanism WITHOUT amplification: σ proportional to the sensitivity. Under balls-in-bins
-sampling with bins fixed for the run (b bins, E epochs, n = bE steps) the σ that reaches (ε, δ)
-depends on C through the whole b-mode dominating pair, not only through its sensitivity.
+:func:`~userdp.strategies.blt.optimize_blt` minimizes sens²(C)·error(C⁻¹), the loss of a matrix
+mechanism WITHOUT amplification: σ proportional to the sensitivity. Under balls-in-bins sampling
+with bins fixed for the run (b bins, E epochs, n = bE steps) the σ that reaches (ε, δ) depends on
+C through the whole b-mode dominating pair, not only through its sensitivity.
 :func:`optimize_blt_amplified` therefore minimizes
 
-    loss(C) = σ(C)² · max_error(C⁻¹),    σ(C): δ̂(ε; σ, C) = δ,
+    loss(C) = σ(C)² · error(C⁻¹),    σ(C): δ̂(ε; σ, C) = δ,
 
-where δ̂ is the balls-in-bins Monte Carlo estimate (:mod:`userdp.accounting.balls_in_bins_losses`,
+for one of two errors (:data:`~userdp.strategies.blt.OBJECTIVES`, A the n×n prefix-sum matrix):
+
+* ``"rmse"`` (the paper's objective, §4.2 and §5.1): error = ‖A C⁻¹‖²_F / n, so
+  loss = RMSE², the squared root-mean-squared error of the n prefix sums of x + σC⁻¹z;
+* ``"max-error"``: error = max_t ‖row_t(A C⁻¹)‖², the largest prefix sum's squared error.
+
+The paper writes the RMSE as σ·‖A C⁻¹‖_F; the 1/√n here is a constant that does not move the
+optimum. δ̂ is the balls-in-bins Monte Carlo estimate (:mod:`userdp.accounting.balls_in_bins_losses`,
 both directions, max) on FIXED draws (k, g): common random numbers, so σ(C) and the loss are
 deterministic, continuous functions of the BLT parameters. The draws use the Cholesky factor of
 the Gram matrix G = MᵀM (W = L g), which moves continuously with C (an eigen-factor would not).
 
 Search: Nelder–Mead over the same (θ, θ̂) logits as :func:`~userdp.strategies.blt.optimize_blt`,
-started from its unamplified optimum (C stays non-negative: ω > 0). Few draws suffice inside the
-search (the paper uses as few as 2⁹ at δ = 1e-5): σ there is a proxy that ranks BLTs; the σ a run
-uses must come from the accountant on the returned C (``userdp account calibrate --mechanism
-balls-in-bins --bin-semantics fixed --correlation ...``), which this module reports as the
-estimate on ``final_samples`` fresh draws and leaves certification to the accountant.
+started from its unamplified optimum for the same objective (C stays non-negative: ω > 0). Few
+draws suffice inside the search (the paper uses as few as 2⁹ at δ = 1e-5, §5.1.4): σ there is a
+proxy that ranks BLTs; the σ a run uses must come from the accountant on the returned C
+(``userdp account calibrate --mechanism balls-in-bins --bin-semantics fixed --correlation ...``),
+which this module reports as the estimate on ``final_samples`` fresh draws and leaves
+certification to the accountant.
 """
 
 from __future__ import annotations
@@ -34,8 +42,8 @@ from userdp.strategies.blt import (
     Blt,
     BltError,
     decode_pair,
-    max_error,
     min_sep_column,
+    objective_error,
     optimize_blt,
 )
 
@@ -44,9 +52,11 @@ __all__ = ["AmplifiedBlt", "amplified_sigma", "optimize_blt_amplified"]
 
 @dataclass(frozen=True)
 class AmplifiedBlt:
-    """The optimized BLT and the figures that compare it with the unamplified optimum, all with σ
-    from the same estimator (``final_samples`` draws of a fresh seed)."""
+    """The optimized BLT and the figures that compare it with the unamplified optimum of the same
+    objective, all with σ from the same estimator (``final_samples`` draws of a fresh seed);
+    ``loss`` is σ²·error(C⁻¹) (for ``"rmse"``, RMSE²)."""
 
+    objective: str
     blt: Blt
     noise_multiplier: float
     loss: float
@@ -144,39 +154,42 @@ def optimize_blt_amplified(
     final_samples: int = 2**18,
     seed: int = 0,
     max_evaluations: int = 400,
+    objective: str = "rmse",
 ) -> AmplifiedBlt:
-    """The BLT with ``buffers`` buffers minimizing σ(C)²·max_error(C⁻¹) under fixed balls-in-bins
-    (see the module docstring), and the unamplified optimum for comparison."""
+    """The BLT with ``buffers`` buffers minimizing σ(C)²·error(C⁻¹) under fixed balls-in-bins,
+    the error ``objective``'s (``"rmse"``: ‖A C⁻¹‖²_F / n; ``"max-error"``: max_t
+    ‖row_t(A C⁻¹)‖²; see the module docstring), and the unamplified optimum for comparison."""
+    error = objective_error(objective)
     if min(bins, epochs, buffers) < 1:
         raise BltError(f"bins={bins}, epochs={epochs}, buffers={buffers}; expected integers >= 1")
     if not (epsilon > 0.0 and 0.0 < delta < 1.0):
         raise BltError(f"epsilon={epsilon}, delta={delta}; expected epsilon > 0, 0 < delta < 1")
     n, d = bins * epochs, buffers
     draws = _FixedDraws(bins, num_samples, seed)
-    start_blt, _ = optimize_blt(n, d, min_sep=bins, participations=epochs)
+    start_blt, _ = optimize_blt(n, d, min_sep=bins, participations=epochs, objective=objective)
     evaluations = 0
 
-    def objective(params: np.ndarray) -> float:
+    def log_loss(params: np.ndarray) -> float:
         nonlocal evaluations
         evaluations += 1
         decoded = decode_pair(params, d, n)
         if decoded is None:
             return math.inf
         _, _, coefs, inverse = decoded
-        column, error = min_sep_column(coefs, bins, epochs), max_error(inverse)
-        if not math.isfinite(float(column @ column) * error):  # the unamplified loss overflows
+        column, err = min_sep_column(coefs, bins, epochs), error(inverse)
+        if not math.isfinite(float(column @ column) * err):  # the unamplified loss overflows
             return math.inf
         sigma = draws.sigma(_shifted_gram(column, bins), epsilon, delta)
-        return math.log(sigma**2 * error)  # log: the simplex sees relative changes
+        return math.log(sigma**2 * err)  # log: the simplex sees relative changes
 
     start = _start_params(start_blt)
     result = sopt.minimize(
-        objective,
+        log_loss,
         start,
         method="Nelder-Mead",
         options={"maxfev": max_evaluations, "xatol": 1e-4, "fatol": 1e-5},
     )
-    best = result.x if result.fun <= objective(start) else start
+    best = result.x if result.fun <= log_loss(start) else start
     theta, omega, _, _ = decode_pair(best, d, n)
     order = np.argsort(-theta)
     blt = Blt(tuple(theta[order]), tuple(omega[order]))
@@ -184,11 +197,13 @@ def optimize_blt_amplified(
 
     def measured(candidate: Blt) -> tuple[float, float]:
         sigma = final.sigma(_gram(candidate.toeplitz_coefs(n), bins, epochs), epsilon, delta)
-        return sigma, sigma**2 * max_error(candidate.inverse_coefs(n))
+        return sigma, sigma**2 * error(candidate.inverse_coefs(n))
 
     sigma, loss = measured(blt)
     start_sigma, start_loss = measured(start_blt)
-    return AmplifiedBlt(blt, sigma, loss, start_blt, start_sigma, start_loss, evaluations)
+    return AmplifiedBlt(
+        objective, blt, sigma, loss, start_blt, start_sigma, start_loss, evaluations
+    )
 
 
 def _start_params(blt: Blt) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Privacy report: ε from the ledger, the sampling→assumptions table, atomic JSON/Markdown."""
 
 import json
+import math
 
 import pytest
 from userdp.accounting import compose_epsilon
@@ -229,3 +230,68 @@ def test_user_wise_filter_is_reported_under_replace_one_adjacency():
     assert adjacency == "replace one user (N public)" and matches
     assert any("adding or removing a user" in c for c in caveats)
     assert assumptions("user", "poisson", ["uls"])[0] == "add/remove one user"
+
+
+def _balls_in_bins_ledger(path, run_id=None):
+    from userdp.accounting.mechanisms import BallsInBinsMechanism
+
+    mech = BallsInBinsMechanism(noise_multiplier=2.0, bins=2, epochs=3, bin_semantics="fixed")
+    with Ledger.create(path, run_id=run_id) as led:
+        for step in range(5):
+            led.append(step, mech)
+    return mech
+
+
+def test_balls_in_bins_report_states_the_certified_epsilon_reproducibly(tmp_path, monkeypatch):
+    """The report's ε is the EVR-certified ε on samples seeded from the ledger: the same on every
+    report of the ledger (and across processes: the seed is a hash of the run id), above the
+    labelled point estimate; a ledger of another run draws other samples."""
+    from userdp.accounting import balls_in_bins
+    from userdp.accounting.monte_carlo_report import ledger_seed
+
+    monkeypatch.setenv("USERDP_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "ledger.jsonl"
+    mech = _balls_in_bins_ledger(path)
+    delta = 1e-3
+    first = build_report(path, delta, unit="user", sampling="balls-in-bins-fixed", curve_points=3)
+    monkeypatch.setenv("USERDP_CACHE_DIR", str(tmp_path / "cold-cache"))  # recomputed, not read
+    second = build_report(path, delta, unit="user", sampling="balls-in-bins-fixed", curve_points=3)
+    assert first.epsilon == second.epsilon and first.epsilon_curve == second.epsilon_curve
+    seed = ledger_seed(first.run_id, mech, 5)
+    assert first.monte_carlo["seed"] == str(seed) and first.monte_carlo["certified"]
+    assert first.epsilon == balls_in_bins.certified_epsilon(
+        2.0, 2, 3, delta, bin_semantics="fixed", seed=seed
+    )
+    estimate = first.monte_carlo["epsilon_estimate"]
+    assert estimate == balls_in_bins.epsilon(2.0, 2, 3, delta, seed=seed) < first.epsilon
+    markdown = first.to_markdown()
+    assert "| stated (certified by Estimate-Verify-Release) |" in markdown
+    assert f"| point estimate (not a guarantee) | {estimate:.4g} | estimate |" in markdown
+    assert "## ε by step (Monte Carlo point estimates, not guarantees)" in markdown
+    (caveat,) = [c for c in first.caveats if "certified by Estimate-Verify-Release" in c]
+    samples = balls_in_bins.calibration_samples(delta)
+    assert f"estimated on {samples:,} samples" in caveat and "not a guarantee" in caveat
+    other = tmp_path / "other.jsonl"
+    _balls_in_bins_ledger(other)
+    third = build_report(other, delta, unit="user", sampling="balls-in-bins-fixed")
+    assert third.monte_carlo["seed"] != first.monte_carlo["seed"]
+
+
+def test_balls_in_bins_report_without_a_passing_check_certifies_nothing(tmp_path, monkeypatch):
+    """When the fresh-sample check fails the report states ε = ∞ and says why; it does not fall
+    back to the point estimate or retry with new samples."""
+    from userdp.accounting import monte_carlo_report
+
+    calls = []
+
+    def failed_check(mechanism, steps, delta, *, seed, use_cache=True):
+        calls.append(seed)
+        return None
+
+    monkeypatch.setattr(monte_carlo_report, "certified_monte_carlo_epsilon", failed_check)
+    path = tmp_path / "ledger.jsonl"
+    _balls_in_bins_ledger(path)
+    report = build_report(path, 1e-3, unit="user", sampling="balls-in-bins-fixed")
+    assert report.epsilon == math.inf and not report.monte_carlo["certified"] and len(calls) == 1
+    assert any("could not certify ε" in c for c in report.caveats)
+    assert "NOT certified: the check failed" in report.to_markdown()

@@ -473,6 +473,13 @@ CASES: list[Case] = [
         "budget_before_work_coordinator",
     ),
     *_cases(
+        "report states an uncertified Monte Carlo estimate as its ε",
+        "mutation_report_states_point_estimate",
+        r"the report states an uncertified estimate|the stated ε is not an upper bound",
+        "report_epsilon_blt",
+        "report_epsilon_per_epoch",
+    ),
+    *_cases(
         "tensor-core norms clipped without their margin",
         "mutation_tensor_core_margin_dropped",
         r"the tensor-core norm margin does not cover the accumulation error",
@@ -511,6 +518,7 @@ REQUIRED_BUGS = frozenset(
         "accountant given more probes than the norm estimate's tail",
         "budget checked only after the step's work",
         "tensor-core norms clipped without their margin",
+        "report states an uncertified Monte Carlo estimate as its ε",
     }
 )
 

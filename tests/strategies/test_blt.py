@@ -14,6 +14,7 @@ from userdp.strategies.blt import (
     banded_inverse_coefs,
     blt_loss,
     max_error,
+    mean_error,
     min_sep_sensitivity_squared,
     optimize_banded,
     optimize_blt,
@@ -127,6 +128,40 @@ def test_optimize_min_sep_matches_reference():
     blt, loss = optimize_blt(1000, 2, min_sep=100, participations=10)
     assert loss == pytest.approx(223.591, rel=1e-4)
     np.testing.assert_allclose(blt.buf_decay, REF_MINSEP.buf_decay, atol=1e-5)
+
+
+def test_mean_error_is_the_squared_frobenius_norm_over_n():
+    n, blt = 12, Blt((0.9, 0.3), (0.2, 0.1))
+    dense = np.tril(np.ones((n, n))) @ np.linalg.inv(blt.matrix(n))
+    assert mean_error(blt.inverse_coefs(n)) == pytest.approx(np.sum(dense**2) / n, rel=1e-12)
+    assert max_error(blt.inverse_coefs(n)) == pytest.approx(np.max(np.sum(dense**2, axis=1)))
+
+
+def test_each_objective_wins_on_its_own_error():
+    n, bins, epochs = 24, 6, 4
+    blts = {
+        obj: optimize_blt(n, 2, min_sep=bins, participations=epochs, objective=obj)[0]
+        for obj in ("rmse", "max-error")
+    }
+    bands = {
+        obj: optimize_banded(n, 3, min_sep=bins, participations=epochs, objective=obj)[0]
+        for obj in ("rmse", "max-error")
+    }
+
+    def loss(coefs, inverse, error):
+        return min_sep_sensitivity_squared(coefs, bins, epochs) * error(inverse)
+
+    for mine, other, error in (("rmse", "max-error", mean_error), ("max-error", "rmse", max_error)):
+        a, b = blts[mine], blts[other]
+        assert loss(a.toeplitz_coefs(n), a.inverse_coefs(n), error) <= loss(
+            b.toeplitz_coefs(n), b.inverse_coefs(n), error
+        ) * (1 + 1e-9)
+        a, b = np.pad(bands[mine], (0, n - 3)), np.pad(bands[other], (0, n - 3))
+        assert loss(a, banded_inverse_coefs(bands[mine], n), error) <= loss(
+            b, banded_inverse_coefs(bands[other], n), error
+        ) * (1 + 1e-9)
+    with pytest.raises(BltError, match="objective='mse'"):
+        optimize_blt(n, 2, objective="mse")
 
 
 def test_blt_rejects_bad_parameters():

@@ -1,5 +1,7 @@
 """BLT optimized for fixed balls-in-bins amplification (strategies/blt_amplified.py): its Gram
-matrix and σ against the balls-in-bins accountant, the gain over the unamplified optimum, CLI."""
+matrix and σ against the balls-in-bins accountant, the gain over the unamplified optimum, the
+RMSE objective of "Near Exact Privacy Amplification for Matrix Mechanisms" (arXiv:2410.06266,
+§1.2 and §4.2) computed independently with dense numpy, CLI."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import math
 
 import numpy as np
 from userdp.accounting import balls_in_bins as bb
-from userdp.strategies.blt import Blt
+import pytest
+from userdp.strategies.blt import Blt, BltError
 from userdp.strategies.blt_amplified import _gram, amplified_sigma, optimize_blt_amplified
 
 from tests.accounting.account_cli import account
@@ -47,6 +50,56 @@ def test_optimized_blt_beats_the_unamplified_optimum_under_amplification() -> No
     assert 0 < found.evaluations <= 150 + 1
 
 
+def _dense_errors(blt: Blt, n: int) -> tuple[float, float]:
+    """(‖A C⁻¹‖²_F / n, max_t ‖row_t(A C⁻¹)‖²) from the dense n×n C built from (θ, ω) alone:
+    c_0 = 1, c_k = Σ_i ω_i θ_i^(k−1), C[i, j] = c_{i−j}, A the all-ones lower triangle."""
+    theta, omega = np.asarray(blt.buf_decay), np.asarray(blt.output_scale)
+    coefs = np.concatenate([[1.0], [float(omega @ theta ** (k - 1)) for k in range(1, n)]])
+    lags = np.subtract.outer(np.arange(n), np.arange(n))
+    c = np.where(lags >= 0, coefs[np.clip(lags, 0, None)], 0.0)
+    workload = np.tril(np.ones((n, n))) @ np.linalg.inv(c)
+    return float(np.linalg.norm(workload, "fro") ** 2 / n), float(
+        np.max(np.sum(workload**2, axis=1))
+    )
+
+
+def test_rmse_objective_is_the_papers_rmse_and_each_objective_wins_on_its_own() -> None:
+    bins, epochs, eps, delta = 6, 3, 1.0, 1e-3
+    n, final, seed = bins * epochs, 2**14, 3
+    found = {
+        objective: optimize_blt_amplified(
+            bins,
+            epochs,
+            2,
+            eps,
+            delta,
+            num_samples=2**10,
+            final_samples=final,
+            seed=seed,
+            max_evaluations=80,
+            objective=objective,
+        )  # fmt: skip
+        for objective in ("rmse", "max-error")
+    }
+    losses = {}  # (objective, which BLT) -> σ² · error, σ from the result's own estimator
+    for name, result in found.items():
+        assert result.objective == name
+        sigma = amplified_sigma(
+            result.blt, bins, epochs, eps, delta, num_samples=final, seed=seed + 1
+        )
+        assert sigma == result.noise_multiplier  # the reported σ is that estimator's
+        mean_sq, max_sq = _dense_errors(result.blt, n)
+        losses["rmse", name], losses["max-error", name] = sigma**2 * mean_sq, sigma**2 * max_sq
+        # the reported loss is σ² × the independent error of its objective: RMSE² for "rmse"
+        np.testing.assert_allclose(result.loss, losses[name, name], rtol=1e-9)
+    rmse = {name: math.sqrt(losses["rmse", name]) for name in found}
+    assert rmse["rmse"] <= rmse["max-error"]
+    assert losses["max-error", "max-error"] <= losses["max-error", "rmse"]
+    assert found["rmse"].blt != found["max-error"].blt
+    with pytest.raises(BltError, match="objective='mse'"):
+        optimize_blt_amplified(bins, epochs, 2, eps, delta, objective="mse")
+
+
 def test_cli_prints_a_correlation_the_accountant_accepts_and_refuses_bad_input() -> None:
     out = account(
         "optimize-blt", "--bins", "6", "--epochs", "3", "--buffers", "1", "--epsilon", "1",
@@ -54,6 +107,7 @@ def test_cli_prints_a_correlation_the_accountant_accepts_and_refuses_bad_input()
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
+    assert result["objective"] == "rmse"  # the default
     assert result["loss"] <= result["unamplified"]["loss"]
     eps = account(
         "epsilon", "--mechanism", "balls-in-bins", "--bin-semantics", "fixed", "--bins", "6",
@@ -66,3 +120,22 @@ def test_cli_prints_a_correlation_the_accountant_accepts_and_refuses_bad_input()
     bad = account("optimize-blt", "--bins", "0", "--epochs", "3", "--epsilon", "1", timeout=600)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--bins=0" in bad.stderr
+
+
+def test_cli_objective_flag_names_the_objective_and_refuses_an_unknown_one() -> None:
+    out = account(
+        "optimize-blt", "--bins", "4", "--epochs", "2", "--buffers", "1", "--epsilon", "1",
+        "--delta", "1e-3", "--samples", "1024", "--objective", "max-error", "--json", timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["objective"] == "max-error"
+    assert "max_t" in result["loss_definition"] and result["loss"] > 0
+    bad = account(
+        "optimize-blt", "--bins", "4", "--epochs", "2", "--epsilon", "1", "--objective", "mse"
+    )
+    assert bad.returncode == 2 and not bad.stdout
+    errors = [line for line in bad.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, bad.stderr
+    assert "--objective" in errors[0] and "'mse'" in errors[0]
+    assert "rmse" in errors[0] and "max-error" in errors[0]
