@@ -50,7 +50,8 @@ __all__ = [
 
 N_CAVEAT = (
     "the normalizer (expected cohort) is computed from the number of users N, treated as "
-    "public; pass expected_cohort_size to fix it in advance"
+    "public; set strategy.expected_cohort_size (expected_cohort_size= in Python) to fix it in "
+    "advance"
 )
 
 
@@ -303,7 +304,8 @@ class ExampleLevelSampling(Strategy):
         if self.expected_batch_size is None:
             own = (
                 "the normalizer p|D_sub| is computed from per-user example counts and treated "
-                "as public; pass expected_batch_size to avoid this",
+                "as public; set strategy.expected_batch_size (expected_batch_size= in Python) "
+                "to fix it in advance",
             )
         return (*super().caveats(), *own)
 

@@ -50,6 +50,7 @@ class BltDpFtrl(Strategy):
         banded_coefs: Sequence[float] | None = None,
         bands: int | None = None,
         sampling_prob: float | None = None,
+        expected_cohort_size: float | None = None,
         seed: int | None = None,
         rng: NoiseRng | None = None,
         optimizer: ServerOptimizer | None = None,
@@ -92,6 +93,12 @@ class BltDpFtrl(Strategy):
         )
         self.blt = blt
         self.bins, self.epochs = int(bins), int(epochs)
+        self._fixed_normalizer = expected_cohort_size
+
+    def expected_cohort_size(self, population: Any) -> float:
+        if self._fixed_normalizer is not None:
+            return float(self._fixed_normalizer)
+        return super().expected_cohort_size(population)
 
     def sample_cohort(self, step: int, population: Any) -> Cohort:
         if step >= self.bins * self.epochs:
@@ -120,5 +127,5 @@ class BltDpFtrl(Strategy):
         return (
             *super().caveats(),
             "correlated-noise buffers are checkpointed: protect checkpoints like noise",
-            N_CAVEAT,
+            *((N_CAVEAT,) if self._fixed_normalizer is None else ()),
         )

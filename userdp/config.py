@@ -1,15 +1,17 @@
 """The one TOML config shared by ``train``, ``simulate``, ``coordinator``, ``worker`` and ``audit``.
 
 Every section is a frozen pydantic model that forbids unknown keys, so a typo is an error, not a
-silently ignored setting; booleans are strict (``true``/``false`` only: ``"yes"``, ``1`` or
-``"true"`` are errors naming the key, never coerced). :func:`load_config` turns validation failures into :class:`ConfigError`
+silently ignored setting; values are strict (``true``/``false`` only for booleans, unquoted numbers
+for numbers: ``"yes"``, ``1`` or ``"80"`` are errors naming the key, never coerced).
+:func:`load_config` turns validation failures into :class:`ConfigError`
 whose message names the key, the bad value and the allowed range, e.g.
-``privacy.delta must be in (0, 1), got 1.5``. One idea — the config schema and its checks —
-hence one module over 400 lines.
+``privacy.delta must be in (0, 1), got 1.5``; an unknown key gets the closest known one. The
+files a config names are checked by :mod:`userdp.local_files`.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -45,12 +47,27 @@ Positive = Annotated[float, _interval(0.0, math.inf)]
 NonNegative = Annotated[float, _interval(0.0, math.inf, lo_open=False)]
 Probability = Annotated[float, _interval(0.0, 1.0, hi_open=False)]
 OpenUnit = Annotated[float, _interval(0.0, 1.0)]
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+def _at_least(lo: int):
+    """A validator for an integer ≥ ``lo``; its message states the bound as the others do."""
+
+    def check(value: int) -> int:
+        if value < lo:
+            raise ValueError(f"must be an integer >= {lo}, got {value}")
+        return value
+
+    return AfterValidator(check)
+
+
+PositiveInt = Annotated[int, _at_least(1)]
+NonNegativeInt = Annotated[int, _at_least(0)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Strict: a TOML string is never read as a number (``steps = "80"`` is an error)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class DataConfig(_Section):
@@ -70,62 +87,8 @@ class DataConfig(_Section):
     ``highest_ppl`` / ``lowest_ppl`` rank them by perplexity under the initial model, which each
     worker computes once at start (docs/data.md); user-level strategies only."""
     seq_len: PositiveInt = 128
-    """Maximum tokens per example fed to the model."""
-
-
-def check_local_files(config: Config) -> None:
-    """The files a config names on THIS machine: ``data.shards`` must be a folder with
-    ``manifest.json``, ``coordinator.tls_dir`` a folder, ``model.path`` a folder with
-    ``config.json``, ``model.deepspeed_config`` a JSON object whose ZeRO stage is 0-2, and a
-    plugin strategy must import and accept ``strategy.params``.
-    Checked by :func:`load_config` (``config check``, ``simulate``, ``train``, ``coordinator``,
-    ``worker``), not by :func:`parse_config` nor ``deploy render``, whose config names paths
-    that exist only inside the pods."""
-    problems = []
-    shards = config.data.shards
-    if shards is not None:
-        folder = Path(shards)
-        if not folder.is_dir():
-            problems.append(
-                f"data.shards = {shards!r} is not a folder: give the folder `userdp shard` wrote "
-                "(it holds manifest.json), or remove the key to use the demo corpus"
-            )
-        elif not (folder / "manifest.json").is_file():
-            problems.append(
-                f"data.shards = {shards!r} has no manifest.json: give the folder `userdp shard` "
-                "wrote, or remove the key to use the demo corpus"
-            )
-    tls_dir = config.coordinator.tls_dir
-    if tls_dir is not None and not Path(tls_dir).is_dir():
-        problems.append(
-            f"coordinator.tls_dir = {tls_dir!r} is not a folder: give the folder with ca.pem and "
-            "coordinator.pem/.key (`userdp certs dev-ca`), or remove the key"
-        )
-    model = config.model
-    if model.path is not None:
-        folder = Path(model.path).expanduser()
-        if not (folder / "config.json").is_file():
-            where = "is not a folder" if not folder.is_dir() else "has no config.json"
-            problems.append(
-                f"model.path = {model.path!r} {where}: it must be a local folder saved with "
-                "save_pretrained (config.json + weights); userdp never downloads, so a hub name "
-                "such as 'gpt2' cannot be used: download and save it on a machine with access, "
-                "then give the folder"
-            )
-    if model.deepspeed_config is not None:
-        try:
-            read_deepspeed_json(model.deepspeed_config)
-        except ValueError as exc:
-            problems.append(str(exc))
-    if config.strategy.name not in BUILTIN_STRATEGIES:
-        from userdp.plugins import check_plugin
-
-        try:
-            check_plugin(config)
-        except ValueError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise ConfigError("; ".join(problems))
+    """Maximum tokens per example fed to the model: at most the model's positions (a preset's
+    position table is built for it, up to ``PRESET_MAX_SEQ_LEN``)."""
 
 
 ZERO3_REFUSAL = (
@@ -280,6 +243,13 @@ class StrategyConfig(_Section):
     clip_norm: Positive = 1.0
     """C: every unit's gradient is clipped to this L2 norm."""
     steps: PositiveInt = 100
+    expected_cohort_size: Positive | None = None
+    """User-level strategies: the normalizer of the noisy sum (expected users per step), fixed in
+    advance (e.g. q times a public user count). Unset: qN (N/b for balls-in-bins) from the
+    training users, which treats N as public (the report says so)."""
+    expected_batch_size: Positive | None = None
+    """els / group-privacy: the normalizer (expected examples per step), fixed in advance. Unset:
+    p|D_sub| from the users' example counts, which treats them as public (the report says so)."""
     sampler_seed: NonNegativeInt | None = None
     """Seeds the sampler that picks each step's cohort. Unset (the default): a secret seed from
     os.urandom, kept only in checkpoints, as amplification by sampling assumes. Set it only for
@@ -387,16 +357,37 @@ class Config(_Section):
     output: OutputConfig = OutputConfig()
 
 
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys of the config section at ``loc`` (a validation error's location, minus its
+    last part)."""
+    model: Any = Config
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None or not isinstance(field.annotation, type):
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
 def _format_error(err: dict[str, Any]) -> str:
     key = ".".join(str(part) for part in err["loc"])
     kind = err["type"]
     value = err.get("input")
     if kind == "extra_forbidden":
-        return f"{key}: unknown key (check the spelling; see `userdp config show` for all keys)"
+        close = difflib.get_close_matches(str(err["loc"][-1]), _known_keys(err["loc"][:-1]), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else "check the spelling; "
+        return f"{key}: unknown key ({hint}see `userdp config show` for all keys)"
     if kind == "missing":
         return f"{key}: required key is missing"
     if kind == "bool_type":
         return f"{key} must be true or false (an unquoted TOML boolean), got {value!r}"
+    if kind in ("int_type", "float_type") and isinstance(value, str):
+        what = "an integer" if kind == "int_type" else "a number"
+        return f"{key} must be {what}, not a string: write it unquoted, got {value!r}"
+    if kind == "int_type":
+        return f"{key} must be an integer, got {value!r}"
+    if kind == "float_type":
+        return f"{key} must be a number, got {value!r}"
     message = err["msg"]
     if message.startswith("Value error, "):
         return f"{key} {message.removeprefix('Value error, ')}"
@@ -427,6 +418,9 @@ def parse_config(raw: dict[str, Any]) -> Config:
             "data.selection = 'random'"
         )
     _check_user_wise_filter(strategy)
+    _check_normalizers(strategy)
+    if config.model.path is None:
+        _check_preset_seq_len(config.model.preset, config.data.seq_len)
     workers = config.workers
     if workers.replicas > workers.count:
         raise ConfigError(
@@ -447,6 +441,57 @@ def parse_config(raw: dict[str, Any]) -> Config:
             "privacy.allow_unaccounted_sampling = true to run it anyway (the report will say so)"
         )
     return config
+
+
+PRESET_MAX_SEQ_LEN = 8192
+"""The longest ``data.seq_len`` a preset is built for (its position table has that many rows)."""
+
+
+def _check_preset_seq_len(preset: str | None, seq_len: int) -> None:
+    """A preset sizes its positions from ``data.seq_len``: bound it, with the memory it implies."""
+    if seq_len <= PRESET_MAX_SEQ_LEN:
+        return
+    from userdp.clients.model import PRESETS
+
+    family, layers, width, heads = PRESETS[preset or "gpt2-tiny"]
+    table = (
+        f"a position table of {seq_len:,} x {width} float32 ({seq_len * width * 4 / 1e9:.3g} GB)"
+    )
+    scores = heads * seq_len**2 * 4 / 1e9
+    raise ConfigError(
+        f"data.seq_len = {seq_len:,} is more than {PRESET_MAX_SEQ_LEN}, the longest the presets "
+        f"are built for: model.preset = {preset!r} would get "
+        + (f"{table} and " if family == "gpt2" else "")
+        + f"attention scores of {heads} heads x {seq_len:,}² float32 per layer and example "
+        f"({scores:.3g} GB); set data.seq_len <= {PRESET_MAX_SEQ_LEN}"
+    )
+
+
+USER_LEVEL_NORMALIZED = (
+    "uls",
+    "dp-fedavg",
+    "adaptive-clipping",
+    "randomized-clipping",
+    "blt-dp-ftrl",
+)
+"""Built-ins whose noisy sum is divided by an expected cohort of users."""
+
+
+def _check_normalizers(strategy: StrategyConfig) -> None:
+    """``expected_cohort_size`` / ``expected_batch_size`` only where the strategy uses them."""
+    for key, names in (
+        ("expected_cohort_size", USER_LEVEL_NORMALIZED),
+        ("expected_batch_size", ("els", "group-privacy")),
+    ):
+        if getattr(strategy, key) is not None and strategy.name not in names:
+            raise ConfigError(
+                f"strategy.{key} applies to strategy.name in {names}, not {strategy.name!r}: "
+                + (
+                    "a plugin takes its arguments in [strategy.params]"
+                    if strategy.name not in BUILTIN_STRATEGIES
+                    else "remove it"
+                )
+            )
 
 
 def _check_user_wise_filter(strategy: StrategyConfig) -> None:
@@ -495,3 +540,6 @@ def load_config(path: str | Path, *, local_files: bool = True) -> Config:
     if local_files:
         check_local_files(config)
     return config
+
+
+from userdp.local_files import check_local_files  # noqa: E402  (it reads this module's names)

@@ -171,6 +171,8 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
         "optimizer": server_optimizer(config),
     }
     uls: dict[str, Any] = dict(common, group_size=s.group_size, sampling=s.sampling)
+    if s.expected_cohort_size is not None:
+        uls.update(expected_cohort_size=s.expected_cohort_size)
     if s.sampling in ("balls-in-bins-fixed", "balls-in-bins-epoch"):
         bins, epochs = _bins(s.sampling_prob, s.steps)
         uls.update(bins=bins, epochs=epochs)
@@ -193,13 +195,18 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
     elif s.name in ("els", "group-privacy"):
         poisson_only(s.name)
         cls = builtins.ExampleLevelSampling if s.name == "els" else builtins.GroupPrivacyComparison
-        strategy = cls(sampling_prob=s.sampling_prob, group_size=s.group_size, **common)
+        strategy = cls(
+            sampling_prob=s.sampling_prob,
+            group_size=s.group_size,
+            expected_batch_size=s.expected_batch_size,
+            **common,
+        )
     elif s.name == "dp-fedavg":
         strategy = builtins.DpFedAvg(local_steps=s.local_steps, local_lr=s.local_lr, **uls)
     elif s.name == "adaptive-clipping":
         poisson_only(s.name)
         uls.pop("clip_norm")
-        expected = s.sampling_prob * num_users
+        expected = s.expected_cohort_size or s.sampling_prob * num_users
         strategy = AdaptiveClipping(
             initial_clip_norm=s.clip_norm, count_stddev=max(expected / 20.0, 1e-3), **uls
         )
@@ -217,6 +224,7 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
             epochs=max(1, math.ceil(s.steps / s.bands)),
             bands=s.bands,
             sampling_prob=s.sampling_prob,
+            expected_cohort_size=s.expected_cohort_size,
             **common,
         )
     elif s.name == "blt-dp-ftrl":
@@ -227,7 +235,9 @@ def make_strategy(config: Any, num_users: int, noise_multiplier: float) -> Any:
                 "'cyclic-poisson' with strategy.bands (banded C)"
             )
         bins, epochs = _bins(s.sampling_prob, s.steps)
-        strategy = BltDpFtrl(bins=bins, epochs=epochs, **common)
+        strategy = BltDpFtrl(
+            bins=bins, epochs=epochs, expected_cohort_size=s.expected_cohort_size, **common
+        )
     elif s.name == "user-wise-filter":
         from userdp.strategies.user_filter import UserWiseFilter
 

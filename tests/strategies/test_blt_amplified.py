@@ -9,8 +9,8 @@ import json
 import math
 
 import numpy as np
-from userdp.accounting import balls_in_bins as bb
 import pytest
+from userdp.accounting import balls_in_bins as bb
 from userdp.strategies.blt import Blt, BltError
 from userdp.strategies.blt_amplified import _gram, amplified_sigma, optimize_blt_amplified
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,45 @@ def test_the_commands_run_inside_stop_signals(monkeypatch, tmp_path) -> None:
     interrupt = cli_simulate._interrupt
     assert seen == [(interrupt, interrupt)] * 3
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_the_cli_uses_its_environments_prebuilt_op_without_env_sh(tmp_path) -> None:
+    """`userdp` run in a fresh shell (no scripts/env.sh) finds the DeepSpeed op cache setup built
+    in its own environment, instead of rebuilding the op into ~/.cache/torch_extensions; values
+    the caller set are kept."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "USERDP_CACHE_DIR")
+    }
+    code = (
+        "import os\n"
+        "from userdp.cli import main\n"
+        "main(['config', 'show'])\n"
+        "print(os.environ.get('TORCH_EXTENSIONS_DIR'), os.environ.get('USERDP_CACHE_DIR'))\n"
+    )
+    prebuilt = Path(sys.prefix) / "torch_extensions"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    ops, cache = result.stdout.strip().splitlines()[-1].split(" ")
+    if prebuilt.is_dir():  # an environment set up by scripts/venv.sh (or the image)
+        assert (ops, cache) == (str(prebuilt), str(Path(sys.prefix) / "userdp_cache"))
+    else:
+        assert (ops, cache) == ("None", "None")
+    given = {**env, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ops")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=given, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip().splitlines()[-1].split(" ")[0] == str(tmp_path / "ops")
+
+
+def test_environment_caches_follow_the_prefix(tmp_path, monkeypatch) -> None:
+    from userdp.cli import use_environment_caches
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.delenv("USERDP_CACHE_DIR", raising=False)
+    use_environment_caches(tmp_path)  # no torch_extensions/: not a userdp-managed environment
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ
+    (tmp_path / "torch_extensions").mkdir()
+    use_environment_caches(tmp_path)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "torch_extensions")
+    assert os.environ["USERDP_CACHE_DIR"] == str(tmp_path / "userdp_cache")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from userdp.cli import main
@@ -38,8 +40,18 @@ def test_full_sections_parse(tmp_path) -> None:
         ("[strategy]\nsampling_prob = 0\n", "strategy.sampling_prob must be in (0, 1], got 0"),
         ("[strategy]\nsampling_prob = 1.2\n", "strategy.sampling_prob must be in (0, 1], got 1.2"),
         ("[strategy]\nclip_norm = -0.1\n", "strategy.clip_norm must be in (0, inf), got -0.1"),
-        ("[strategy]\ngroup_size = 0\n", "strategy.group_size: input should be greater than"),
-        ("[strategy]\nclipnorm = 1.0\n", "strategy.clipnorm: unknown key"),
+        ("[strategy]\ngroup_size = 0\n", "strategy.group_size must be an integer >= 1, got 0"),
+        ("[workers]\ncount = 0\n", "workers.count must be an integer >= 1, got 0"),
+        ('[strategy]\nsteps = "80"\n', "strategy.steps must be an integer, not a string"),
+        ("[strategy]\nsteps = 80.0\n", "strategy.steps must be an integer, got 80.0"),
+        ('[privacy]\nepsilon = "8"\n', "privacy.epsilon must be a number, not a string"),
+        (
+            "[strategy]\nclipnorm = 1.0\n",
+            "strategy.clipnorm: unknown key (did you mean 'clip_norm'?",
+        ),
+        ("[strategy]\nxyzzy = 1.0\n", "strategy.xyzzy: unknown key (check the spelling"),
+        ("[strategy]\nexpected_batch_size = 10.0\n", "strategy.expected_batch_size applies to"),
+        ("[data]\nseq_len = 100000000\n", "data.seq_len = 100,000,000 is more than 8192"),
         ("[nonsense]\nx = 1\n", "nonsense: unknown key"),
         ("[strategy]\nname = 'magic'\n", "strategy.name must be a built-in strategy"),
         ("[strategy]\nsampling = 'shuffle'\n", "privacy.allow_unaccounted_sampling = true"),
@@ -160,6 +172,67 @@ def test_shard_folder_and_tls_folder_are_checked(tmp_path, capsys) -> None:
     assert f"data.shards = '{shards}' has no manifest.json" in err and err.count("\n") == 1
     assert "tls_dir" not in err
     (shards / "manifest.json").write_text("{}")
+    assert main(["config", "check", str(path)]) == 2
+    assert "manifest.json: 'format' must be 'userdp-shards'" in capsys.readouterr().err
+    _write_shards(tmp_path / "input.jsonl", shards)
+    assert main(["config", "check", str(path)]) == 0
+
+
+def _write_shards(source: Path, out: Path) -> None:
+    """A real shard folder (byte tokenizer, 30 users) written by `userdp shard`."""
+    import json
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    rows = [{"uid": f"u{i % 30}", "text": f"example {i} " + "w" * (i % 17)} for i in range(90)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    args = ["shard", str(source), "--user-column", "uid", "--text-column", "text"]
+    assert main([*args, "--out", str(out)]) == 0
+
+
+def test_config_check_finds_a_missing_or_truncated_shard_and_a_model_that_does_not_fit(
+    tmp_path, capsys
+) -> None:
+    """What `simulate` would refuse after its workers started is refused by `config check`: a
+    shard or index file the manifest lists is gone or has another size, the model's vocabulary
+    is smaller than the shards' tokenizer, data.seq_len is above the model's positions."""
+    import json
+
+    shards = tmp_path / "shards"
+    _write_shards(tmp_path / "input.jsonl", shards)
+    capsys.readouterr()
+    manifest = json.loads((shards / "manifest.json").read_text())
+    entry = manifest["shards"][0]
+    path = tmp_path / "run.toml"
+    path.write_text(f"[data]\nshards = '{shards}'\n")
+
+    def check() -> str:
+        assert main(["config", "check", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        return err
+
+    shard_file = shards / entry["file"]
+    data = shard_file.read_bytes()
+    shard_file.write_bytes(data[:-10])
+    assert f"{shard_file} has {len(data) - 10:,} bytes, the manifest says {len(data):,}" in check()
+    shard_file.unlink()
+    assert f"{shard_file} is missing (listed in the manifest)" in check()
+    shard_file.write_bytes(data)
+    (shards / entry["index_file"]).unlink()
+    assert "missing (listed in the manifest)" in check()
+    _write_shards(tmp_path / "input.jsonl", shards)
+    capsys.readouterr()
+
+    vocab = manifest["tokenizer"]["vocab_size"]
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": vocab - 1, "n_positions": 64}))
+    path.write_text(f"[data]\nshards = '{shards}'\nseq_len = 128\n[model]\npath = '{model}'\n")
+    err = check()
+    assert f"has vocab_size {vocab - 1} but the shards' tokenizer has {vocab} ids" in err
+    assert "data.seq_len = 128 is more than the 64 positions of the model" in err
+    (model / "config.json").write_text(json.dumps({"vocab_size": vocab, "n_positions": 128}))
     assert main(["config", "check", str(path)]) == 0
 
 

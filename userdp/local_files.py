@@ -1,0 +1,137 @@
+"""The files a config names on THIS machine, checked before anything starts (``config check``,
+``simulate``, ``train``, ``coordinator``, ``worker``: :func:`userdp.config.load_config`).
+
+Each check is cheap (no sha256 of the data: ``userdp shard verify`` does that) and catches what
+would otherwise fail a run after its workers started: a shard folder with a file missing or
+truncated, a model whose vocabulary is smaller than the shards' tokenizer or whose positions are
+fewer than ``data.seq_len``, a DeepSpeed JSON that cannot drive a worker, a plugin that does not
+import. ``deploy render`` does not run them: its config names paths that exist only in the pods.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_local_files", "model_positions"]
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""config.json keys transformers models use for the number of positions."""
+
+
+def check_local_files(config: Any) -> None:
+    """Raise :class:`userdp.config.ConfigError` naming every problem with the files ``config``
+    names (the module docstring)."""
+    from userdp.config import BUILTIN_STRATEGIES, ConfigError, read_deepspeed_json
+
+    problems: list[str] = []
+    vocab_size = None
+    shards = config.data.shards
+    if shards is not None:
+        problem, vocab_size = _shards_problem(shards)
+        if problem:
+            problems.append(problem)
+    tls_dir = config.coordinator.tls_dir
+    if tls_dir is not None and not Path(tls_dir).is_dir():
+        problems.append(
+            f"coordinator.tls_dir = {tls_dir!r} is not a folder: give the folder with ca.pem and "
+            "coordinator.pem/.key (`userdp certs dev-ca`), or remove the key"
+        )
+    if config.model.path is not None:
+        problems += _model_problems(config.model.path, vocab_size, config.data.seq_len)
+    if config.model.deepspeed_config is not None:
+        try:
+            read_deepspeed_json(config.model.deepspeed_config)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if config.strategy.name not in BUILTIN_STRATEGIES:
+        from userdp.plugins import check_plugin
+
+        try:
+            check_plugin(config)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _shards_problem(shards: str) -> tuple[str | None, int | None]:
+    """(what is wrong with the shard folder or None, the shards' tokenizer vocabulary size)."""
+    from userdp.clients.shard_format import ManifestError, read_manifest
+
+    folder = Path(shards)
+    if not folder.is_dir():
+        return (
+            f"data.shards = {shards!r} is not a folder: give the folder `userdp shard` wrote "
+            "(it holds manifest.json), or remove the key to use the demo corpus"
+        ), None
+    if not (folder / "manifest.json").is_file():
+        return (
+            f"data.shards = {shards!r} has no manifest.json: give the folder `userdp shard` "
+            "wrote, or remove the key to use the demo corpus"
+        ), None
+    try:
+        manifest = read_manifest(folder)
+    except ManifestError as exc:
+        return f"data.shards = {shards!r}: {exc}", None
+    for entry in manifest.shards:
+        for name in (entry.file, entry.index_file):
+            path = folder / name
+            if not path.is_file():
+                return (
+                    f"data.shards = {shards!r}: {path} is missing (listed in the manifest): "
+                    "restore it or shard the data again (`userdp shard verify "
+                    f"{shards}` checks every file)"
+                ), manifest.tokenizer.vocab_size
+        size = (folder / entry.file).stat().st_size
+        if size != entry.num_bytes:
+            return (
+                f"data.shards = {shards!r}: {folder / entry.file} has {size:,} bytes, the "
+                f"manifest says {entry.num_bytes:,}: the file is truncated or was replaced; "
+                "restore it or shard the data again"
+            ), manifest.tokenizer.vocab_size
+    return None, manifest.tokenizer.vocab_size
+
+
+def model_positions(model_config: dict[str, Any]) -> int | None:
+    """The number of positions a transformers config.json declares (None when it names none)."""
+    for key in POSITION_KEYS:
+        value = model_config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _model_problems(path: str, vocab_size: int | None, seq_len: int) -> list[str]:
+    folder = Path(path).expanduser()
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        where = "is not a folder" if not folder.is_dir() else "has no config.json"
+        return [
+            f"model.path = {path!r} {where}: it must be a local folder saved with "
+            "save_pretrained (config.json + weights); userdp never downloads, so a hub name "
+            "such as 'gpt2' cannot be used: download and save it on a machine with access, "
+            "then give the folder"
+        ]
+    try:
+        declared = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return [f"model.path = {path!r}: {config_file} is not a readable JSON file: {exc}"]
+    if not isinstance(declared, dict):
+        return [f"model.path = {path!r}: {config_file} must hold a JSON object"]
+    problems = []
+    model_vocab = declared.get("vocab_size")
+    if vocab_size is not None and isinstance(model_vocab, int) and model_vocab < vocab_size:
+        problems.append(
+            f"model.path = {path!r} has vocab_size {model_vocab} but the shards' tokenizer has "
+            f"{vocab_size} ids: shard the data with the model's tokenizer (`userdp shard "
+            f"--tokenizer {path}`)"
+        )
+    positions = model_positions(declared)
+    if positions is not None and seq_len > positions:
+        problems.append(
+            f"data.seq_len = {seq_len} is more than the {positions} positions of the model at "
+            f"{path!r}: set data.seq_len <= {positions}"
+        )
+    return problems
