@@ -84,13 +84,23 @@ def _logging(quiet: bool) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """``simulate`` (grpc, or in-process) and ``train`` (external workers)."""
+    from userdp.local_files import run_folder_problem
     from userdp.proto.allocator import keep_freed_memory
     from userdp.simulation import run
 
     keep_freed_memory()  # chunk messages reuse freed pages (see the module)
     config = _load(args)
+    problem = run_folder_problem(
+        args.output or config.output.dir, "--output" if args.output else "output.dir"
+    )
+    if problem:
+        raise ValueError(problem)
     args.log_dir = Path(args.output or config.output.dir) / "logs"
     _logging(args.quiet)
+    if config.output.seed is None:
+        from userdp.run_outputs import initial_model_note
+
+        print(f"userdp: {initial_model_note(None)}", file=sys.stderr)
     if args.command == "train":
         mode = "external"
     else:

@@ -11,10 +11,11 @@ import. ``deploy render`` does not run them: its config names paths that exist o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_local_files", "model_positions"]
+__all__ = ["check_local_files", "model_positions", "run_folder_problem"]
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 """config.json keys transformers models use for the number of positions."""
@@ -40,6 +41,9 @@ def check_local_files(config: Any) -> None:
         )
     if config.model.path is not None:
         problems += _model_problems(config.model.path, vocab_size, config.data.seq_len)
+    run_folder = run_folder_problem(config.output.dir, "output.dir", writable=False)
+    if run_folder:
+        problems.append(run_folder)
     if config.model.deepspeed_config is not None:
         try:
             read_deepspeed_json(config.model.deepspeed_config)
@@ -54,6 +58,31 @@ def check_local_files(config: Any) -> None:
             problems.append(str(exc))
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def run_folder_problem(
+    folder: str | os.PathLike[str], where: str, *, writable: bool = True
+) -> str | None:
+    """Why ``folder`` cannot be a run folder (None when it can): it, or a folder above it, is a
+    file, or (``writable``) the nearest existing folder is not writable by this user. ``where``
+    names the setting it came from (``output.dir``, ``--output``). A config's own check leaves
+    out writability: workers load the same config and never write the run folder."""
+    folder = Path(folder)
+    for path in (folder, *folder.absolute().parents):
+        if not path.exists():
+            continue
+        if not path.is_dir():
+            what = "is a file" if path == folder else f"is inside {path}, which is a file"
+            return (
+                f"{where} = {str(folder)!r} {what}, not a folder: give a new or existing run folder"
+            )
+        if writable and not os.access(path, os.W_OK | os.X_OK):
+            return (
+                f"{where} = {str(folder)!r}: {path} is not writable by this user: give a run "
+                "folder you can write"
+            )
+        return None
+    return None
 
 
 def _shards_problem(shards: str) -> tuple[str | None, int | None]:

@@ -245,13 +245,15 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
     if final:
         markdown += (
             "\n## Held-out evaluation (user-level split)\n\n| | eval loss |\n|---|---|\n"
-            f"| no fine-tuning (step 0) | {_fmt(data['evaluation']['baseline_eval_loss'])} |\n"
-            f"| after step {final['step']} | {_fmt(final['eval_loss'])} |\n"
+            f"| no fine-tuning (0 steps) | {_fmt(data['evaluation']['baseline_eval_loss'])} |\n"
+            f"| after {final['step']} steps | {_fmt(final['eval_loss'])} |\n"
         )
     clipping = clipping_summary(steps, config.strategy.clip_norm)
     if clipping:
         data["clipping_summary"] = clipping
         markdown += f"\n## Clipping (training metrics, not covered by ε)\n\n{clipping}\n"
+    data["initial_model_seed"] = config.output.seed
+    markdown += f"\n## Initial model\n\n{initial_model_note(config.output.seed)}\n"
     samples_path = run_dir / "samples.jsonl"
     if samples_path.is_file():
         from userdp.samples import samples_appendix
@@ -261,6 +263,20 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
     _atomic_write_text(run_dir / "privacy_report.json", json.dumps(data, indent=2, sort_keys=True))
     _atomic_write_text(run_dir / "privacy_report.md", markdown)
     return data
+
+
+def initial_model_note(seed: int | None) -> str:
+    """What ``output.seed`` means for comparing this run with another (report and ``simulate``)."""
+    if seed is not None:
+        return (
+            f"Initialized with output.seed = {seed}: a run with the same seed and model section "
+            "starts from the same weights (a preset's, or the LoRA adapters' on model.path)."
+        )
+    return (
+        "output.seed is not set: the initial weights (a preset's, or the LoRA adapters' on "
+        "model.path) are random, so a run compared with this one (ULS vs ELS, another clip "
+        "norm) also starts from another model; set output.seed to the same value in both."
+    )
 
 
 def _fmt(value: Any) -> str:
@@ -291,8 +307,20 @@ def render_plots(run_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
+    # metrics' "step" is the 0-based index of a released step, an eval row's the number of steps
+    # done before it: the plots put both on "steps done" (step index + 1 for step rows)
+    def done(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+        return [(r["step"] + 1, r[key]) for r in rows if r.get(key) is not None]
+
+    def finish(ax: Any, title: str, ylabel: str) -> None:
+        ax.set_xlabel("steps done")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if ax.get_legend_handles_labels()[0]:  # nothing to label before the first step
+            ax.legend()
+
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    train = [(r["step"], r["loss"]) for r in steps if r.get("loss") is not None]
+    train = done(steps, "loss")
     if train:
         ax.plot(*zip(*train, strict=True), label="train loss (sampled users)", alpha=0.6)
     if evals:
@@ -302,31 +330,23 @@ def render_plots(run_dir: Path) -> list[Path]:
         base = next((r["eval_loss"] for r in evals if r["step"] == 0), None)
         if base is not None:
             ax.axhline(base, color="gray", linestyle="--", label="no fine-tuning")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean token cross-entropy")
-    ax.set_title("Loss")
-    ax.legend()
+    finish(ax, "Loss", "mean token cross-entropy")
     save(fig, "loss.png")
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    eps = [(r["step"], r["epsilon"]) for r in steps if r.get("epsilon") is not None]
+    eps = done(steps, "epsilon")
     if eps:
         ax.plot(*zip(*eps, strict=True), "-", label="ε spent (from the ledger)")
     if steps and steps[-1].get("target_epsilon"):
         ax.axhline(steps[-1]["target_epsilon"], color="red", linestyle="--", label="budget")
-    ax.set_xlabel("step")
-    ax.set_ylabel("ε")
-    ax.set_title("Privacy spent")
-    ax.legend()
+    finish(ax, "Privacy spent", "ε")
     save(fig, "epsilon.png")
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    frac = [(r["step"], r["clip_fraction"]) for r in steps if r.get("clip_fraction") is not None]
+    frac = done(steps, "clip_fraction")
     if frac:
         ax.plot(*zip(*frac, strict=True), "-")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("fraction of units clipped")
-    ax.set_title("Clip fraction")
+    finish(ax, "Clip fraction", "fraction of units clipped")
     save(fig, "clip_fraction.png")
     return written

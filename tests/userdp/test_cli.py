@@ -217,3 +217,24 @@ def test_environment_caches_follow_the_prefix(tmp_path, monkeypatch) -> None:
     use_environment_caches(tmp_path)
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "torch_extensions")
     assert os.environ["USERDP_CACHE_DIR"] == str(tmp_path / "userdp_cache")
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_simulate_into_an_existing_file_is_refused_at_once(tmp_path, capsys, inside) -> None:
+    """`simulate --output FILE` (or a folder under a file) is one line, exit 2, before any work;
+    `config check` says the same of output.dir."""
+    from userdp.cli import main
+
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    output = existing / "run" if inside else existing
+    assert main(["simulate", "--demo", "--in-process", "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Errno" not in err and "traceback" not in err, err
+    what = f"is inside {existing}, which is a file" if inside else "is a file"
+    assert f"--output = '{output}' {what}, not a folder" in err
+    assert existing.read_text() == "keep me"
+    config = tmp_path / "run.toml"
+    config.write_text(f"[output]\ndir = '{output}'\n")
+    assert main(["config", "check", str(config)]) == 2
+    assert f"output.dir = '{output}' {what}, not a folder" in capsys.readouterr().err

@@ -355,3 +355,23 @@ def test_the_secret_sampler_seed_is_only_in_checkpoints(tmp_path) -> None:
         report = json.loads((result.run_dir / "privacy_report.json").read_text())
         assert not any("seed was given" in c for c in report["caveats"])
     assert seeds[0] != seeds[1]
+
+
+def test_the_report_states_the_initial_model_seed_policy(grpc_run, tmp_path) -> None:
+    """Runs are compared by their reports: the report says whether the initial model was seeded
+    (output.seed) and, when not, that another run starts from another model."""
+    from userdp.run_outputs import initial_model_note, render_report
+
+    config, result = grpc_run
+    report = json.loads((result.run_dir / "privacy_report.json").read_text())
+    assert report["initial_model_seed"] == 0
+    markdown = (result.run_dir / "privacy_report.md").read_text()
+    assert "## Initial model\n\nInitialized with output.seed = 0" in markdown
+    assert "| no fine-tuning (0 steps) |" in markdown and "| after 3 steps |" in markdown
+    unseeded = config.model_copy(update={"output": config.output.model_copy(update={"seed": None})})
+    data = render_report(result.run_dir, unseeded, report["delta"])
+    assert data["initial_model_seed"] is None
+    note = initial_model_note(None)
+    assert "set output.seed to the same value in both" in note
+    assert note in (result.run_dir / "privacy_report.md").read_text()
+    render_report(result.run_dir, config, report["delta"])  # leave the fixture's report as it was
