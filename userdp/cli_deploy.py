@@ -352,7 +352,41 @@ def _render(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     if warning:
         print(warning, file=sys.stderr)
+    print("\n".join(next_commands(values, args.values)), file=sys.stderr)
     return 0
+
+
+def next_commands(values: dict[str, Any], values_file: str) -> list[str]:
+    """What to do after ``deploy render``, in order: the image, the Secrets the values need,
+    then ``helm install`` (RELEASE is the Helm release name the user picks)."""
+    workers = int(values.get("workers", {}).get("replicas", 1))
+    image = values.get("image")
+    lines = ["next:"]
+    if image is None:
+        lines.append(
+            "  - the values name the chart's default image 'userdp', which is in no registry: "
+            "build it (bash scripts/image.sh), push it where the cluster pulls from, and render "
+            "again with --image REPOSITORY:TAG"
+        )
+    else:
+        reference = image["repository"] + (f":{image['tag']}" if image.get("tag") else "")
+        lines.append(f"  - push the image {reference} where the cluster pulls from")
+    ids = ",".join(worker_ids("RELEASE", workers))
+    if values.get("tls", {}).get("enabled", True):
+        lines += [
+            "  - mTLS is on: the Secrets must exist before the pods start:",
+            f"      userdp certs dev-ca --out certs --names coordinator,{ids}",
+            f"      userdp deploy secrets --tls-dir certs --release RELEASE --workers {workers} "
+            "--out secrets.yaml && kubectl apply -f secrets.yaml",
+        ]
+    elif values.get("authToken", {}).get("enabled"):
+        lines.append(
+            f"  - token auth is on: userdp deploy secrets --token-file TOKEN --release RELEASE "
+            f"--workers {workers} --out secrets.yaml && kubectl apply -f secrets.yaml"
+        )
+    target = "THIS_FILE" if values_file == "-" else values_file
+    lines.append(f"  - helm install RELEASE deploy/helm/userdp -f {target}")
+    return lines
 
 
 # ---- secrets ---------------------------------------------------------------------------------

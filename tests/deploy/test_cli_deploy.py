@@ -460,3 +460,24 @@ def test_render_refuses_a_plugin_it_cannot_reach(tmp_path, capsys) -> None:
     run.write_text('[strategy]\nname = "json:JSONDecoder"\n')  # installed: the image must hold it
     values, notes = render_values(run)
     assert "plugin" not in values and any("must have it installed" in n for n in notes)
+
+
+def test_render_ends_with_the_next_commands(tmp_path: Path, run_toml: Path, capsys) -> None:
+    """`deploy render` says what comes next: without --image, that the default image is in no
+    registry; with mTLS, the certificates and Secrets to create BEFORE helm install (named for
+    the values' worker count); with a token, its Secret; then helm install with the file."""
+    out = tmp_path / "values.yaml"
+    assert main(["deploy", "render", "--config", str(run_toml), "--values", str(out)]) == 0
+    err = capsys.readouterr().err
+    steps = err[err.index("next:") :]
+    assert "which is in no registry: build it (bash scripts/image.sh)" in steps
+    workers = yaml.safe_load(out.read_text().split("\n", 2)[2])["workers"]["replicas"]
+    ids = ",".join(worker_ids("RELEASE", workers))
+    assert f"userdp certs dev-ca --out certs --names coordinator,{ids}" in steps
+    assert f"--release RELEASE --workers {workers} --out secrets.yaml" in steps
+    assert steps.rstrip().endswith(f"helm install RELEASE deploy/helm/userdp -f {out}")
+    args = ["deploy", "render", "--config", str(run_toml), "--values", "-"]
+    assert main([*args, "--image", "reg.example/userdp:1.0", "--auth", "token"]) == 0
+    steps = capsys.readouterr().err.split("next:")[1]
+    assert "push the image reg.example/userdp:1.0" in steps and "certs dev-ca" not in steps
+    assert "userdp deploy secrets --token-file TOKEN --release RELEASE" in steps
