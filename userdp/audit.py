@@ -33,6 +33,7 @@ the audit flags a broken run; no config key or CLI flag reaches it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,14 @@ def epsilon_lower_bound(guesses: int, correct: int, beta: float) -> float:
     return lo
 
 
+def largest_lower_bound(canaries: int, confidence: float) -> float:
+    """The largest ε lower bound an audit with ``canaries`` canaries can report at
+    ``confidence``: every one of its guesses correct, at the best guess count."""
+    counts = [k for k in GUESS_COUNTS if 2 * k <= canaries]
+    beta = (1.0 - confidence) / max(len(counts), 1)
+    return max((epsilon_lower_bound(2 * k, 2 * k, beta) for k in counts), default=0.0)
+
+
 def _canary_parameter(params: dict[str, torch.Tensor], canaries: int) -> str:
     """The largest trainable matrix that is not the (tied) embedding: one coordinate each."""
     candidates = sorted(
@@ -111,8 +120,12 @@ def run_audit(
     confidence: float = 0.95,
     seed: int | None = None,
     test_only_disable_clipping: bool = False,
+    on_phase: Callable[[str], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> AuditResult:
-    """Train ``config`` once in the in-process simulator with canaries (module docstring)."""
+    """Train ``config`` once in the in-process simulator with canaries (module docstring).
+    ``on_phase`` hears what the audit is doing ("preparing", "training", "accounting"),
+    ``on_step`` the number of each finished step (a progress bar)."""
     from userdp.clients.clipping import Accumulator, add_clipped_unit
     from userdp.run_components import prepare_run
     from userdp.server.population import Population
@@ -124,6 +137,8 @@ def run_audit(
         raise ValueError(f"--canaries must be at least 20, got {canaries}")
     if not 0.5 < confidence < 1:
         raise ValueError(f"--confidence must be in (0.5, 1), got {confidence}")
+    if on_phase is not None:
+        on_phase("preparing")
     setup = prepare_run(config)
     strategy, params = setup.strategy, setup.trainable
     clip_norm = config.strategy.clip_norm
@@ -175,6 +190,8 @@ def run_audit(
     def observe(release: Any) -> None:  # the auditor's view: what the coordinator releases
         scores[:] += release.noisy_sum[parameter].reshape(-1)[index].double().numpy()
 
+    if on_phase is not None:
+        on_phase("training")
     try:
         for step in range(config.strategy.steps):
             current_step[0] = step
@@ -188,8 +205,12 @@ def run_audit(
                 options=setup.options,
                 on_release=observe,
             )
+            if on_step is not None:
+                on_step(step + 1)
     finally:
         compute.close()
+    if on_phase is not None:
+        on_phase("accounting")
 
     beta = 1.0 - confidence
     counts = [k for k in GUESS_COUNTS if 2 * k <= canaries]

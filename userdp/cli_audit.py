@@ -8,23 +8,67 @@ import logging
 import sys
 from pathlib import Path
 
+PHASES = {
+    "preparing": "preparing the run (data, σ calibration, model)",
+    "training": "training once with canary users",
+    "accounting": "turning the canaries' scores into a lower bound",
+}
+
 
 def _audit(args: argparse.Namespace) -> int:
-    from userdp.audit import run_audit, write_audit
-    from userdp.cli_simulate import demo_config_path
+    from userdp.audit import largest_lower_bound, run_audit, write_audit
+    from userdp.cli_simulate import demo_config_path, stop_signals
     from userdp.config import load_config
 
     if args.demo == bool(args.config):
         raise ValueError("give exactly one of --config FILE or --demo")
     config = load_config(demo_config_path() if args.demo else args.config)
     logging.basicConfig(level=logging.WARNING)
-    result = run_audit(
-        config,
-        canaries=args.canaries,
-        canary_norm_multiple=args.canary_norm_multiple,
-        confidence=args.confidence,
-        seed=args.seed,
+    reach = largest_lower_bound(args.canaries, args.confidence)
+    target = config.privacy.epsilon
+    print(
+        f"userdp audit: {args.canaries} canaries at {args.confidence:.0%} confidence can show an "
+        f"ε lower bound of at most {reach:.2f}; the config targets ε = {target:g}"
+        + (
+            f": above that reach, the audit catches only gross bugs here (audit at ε <= "
+            f"{reach:.1f}, or give more --canaries)"
+            if target > reach
+            else ""
+        ),
+        file=sys.stderr,
+        flush=True,
     )
+    bar = None
+
+    def on_phase(phase: str) -> None:
+        nonlocal bar
+        if bar is not None:
+            bar.close()
+            bar = None
+        print(f"userdp audit: {PHASES[phase]}", file=sys.stderr, flush=True)
+        if phase == "training":
+            from tqdm import tqdm
+
+            bar = tqdm(total=config.strategy.steps, unit="step", file=sys.stderr)
+
+    def on_step(done: int) -> None:
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        with stop_signals():
+            result = run_audit(
+                config,
+                canaries=args.canaries,
+                canary_norm_multiple=args.canary_norm_multiple,
+                confidence=args.confidence,
+                seed=args.seed,
+                on_phase=on_phase,
+                on_step=on_step,
+            )
+    finally:
+        if bar is not None:
+            bar.close()
     out = Path(args.output or config.output.dir)
     path = write_audit(result, out)
     print(json.dumps({**result.to_dict(), "written": str(path)}))

@@ -49,3 +49,48 @@ def test_lower_bound_inverts_the_binomial_tail() -> None:
     assert epsilon_lower_bound(100, 100, 0.05) == pytest.approx(
         math.log(0.05**0.01 / (1 - 0.05**0.01)), rel=1e-6
     )
+
+
+def test_the_audit_cli_says_its_reach_first_then_what_it_is_doing(tmp_path, monkeypatch, capsys):
+    """Before minutes of training, `userdp audit` says the largest bound its canaries can show
+    and, when the config's ε is above it, that only gross bugs can be caught; then each phase,
+    with a progress bar over the steps; it runs inside the stop signals (SIGTERM ends it as
+    Ctrl-C does)."""
+    import signal
+
+    from userdp import audit
+    from userdp.cli import main
+    from userdp.cli_simulate import _interrupt
+
+    handlers = []
+    real = audit.run_audit
+
+    def observed(*args, **kwargs):
+        handlers.append(signal.getsignal(signal.SIGTERM))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(audit, "run_audit", observed)
+    config = tmp_path / "audit.toml"
+    config.write_text(
+        "[data]\ndemo_users = 30\nseq_len = 16\n[strategy]\nsteps = 2\nsampling_prob = 0.5\n"
+        "group_size = 1\nsampler_seed = 0\n[privacy]\nepsilon = 8.0\ndelta = 1e-5\n"
+        "[output]\nseed = 0\n"
+    )
+    code = main(["audit", "--config", str(config), "--canaries", "40", "--output", str(tmp_path)])
+    assert code == 0
+    err = capsys.readouterr().err
+    reach = audit.largest_lower_bound(40, 0.95)
+    assert f"40 canaries at 95% confidence can show an ε lower bound of at most {reach:.2f}" in err
+    assert "the config targets ε = 8: above that reach, the audit catches only gross bugs" in err
+    phases = [
+        err.index(audit_phase)
+        for audit_phase in (
+            "preparing the run",
+            "training once with canary users",
+            "2/2",
+            "turning the canaries",
+        )
+    ]
+    assert phases == sorted(phases)
+    assert handlers == [_interrupt]
+    assert reach < audit.largest_lower_bound(200, 0.95) < 5  # more canaries reach further
