@@ -23,7 +23,7 @@ from userdp.accounting.facts import (
     Sampling,
     Unit,
 )
-from userdp.accounting.ledger import group_phases, ledger_state, read_ledger
+from userdp.accounting.ledger_format import group_phases, ledger_state, read_ledger
 from userdp.accounting.mechanisms import BallsInBinsMechanism
 from userdp.accounting.monte_carlo_report import ledger_seed, monte_carlo_epsilon
 
@@ -379,29 +379,6 @@ def _noise_of_records(
         if count:
             caveats.append(f"{count} of {len(modes)} released steps drew {words}")
     return not caveats, caveats
-
-
-class ReportStaleError(ValueError):
-    """A privacy report does not match the ledger it claims to be computed from."""
-
-
-def check_report_current(
-    report_path: str | os.PathLike[str], ledger_path: str | os.PathLike[str]
-) -> dict[str, Any]:
-    """The report at ``report_path`` (JSON) if it was computed from the ledger as it is now;
-    :class:`ReportStaleError` naming the fix otherwise (e.g. a crash after more steps were
-    charged than the report covers)."""
-    report = json.loads(Path(report_path).read_text(encoding="utf-8"))
-    header, records = read_ledger(ledger_path)
-    now = ledger_state(records, header)
-    if report.get("ledger") != now:
-        covered = (report.get("ledger") or {}).get("steps", "an unknown number of")
-        raise ReportStaleError(
-            f"{report_path} covers {covered} step(s) but the ledger {ledger_path} now holds "
-            f"{now['steps']}: the report is stale; run `userdp report "
-            f"{Path(ledger_path).parent}` to recompute it from the ledger"
-        )
-    return report
 
 
 def _check_sampling_matches_mechanisms(sampling: str, mechanisms: list[dict[str, Any]]) -> None:

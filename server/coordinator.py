@@ -57,17 +57,13 @@ import torch
 from userdp.accounting.ledger import BudgetExceededError
 from userdp.proto.codec import task_proto as task_proto  # the simulator imports it from here
 from userdp.server.aggregation import GatheredSum, StepGather, template_of
-from userdp.server.checkpoint import (
-    append_release_journal,
-    read_release_journal,
-    restore_latest,
-    save_checkpoint,
-)
+from userdp.server.checkpoint import restore_latest, save_checkpoint
 from userdp.server.fleet import Fleet, StepAborted
 from userdp.server.planning import plan_groups
 from userdp.server.population import Population
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import Event, WorkerRegistry, WorkerSession
+from userdp.server.release_journal import append_release_journal, read_release_journal
 from userdp.server.startup import WorkerProgress
 from userdp.strategies.base import ClipStatistics
 from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep

@@ -23,15 +23,19 @@ def ledger_path(target: str) -> Path:
 
 
 def _released(run_dir: Path) -> list[int]:
-    from userdp.server.checkpoint import UNREADABLE_RELEASE, read_release_journal
+    from userdp.server.release_journal import UNREADABLE_RELEASE, read_release_journal
 
     # an unreadable (torn) journal line reads as "released" for resume; it names no step here
     return [s for s in read_release_journal(run_dir / "checkpoints") if s < UNREADABLE_RELEASE]
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from userdp.accounting.ledger import ledger_state, read_ledger
-    from userdp.accounting.report import ReportStaleError, check_report_current
+    from userdp.accounting.ledger_format import (
+        ReportStaleError,
+        check_report_current,
+        ledger_state,
+        read_ledger,
+    )
 
     path = ledger_path(args.run_dir)
     header, records = read_ledger(path)
@@ -82,7 +86,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _repair(args: argparse.Namespace) -> int:
-    from userdp.accounting.ledger import repair_ledger
+    from userdp.accounting.ledger_format import repair_ledger
 
     path = ledger_path(args.run_dir)
     dropped = repair_ledger(path, _released(path.parent))

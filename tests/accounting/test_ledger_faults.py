@@ -17,13 +17,9 @@ from userdp.accounting.ledger import (
     read_ledger,
     repair_ledger,
 )
+from userdp.accounting.ledger_format import ReportStaleError, check_report_current
 from userdp.accounting.mechanisms import UlsMechanism
-from userdp.accounting.report import (
-    ReportStaleError,
-    build_report,
-    check_report_current,
-    write_report,
-)
+from userdp.accounting.report import build_report, write_report
 
 from userdp.cli import main
 from userdp.config import parse_config
@@ -157,3 +153,25 @@ def test_a_report_is_bound_to_the_ledger_it_was_computed_from(tmp_path, capsys):
     (run / "privacy_report.json").unlink()
     code, out, err = _cli(["ledger", "verify", str(run)], capsys)
     assert code == 2 and "exported after 3 step(s)" in err and "resume the run" in err
+
+
+def test_ledger_verify_and_repair_start_without_the_accountants_or_torch(tmp_path) -> None:
+    """`userdp ledger verify` reads files only: it imports neither torch nor the accountants'
+    libraries (dp_accounting, scipy), which cost seconds of start-up on a busy machine."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with Ledger.create(run / "ledger.jsonl", budget_epsilon=10.0, delta=1e-5) as ledger:
+        ledger.append(0, UlsMechanism(noise_multiplier=2.0, sampling_prob=0.1))
+    heavy = ("torch", "dp_accounting", "scipy")
+    code = (
+        "import sys\n"
+        "from userdp.cli import main\n"
+        f"codes = [main(['ledger', 'verify', {str(run)!r}]), main(['ledger', 'repair', {str(run)!r}])]\n"
+        f"print(codes, ','.join(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[0, 0] ", result.stdout

@@ -286,7 +286,7 @@ def check_coordinator_uls_resume_never_rereleases(tmp_path: Path) -> None:
     broadcast but before the next checkpoint. The resumed coordinator must continue after step
     2 (it stays charged; its update is lost), never release step 2 a second time: across both
     processes every step index appears once in the release journal, and once in the ledger."""
-    from userdp.server.checkpoint import read_release_journal
+    from userdp.server.release_journal import read_release_journal
 
     class Crash(Exception):
         pass

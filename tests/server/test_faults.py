@@ -20,8 +20,8 @@ from userdp.accounting import ledger as ledger_module
 from userdp.accounting.api import compose_epsilon
 from userdp.accounting.ledger import Ledger, group_phases, read_ledger, repair_ledger
 from userdp.server import coordinator as coordinator_module
-from userdp.server.checkpoint import UNREADABLE_RELEASE, read_release_journal
 from userdp.server.coordinator import PHASES, CoordinatorSettings
+from userdp.server.release_journal import UNREADABLE_RELEASE, read_release_journal
 
 from .harness import make_loopback
 from .standins import open_ledger, uls_strategy

@@ -1,0 +1,252 @@
+"""The privacy ledger's file format and its readers, without the accountant: a run's records,
+their hash chain, the phases they hold, repair of a crash's partial last line, and whether a
+privacy report still covers the ledger. ``userdp ledger verify`` and ``userdp ledger repair``
+need nothing else, so they start without importing the accountants; the writer
+(:class:`userdp.accounting.ledger.Ledger`) appends in this format under the same lock.
+
+File format (one JSON object per line, canonical JSON: sorted keys, no spaces):
+
+* line 1, the header: ``{"type": "header", "schema_version", "run_id", "budget_epsilon",
+  "budget_delta", "created", "prev_hash": "", "hash"}``
+* every other line: ``{"type": "step", "step", "mechanism": <Mechanism.to_dict()>, "time",
+  "run_id", "prev_hash", "hash"}``, and ``"noise"`` (:data:`NOISE_MODES`) when the writer knew
+  the step's noise generator
+
+``hash`` is sha256 over the canonical JSON of the record without ``hash``; ``prev_hash`` is the
+previous line's ``hash``, so editing, deleting or reordering any line breaks the chain. A process
+killed mid-write can leave a partial last line (no trailing newline): reading such a file raises
+:class:`LedgerTruncatedError`, and :func:`repair_ledger` drops exactly that partial line (never a
+complete record). One writer at a time: an exclusive ``fcntl.flock`` on ``<path>.lock``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from userdp.accounting.mechanisms import Mechanism, mechanism_from_dict
+
+SCHEMA_VERSION = 1
+NOISE_MODES = ("secure", "fast", "test", "none")
+"""A step record's optional ``noise`` field: the secure generator, the fast floating-point one, a
+fixed test seed, or no noise (a test-only mode); records without it predate the field."""
+
+
+class LedgerError(RuntimeError):
+    """Base class for ledger problems."""
+
+
+class LedgerCorruptError(LedgerError, ValueError):
+    """A line of the ledger is not what was written (bad JSON, broken hash chain, bad record)."""
+
+
+class LedgerTruncatedError(LedgerError, ValueError):
+    """The last line is partial (a crash mid-write); nothing is dropped without the caller's say."""
+
+
+class LedgerWriteError(LedgerError):
+    """An append failed (disk full, I/O error); the file was left as it was before the append,
+    or — if even that failed — the ledger must be reopened (and maybe repaired) to continue."""
+
+
+class LedgerLockedError(LedgerError):
+    """Another process holds the ledger's writer lock."""
+
+
+class BudgetExceededError(LedgerError):
+    """Appending the step would spend more than the ledger's (ε, δ) budget."""
+
+
+class StepOrderError(LedgerError):
+    """A step number that is not strictly greater than the last one (a duplicate release)."""
+
+
+def canonical_json(record: dict[str, Any]) -> str:
+    """The one serialization that is hashed and written: sorted keys, no whitespace."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def record_hash(record: dict[str, Any]) -> str:
+    """sha256 (hex) of the canonical JSON of ``record`` without its ``hash`` field."""
+    body = {k: v for k, v in record.items() if k != "hash"}
+    return hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+
+
+def group_phases(records: Sequence[dict[str, Any]]) -> list[tuple[Mechanism, int]]:
+    """Consecutive step records with the same mechanism as ``(mechanism, count)`` phases."""
+    phases: list[tuple[Mechanism, int]] = []
+    last_dict: dict[str, Any] | None = None
+    for record in records:
+        if record["mechanism"] == last_dict:
+            mechanism, count = phases[-1]
+            phases[-1] = (mechanism, count + 1)
+        else:
+            phases.append((mechanism_from_dict(record["mechanism"]), 1))
+            last_dict = record["mechanism"]
+    return phases
+
+
+def acquire_lock(path: Path) -> int:
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LedgerLockedError(
+            f"ledger {path} is held by another writer (lock {lock_path}); only one coordinator "
+            "may append to a ledger; stop the other process first"
+        ) from None
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def read_ledger(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Read and verify a ledger without taking the writer lock (for reports): header, records."""
+    header, records, _ = read_and_verify(Path(path), repair_truncated_tail=False)
+    return header, records
+
+
+def ledger_state(records: Sequence[dict[str, Any]], header: dict[str, Any]) -> dict[str, Any]:
+    """What a report computed from these records is bound to: the step count and the hash of the
+    last record (the header's for an empty ledger); any later append changes both."""
+    last = records[-1] if records else header
+    return {"steps": len(records), "last_hash": last["hash"]}
+
+
+def repair_ledger(
+    path: str | os.PathLike[str], released_steps: Sequence[int] = ()
+) -> dict[str, Any] | None:
+    """Drop a partial last line of the ledger at ``path`` (a crash mid-write) and return what was
+    dropped (``{"line", "bytes", "text"}``), or None when there was nothing to drop.
+
+    Only an incomplete trailing record (no newline) is ever dropped; a complete record that does
+    not verify raises :class:`LedgerCorruptError` untouched. ``released_steps`` (the release
+    journal's steps) must all be in the complete records: a released step whose record is the
+    partial one would mean a release without a durable charge, so the repair refuses."""
+    path = Path(path)
+    lock_fd = acquire_lock(path)
+    try:
+        data = path.read_bytes() if path.exists() else b""
+        partial = data.rsplit(b"\n", 1)[-1] if data else b""
+        header, records, tail = read_and_verify(path, repair_truncated_tail=True)
+        charged = {r["step"] for r in records}
+        missing = sorted(set(released_steps) - charged)
+        if missing:
+            raise LedgerCorruptError(
+                f"ledger {path}: the release journal shows step(s) {missing[:5]} released but the "
+                "ledger's complete records do not hold them; not repairing (a release was never "
+                "charged): keep the run folder and report it"
+            )
+        if tail is None:
+            return None
+        with open(path, "r+b") as f:
+            f.truncate(tail)
+            f.flush()
+            os.fsync(f.fileno())
+        return {
+            "line": len(records) + 2,
+            "bytes": len(partial),
+            "text": partial[:120].decode("utf-8", "replace"),
+        }
+    finally:
+        release_lock(lock_fd)
+
+
+def read_and_verify(
+    path: Path, repair_truncated_tail: bool
+) -> tuple[dict[str, Any], list[dict[str, Any]], int | None]:
+    """Parse and verify ``path``; returns header, step records, and the offset to truncate to
+    (only when ``repair_truncated_tail`` and the last line is partial)."""
+    if not path.exists():
+        raise FileNotFoundError(f"ledger {path} does not exist")
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    # ``data`` ending in "\n" leaves one empty final element; anything else is a partial line.
+    partial = lines.pop()
+    truncate_at: int | None = None
+    if partial:
+        if not repair_truncated_tail:
+            raise LedgerTruncatedError(
+                f"ledger {path} line {len(lines) + 1} is incomplete (no trailing newline: a crash "
+                "while writing it); that step was never fsync'd and so never released. Run "
+                "`userdp ledger repair RUN_DIR` (Python: Ledger.open(path, "
+                "repair_truncated_tail=True)) to drop only that line"
+            )
+        truncate_at = len(data) - len(partial)
+    if not lines:
+        raise LedgerCorruptError(f"ledger {path} has no header line")
+    parsed: list[dict[str, Any]] = []
+    prev_hash = ""
+    for number, raw in enumerate(lines, start=1):
+        where = f"ledger {path} line {number}"
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LedgerCorruptError(
+                f"{where} is not valid JSON ({e}); the file was modified"
+            ) from None
+        if not isinstance(record, dict):
+            raise LedgerCorruptError(f"{where} is not a JSON object; the file was modified")
+        if record.get("hash") != record_hash(record):
+            raise LedgerCorruptError(f"{where} does not match its hash; the line was modified")
+        if record.get("prev_hash") != prev_hash:
+            raise LedgerCorruptError(
+                f"{where} breaks the hash chain (a line was removed, inserted or reordered)"
+            )
+        prev_hash = record["hash"]
+        expected_type = "header" if number == 1 else "step"
+        if record.get("type") != expected_type:
+            raise LedgerCorruptError(
+                f"{where} has type {record.get('type')!r}, not {expected_type}"
+            )
+        if number == 1 and record.get("schema_version") != SCHEMA_VERSION:
+            raise LedgerCorruptError(
+                f"{where}: schema_version {record.get('schema_version')!r} is not supported "
+                f"(this userdp reads {SCHEMA_VERSION})"
+            )
+        if number > 1:
+            if parsed[1:] and record["step"] <= parsed[-1]["step"]:
+                raise LedgerCorruptError(f"{where}: step {record['step']} is not increasing")
+            try:
+                mechanism_from_dict(record["mechanism"])
+            except (KeyError, ValueError) as e:
+                raise LedgerCorruptError(f"{where}: bad mechanism ({e})") from None
+        parsed.append(record)
+    return parsed[0], parsed[1:], truncate_at
+
+
+class ReportStaleError(ValueError):
+    """A privacy report that no longer covers its ledger (steps were charged after it)."""
+
+
+def check_report_current(
+    report_path: str | os.PathLike[str], ledger_path: str | os.PathLike[str]
+) -> dict[str, Any]:
+    """The report at ``report_path`` (JSON) if it was computed from the ledger as it is now;
+    :class:`ReportStaleError` naming the fix otherwise (e.g. a crash after more steps were
+    charged than the report covers)."""
+    report = json.loads(Path(report_path).read_text(encoding="utf-8"))
+    header, records = read_ledger(ledger_path)
+    now = ledger_state(records, header)
+    if report.get("ledger") != now:
+        covered = (report.get("ledger") or {}).get("steps", "an unknown number of")
+        raise ReportStaleError(
+            f"{report_path} covers {covered} step(s) but the ledger {ledger_path} now holds "
+            f"{now['steps']}: the report is stale; run `userdp report "
+            f"{Path(ledger_path).parent}` to recompute it from the ledger"
+        )
+    return report
