@@ -275,6 +275,11 @@ NOISE_GENERATORS = {
 }
 
 
+CURVE_DISCRETIZATION = 1e-3
+"""The PLD grid of the report's ε-by-step curve: ten times coarser than the stated ε's, so each
+point costs a tenth; every point is still an upper bound (pessimistic discretization)."""
+
+
 def build_report(
     ledger_path: str | os.PathLike[str],
     delta: float,
@@ -314,9 +319,16 @@ def build_report(
         eps = compose_epsilon(phases, delta, **accountant_options)
 
     def prefix_epsilon(k: int) -> float:
+        if k == len(records):
+            return eps  # the stated ε, not a second accounting of the whole run
         prefix = group_phases(records[:k])
         if monte_carlo is None:
-            return compose_epsilon(prefix, delta, **accountant_options)
+            # upper bounds at a coarser grid (pessimistic discretization bounds ε at any grid)
+            options = dict(accountant_options)
+            options["value_discretization_interval"] = max(
+                options.get("value_discretization_interval", 0.0), CURVE_DISCRETIZATION
+            )
+            return compose_epsilon(prefix, delta, **options)
         # labelled estimates (to_markdown), on the ledger's samples: the same curve every time
         (mechanism, steps), run_id = prefix[0], header["run_id"]
         return compose_epsilon(prefix, delta, seed=ledger_seed(run_id, mechanism, steps))
