@@ -9,8 +9,8 @@ Models with User-Level Differential Privacy", App. F), and the paper's ELS heuri
   :func:`userdp.clients.clipping.unit_gradient`), unclipped.
 - σ(M): the noise multiplier calibrated for (``privacy.epsilon``, δ, ``strategy.steps``) with ULS
   Poisson sampling at q = M/N, N the training users
-  (:func:`userdp.accounting.calibration.calibrate_noise_multiplier`, cached on disk: the run
-  that uses the chosen q finds it there).
+  (:func:`userdp.accounting.calibration.calibrate_noise_multiplier` at the coarser
+  :data:`PLAN_DISCRETIZATION`, cached on disk; the run calibrates its own σ).
 - G_ELS: the median number of examples per user (the shard manifest's ``examples_per_user``)
   rounded to the nearest power of two, with the ELS sampling rate p that gives the chosen ULS
   configuration's expected examples per step
@@ -160,6 +160,12 @@ class UserGradientNorms:
 # ---- σ(M): calibrated noise multiplier ---------------------------------------------------------
 
 
+PLAN_DISCRETIZATION = 1e-3
+"""The PLD grid of the plan's σ(M): ten times coarser than a run's calibration (each ε costs about
+a tenth); pessimistic discretization keeps σ(M) on the private side, a fraction of a percent above
+the run's, which calibrates its own σ for the chosen q."""
+
+
 class CohortNoise:
     """``noise_multiplier_of_cohort`` for :func:`estimate_and_double`: σ(M) calibrated for ULS
     with Poisson sampling at q = M/N, ``steps`` steps, to (``epsilon``, ``delta``)."""
@@ -181,7 +187,14 @@ class CohortNoise:
         if cohort_size not in self.sigmas:
             template = UlsMechanism(1.0, self.sampling_prob(cohort_size))  # σ is the free field
             self.sigmas[cohort_size] = float(
-                calibrate_noise_multiplier(template, self.epsilon, self.delta, self.steps)
+                calibrate_noise_multiplier(
+                    template,
+                    self.epsilon,
+                    self.delta,
+                    self.steps,
+                    value_discretization_interval=PLAN_DISCRETIZATION,
+                    search_discretization_interval=None,
+                )
             )
         return self.sigmas[cohort_size]
 

@@ -113,14 +113,26 @@ def test_the_trace_follows_the_rule_and_the_choice_fits_the_budget(plan, config_
 
 
 def test_sigma_is_the_calibrated_noise_multiplier(plan) -> None:
+    """σ(M) is calibrated on the plan's coarser PLD grid: exactly that calibration, on the
+    private side of the run's own (finer) calibration and within 1 % of it."""
     from userdp.accounting.calibration import calibrate_noise_multiplier
     from userdp.accounting.mechanisms import UlsMechanism
+    from userdp.compute_plan import PLAN_DISCRETIZATION
 
     m, n = plan["cohort_size"], plan["num_users"]
+    template = UlsMechanism(1.0, m / n)
     sigma = calibrate_noise_multiplier(
-        UlsMechanism(1.0, m / n), 4.0, plan["delta"], 20, use_cache=False
+        template,
+        4.0,
+        plan["delta"],
+        20,
+        value_discretization_interval=PLAN_DISCRETIZATION,
+        search_discretization_interval=None,
+        use_cache=False,
     )
     assert plan["noise_multiplier"] == pytest.approx(sigma, rel=1e-12)
+    run = calibrate_noise_multiplier(template, 4.0, plan["delta"], 20, use_cache=False)
+    assert run * (1 - 1e-4) <= plan["noise_multiplier"] <= run * 1.01
 
 
 def test_els_group_size_is_the_median_rounded_to_a_power_of_two(plan, config_path) -> None:
