@@ -143,7 +143,9 @@ def optimize_blt_row(quick: bool) -> dict:
     (anchor, anchor_loss), anchor_wall, _ = _timed(
         lambda: optimize_blt(n, 2, min_sep=bins, participations=epochs)
     )
-    found, wall, cpu = _timed(lambda: optimize_blt_amplified(bins, epochs, 2, eps, delta))
+    found, wall, cpu = _timed(
+        lambda: optimize_blt_amplified(bins, epochs, 2, eps, delta, objective="max-error")
+    )
     check = {}
     for name, blt, sigma in (
         ("amplified", found.blt, found.noise_multiplier),

@@ -12,6 +12,8 @@ that have goals, grouped by area.
     .venv/bin/python benchmarks/run_all.py --gpu              # also the GPU end-to-end rows
 
 Benchmarks: accounting, balls_in_bins, data, worker (benchmarks/worker.py, when present),
+cli_start and aux_commands (the command line: start-up; report, ledger verify, plan, a per-epoch
+ε query),
 coordinator (round overhead + update transfer), scale (the 1M-user scale simulation of
 benchmarks/coordinator.py --scale), strategies, end_to_end (GPU; with --gpu or when CUDA is
 visible; without a GPU it is skipped and the report says the GPU figures are missing).
@@ -92,6 +94,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark("strategies", "strategies.py", ("--quick",), ()),
     Benchmark("cli_start", "cli_start.py", ("--repeats", "3"), ()),
+    Benchmark("aux_commands", "aux_commands.py", ("--repeats", "1"), ()),
     Benchmark("noise", "noise.py", ("--params", "10000000"), ()),
     Benchmark("end_to_end", "end_to_end.py", ("--quick",), (), gpu=True, timeout_s=3600),
 )

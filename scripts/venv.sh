@@ -2,6 +2,8 @@
 # Create (or update) the virtual environment at .venv/ in the repo root and install userdp into it.
 # Idempotent: when pyproject.toml and constraints.txt are unchanged since the last install and
 # DeepSpeed's CPU comm op is in the venv's JIT cache, it exits at once.
+# Bytecode is compiled at install time: with PYTHONDONTWRITEBYTECODE set (as on some CI machines)
+# every command would otherwise recompile scipy, transformers and dp_accounting from source.
 # torch comes from pip (which finds the local CPU wheel via pip's config on our machines); everything
 # else is installed by uv against constraints.txt, which pins torch==2.13.0 so no CUDA build is pulled.
 set -euo pipefail
@@ -18,7 +20,7 @@ if ! { [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$W
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.5"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-    "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -c "$ROOT/constraints.txt" \
+    "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" -c "$ROOT/constraints.txt" \
         -e "$ROOT[dev,simulation,peft,tracking,wandb,bench]"
     rm -f "$VENV/.userdp-ops-stamp"
     echo "$WANT" > "$STAMP"
