@@ -117,6 +117,7 @@ def test_sigma_is_the_calibrated_noise_multiplier(plan) -> None:
     private side of the run's own (finer) calibration and within 1 % of it."""
     from userdp.accounting.calibration import calibrate_noise_multiplier
     from userdp.accounting.mechanisms import UlsMechanism
+
     from userdp.compute_plan import PLAN_DISCRETIZATION
 
     m, n = plan["cohort_size"], plan["num_users"]
