@@ -11,7 +11,8 @@ the ε certified by Estimate-Verify-Release (Wang et al. 2023; Theorem 2.1 of th
 2. verify: (ε̂_c, δ) is tested on fresh samples; a value whose true δ exceeds δ passes with
    probability at most δ.
 
-The samples are seeded from the ledger (:func:`ledger_seed`: its run id and the phase), so every
+The samples are seeded from the ledger
+(:func:`~userdp.accounting.ledger_format.ledger_seed`: its run id and the phase), so every
 report of the same ledger (at the end of the run, ``userdp report``) draws the same samples and
 states the same ε, and a failed check is not retried with new samples until one passes. The point
 estimate is kept, labelled as an estimate, for comparison.
@@ -19,16 +20,15 @@ estimate is kept, labelled as an estimate, for comparison.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from userdp.accounting.calibration import certified_monte_carlo_epsilon
-from userdp.accounting.mechanisms import BallsInBinsMechanism, Mechanism
+from userdp.accounting.ledger_format import ledger_seed
+from userdp.accounting.mechanisms import BallsInBinsMechanism
 
-__all__ = ["MonteCarloEpsilon", "ledger_seed", "monte_carlo_epsilon"]
+__all__ = ["MonteCarloEpsilon", "monte_carlo_epsilon"]
 
 
 @dataclass(frozen=True)
@@ -79,15 +79,6 @@ class MonteCarloEpsilon:
             "report of this ledger states the same ε. The Monte Carlo point estimate, "
             f"ε ≈ {self.estimate:.4g}, is shown for comparison only: it is not a guarantee."
         )
-
-
-def ledger_seed(run_id: str, mechanism: Mechanism, steps: int) -> int:
-    """The Monte Carlo seed of a ledger's phase: 128 bits of sha256 over the run id (random per
-    run, written in the ledger's header) and the phase (mechanism, steps)."""
-    text = json.dumps(
-        {"run_id": run_id, "mechanism": mechanism.to_dict(), "steps": int(steps)}, sort_keys=True
-    )
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:16], "big")
 
 
 def monte_carlo_epsilon(

@@ -23,9 +23,9 @@ from userdp.accounting.facts import (
     Sampling,
     Unit,
 )
-from userdp.accounting.ledger_format import group_phases, ledger_state, read_ledger
+from userdp.accounting.ledger_format import group_phases, ledger_seed, ledger_state, read_ledger
 from userdp.accounting.mechanisms import BallsInBinsMechanism
-from userdp.accounting.monte_carlo_report import ledger_seed, monte_carlo_epsilon
+from userdp.accounting.monte_carlo_report import monte_carlo_epsilon
 
 ADD_REMOVE = "add/remove one {unit}"
 ZERO_OUT = "zero-out one {unit}"

@@ -250,7 +250,7 @@ def test_balls_in_bins_report_states_the_certified_epsilon_reproducibly(tmp_path
     report of the ledger (and across processes: the seed is a hash of the run id), above the
     labelled point estimate; a ledger of another run draws other samples."""
     from userdp.accounting import balls_in_bins
-    from userdp.accounting.monte_carlo_report import ledger_seed
+    from userdp.accounting.ledger_format import ledger_seed
 
     monkeypatch.setenv("USERDP_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "ledger.jsonl"
