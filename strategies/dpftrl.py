@@ -18,6 +18,7 @@ Factorization: A unified approach to private training").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,21 @@ from userdp.strategies.optimizers import ServerOptimizer
 from userdp.strategies.samplers import BallsInBinsSampler, CyclicPoissonSampler
 
 __all__ = ["BltDpFtrl"]
+
+
+@functools.lru_cache(maxsize=8)
+def optimized_blt(steps: int, buffers: int, min_sep: int, participations: int) -> Blt:
+    """The BLT :func:`~userdp.strategies.blt.optimize_blt` finds for a run (deterministic, so
+    computed once per process: calibrating σ on the run's mechanism and building the strategy
+    for that σ use the same C, optimized once)."""
+    return optimize_blt(steps, buffers, min_sep=min_sep, participations=participations)[0]
+
+
+@functools.lru_cache(maxsize=8)
+def optimized_banded(steps: int, bands: int, min_sep: int, participations: int) -> tuple:
+    """The banded coefficients :func:`~userdp.strategies.blt.optimize_banded` finds for a run,
+    computed once per process (as :func:`optimized_blt`)."""
+    return tuple(optimize_banded(steps, bands, min_sep=min_sep, participations=participations)[0])
 
 
 class BltDpFtrl(Strategy):
@@ -65,9 +81,7 @@ class BltDpFtrl(Strategy):
         if bands is not None:
             if bands > bins:
                 raise StrategyError(f"bands={bands} > bins={bins}: participations would overlap")
-            banded_coefs, _ = optimize_banded(
-                bins * epochs, bands, min_sep=bins, participations=epochs
-            )
+            banded_coefs = optimized_banded(bins * epochs, bands, bins, epochs)
         if banded_coefs is not None:
             if len(banded_coefs) > bins:
                 raise StrategyError(
@@ -78,7 +92,7 @@ class BltDpFtrl(Strategy):
             self.correlation = noise.banded.spec()
         else:
             if blt is None:
-                blt, _ = optimize_blt(bins * epochs, buffers, min_sep=bins, participations=epochs)
+                blt = optimized_blt(bins * epochs, buffers, bins, epochs)
             noise = BltNoise(blt, rng)
             self.correlation = blt.correlation()
         super().__init__(

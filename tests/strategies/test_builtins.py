@@ -211,3 +211,43 @@ def test_estimate_and_double_rules():
     assert paper.cohort_size == 32  # the literal rule (τ_G < τ_M) always doubles G here
     capped = estimate_and_double(2**14, norm, lambda m: 1.0, max_cohort_size=128)
     assert capped.cohort_size == 128 and capped.compute <= 2**14
+
+
+@pytest.mark.parametrize(
+    ("strategy", "optimizer"),
+    [
+        ({"name": "blt-dp-ftrl", "sampling": "balls-in-bins-fixed"}, "optimize_blt"),
+        ({"name": "blt-dp-ftrl", "sampling": "cyclic-poisson", "bands": 2}, "optimize_banded"),
+    ],
+)
+def test_a_blt_run_optimizes_its_correlation_once(monkeypatch, tmp_path, strategy, optimizer):
+    """A config's setup calibrates σ on the run's mechanism and builds the strategy for that σ:
+    C is optimized once, and the mechanism calibrated is the one the ledger will record."""
+    from userdp.strategies import dpftrl
+
+    from userdp.config import parse_config
+    from userdp.run_components import strategy_from_config
+
+    calls = []
+    real = getattr(dpftrl, optimizer)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dpftrl, optimizer, counted)
+    dpftrl.optimized_blt.cache_clear()
+    dpftrl.optimized_banded.cache_clear()
+    # cyclic Poisson is accounted by PLD: σ is calibrated (on a mechanism with the optimized C)
+    privacy = {"noise_multiplier": 1.5} if "bands" not in strategy else {"epsilon": 8.0}
+    config = parse_config(
+        {
+            "strategy": {**strategy, "sampling_prob": 0.25, "steps": 8},
+            "privacy": {**privacy, "delta": 1e-5},
+        }
+    )
+    monkeypatch.setenv("USERDP_CACHE_DIR", str(tmp_path))
+    built, _, _ = strategy_from_config(config, 40)
+    again, _, _ = strategy_from_config(config, 40)
+    assert len(calls) == 1
+    assert built.mechanism() == again.mechanism()
