@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from userdp.accounting.facts import Adjacency, PrivacyFacts, Sampling, Unit
 from userdp.accounting.mechanisms import Mechanism
-from userdp.strategies import tensors as T
 from userdp.strategies.errors import StrategyError
 from userdp.strategies.noise import (
     DETERMINISTIC_NOISE_CAVEAT,
@@ -211,7 +210,7 @@ class Strategy(ABC):
 
     Must implement: :meth:`mechanism`. Usually inherited: :meth:`sample_cohort` (users at the
     sampler's positions), :meth:`expected_cohort_size`, :meth:`configure_task`,
-    :meth:`aggregate`, :meth:`add_noise`, :meth:`privatize`, :meth:`server_update`,
+    :meth:`add_noise`, :meth:`privatize`, :meth:`server_update`,
     :meth:`facts` (from the sampler and :meth:`caveats`), :meth:`state_dict`,
     :meth:`load_state_dict`.
     """
@@ -226,6 +225,16 @@ class Strategy(ABC):
     sampler: Sampler
     noise: NoiseMechanism
     optimizer: ServerOptimizer
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "aggregate" in vars(cls):
+            raise StrategyError(
+                f"{cls.__name__} defines aggregate(), which is not a hook: every transport sums "
+                "the workers' clipped partial sums itself, exactly once (the coordinator while "
+                "they stream in), so an override would run in some transports and not others; "
+                "post-process the sum in privatize() or server_update() instead"
+            )
 
     def __init__(
         self,
@@ -287,14 +296,6 @@ class Strategy(ABC):
         return TaskSpec(clip_norm=self.clip_norm, unit=self.unit, group_size=self.group_size)
 
     # ---- combining and privatizing --------------------------------------------------------------
-
-    def aggregate(self, partials: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-        """Sum partial sums of clipped updates (tensor dicts) into one tensor dict (float64 for
-        numpy). Rejects a partial whose names, shapes or dtypes differ from the first one, or
-        that holds a non-finite value (raises ``tensors.TensorDictError``; the caller re-issues
-        the task).
-        Exactly-once delivery is the caller's job."""
-        return T.sum_tensor_dicts(partials)
 
     def add_noise(
         self, step: int, summed: Mapping[str, Any], stats: ClipStatistics | None = None

@@ -2,7 +2,7 @@
 
 The step is :func:`userdp.strategies.step.run_step`; this module only supplies its gather: the
 cohort's units dealt round-robin to ``workers`` calls of ``compute`` and summed with
-:meth:`Strategy.aggregate`. No network, retries or checkpoints; tests, tutorials and ``userdp
+:func:`~userdp.strategies.tensors.sum_tensor_dicts`. No network, retries or checkpoints; tests, tutorials and ``userdp
 simulate --in-process`` use it.
 
 ``compute(task, unit_ids, params) -> (partial_sum, ClipStatistics)`` plays one worker: for each
@@ -20,7 +20,7 @@ from typing import Any
 from userdp.strategies.base import ClipStatistics, Release, Strategy, TaskSpec, as_population
 from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep
 from userdp.strategies.step import run_step as run_one_step
-from userdp.strategies.tensors import zeros_like
+from userdp.strategies.tensors import sum_tensor_dicts, zeros_like
 
 __all__ = ["StepRecord", "run_step", "run_steps"]
 
@@ -66,7 +66,7 @@ def run_step(
             {name: zeros_like(value) for name, value in params.items()}
         ]
         stats = ClipStatistics(units_done, clipped)
-        return Gathered(strategy.aggregate(partials), stats, units=updates)
+        return Gathered(sum_tensor_dicts(partials), stats, units=updates)
 
     def gather(planned: PlannedStep) -> Gathered:
         units = list(planned.cohort.unit_ids)
@@ -78,7 +78,7 @@ def run_step(
             else:
                 partial = {name: zeros_like(value) for name, value in params.items()}
             partials.append(partial)
-        return Gathered(strategy.aggregate(partials), ClipStatistics(units_done, clipped))
+        return Gathered(sum_tensor_dicts(partials), ClipStatistics(units_done, clipped))
 
     planned, gathered, _ = run_one_step(
         strategy,

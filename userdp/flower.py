@@ -52,6 +52,7 @@ from userdp.strategies.base import (
     parse_example_unit_id,
 )
 from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep, begin_step, finish_step
+from userdp.strategies.tensors import sum_tensor_dicts
 
 __all__ = ["UserDpFlowerStrategy", "make_client_app"]
 
@@ -229,7 +230,7 @@ class UserDpFlowerStrategy(FlowerStrategy):
             )
             return None, None
         if partials:
-            summed = self.strategy.aggregate(partials)
+            summed = sum_tensor_dicts(partials)
         else:  # empty cohort: the release is pure noise
             summed = {k: np.zeros_like(v, dtype=np.float64) for k, v in self.params.items()}
         finish_step(

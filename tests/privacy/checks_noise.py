@@ -1,6 +1,6 @@
 """Noise checks on the real strategies in the reference step loop (``strategies.inprocess``).
 
-Each ``check_*`` runs the real hooks (sample → aggregate → add_noise → server_update) through
+Each ``check_*`` runs the real hooks (sample → sum → add_noise → server_update) through
 :func:`userdp.strategies.inprocess.run_step` and raises AssertionError when a DP property fails.
 The expected values are computed from this module's constants (σ, C, q, N, G, lr), never read
 back from the code under test, so a bug cannot cancel itself out.

@@ -251,3 +251,18 @@ def test_a_blt_run_optimizes_its_correlation_once(monkeypatch, tmp_path, strateg
     again, _, _ = strategy_from_config(config, 40)
     assert len(calls) == 1
     assert built.mechanism() == again.mechanism()
+
+
+def test_aggregate_is_not_a_hook_a_strategy_can_override():
+    """Every transport sums the clipped partials itself (the coordinator while they stream in),
+    so an `aggregate` override would change `simulate --in-process` and not a deployment: the
+    class is refused where it is defined, naming what to do instead."""
+    from userdp.strategies.base import StrategyError
+
+    with pytest.raises(
+        StrategyError, match=r"defines aggregate\(\), which is not a hook.*privatize"
+    ):
+
+        class Rescaled(UserLevelSampling):
+            def aggregate(self, partials):
+                return {}
