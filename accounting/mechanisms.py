@@ -18,11 +18,12 @@ One idea — the frozen step descriptions the ledger records — hence one modul
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from userdp.accounting.validation import positive_float, positive_int, probability
 
 __all__ = [
     "BIN_SEMANTICS",
@@ -62,37 +63,16 @@ class NoDpEventError(ValueError):
 
 
 def _positive_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidMechanismError(f"{name}={value!r} is not a number; expected a float > 0")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0.0:
-        raise InvalidMechanismError(
-            f"{name}={value!r} is out of range; expected a finite float > 0"
-        )
-    return value
+    return positive_float(name, value, InvalidMechanismError)
 
 
 def _probability(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidMechanismError(f"{name}={value!r} is not a number; expected a float in (0, 1]")
-    value = float(value)
-    if not (0.0 < value <= 1.0):
-        raise InvalidMechanismError(f"{name}={value!r} is out of range; expected a float in (0, 1]")
-    return value
+    return probability(name, value, InvalidMechanismError, upper_open=False)
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise InvalidMechanismError(f"{name}={value!r} is not an integer; expected an integer >= 1")
-    if isinstance(value, numbers.Integral):
-        value = int(value)
-    elif isinstance(value, numbers.Real) and float(value).is_integer():
-        value = int(value)
-    else:
-        raise InvalidMechanismError(f"{name}={value!r} is not an integer; expected an integer >= 1")
-    if value < 1:
-        raise InvalidMechanismError(f"{name}={value!r} is out of range; expected an integer >= 1")
-    return value
+    """An integer >= 1; an integral float (2.0) is not an integer (:mod:`validation`)."""
+    return positive_int(name, value, InvalidMechanismError)
 
 
 def _correlation(value: Any) -> CorrelationSpec | None:

@@ -1,9 +1,8 @@
-"""Input checks shared by the accountants and the samplers.
+"""Input checks shared by the mechanisms, the accountants and the samplers.
 
 Each check returns the value converted (``int`` or ``float``) or raises ``error`` — the calling
 module's own exception class — with a one-line message: the parameter, its bad value and what is
-allowed. ``bool`` is never a number here. (:mod:`userdp.accounting.mechanisms` has its own,
-stricter checks: a mechanism's messages are part of the ledger's contract.)
+allowed. ``bool`` is never a number here, and an integral float (``2.0``) is not an integer.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 from userdp.accounting.facts import Adjacency, Sampling
-from userdp.accounting.validation import positive_int
+from userdp.accounting.validation import positive_int, probability
 
 __all__ = [
     "SEED_CAVEAT",
@@ -107,12 +107,6 @@ def poisson_positions(rng: np.random.Generator, n: int, q: float) -> np.ndarray:
             break
         last = int(positions[-1])
     return np.concatenate(chunks).astype(np.int64, copy=False)
-
-
-def _check_probability(name: str, q: float) -> float:
-    if not (isinstance(q, int | float) and 0.0 < q <= 1.0):
-        raise SamplerError(f"{name}={q!r} is out of range; expected a probability in (0, 1]")
-    return float(q)
 
 
 SEED_CAVEAT = (
@@ -179,7 +173,9 @@ class PoissonSampler(Sampler):
 
     def __init__(self, sampling_prob: float, seed: int | None = None) -> None:
         super().__init__(seed)
-        self.sampling_prob = _check_probability("sampling_prob", sampling_prob)
+        self.sampling_prob = probability(
+            "sampling_prob", sampling_prob, SamplerError, upper_open=False
+        )
 
     def sample(self, step: int, n: int) -> np.ndarray:
         return poisson_positions(_rng(self.seed, _POISSON, step), n, self.sampling_prob)
@@ -356,7 +352,9 @@ class CyclicPoissonSampler(Sampler):
         super().__init__(seed)
         self.groups = BallsInBinsSampler(bins, Sampling.BALLS_IN_BINS_FIXED, self.seed)
         self.bins = self.groups.bins
-        self.sampling_prob = _check_probability("sampling_prob", sampling_prob)
+        self.sampling_prob = probability(
+            "sampling_prob", sampling_prob, SamplerError, upper_open=False
+        )
         self._population: int | None = None
 
     def sample(self, step: int, n: int) -> np.ndarray:
@@ -400,7 +398,9 @@ class ShuffleSampler(Sampler):
 
     def __init__(self, sampling_prob: float, seed: int | None = None) -> None:
         super().__init__(seed)
-        self.sampling_prob = _check_probability("sampling_prob", sampling_prob)
+        self.sampling_prob = probability(
+            "sampling_prob", sampling_prob, SamplerError, upper_open=False
+        )
         log.warning(
             "ShuffleSampler: fixed-size shuffled cohorts; the privacy accounting does NOT match "
             "this sampling and the reported epsilon is not a guarantee"

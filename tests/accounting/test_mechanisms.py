@@ -101,11 +101,6 @@ def test_invalid_parameters_name_parameter_value_and_range(build, needle) -> Non
     assert isinstance(info.value, ValueError)
 
 
-def test_integral_floats_are_accepted_as_integers() -> None:
-    assert ElsMechanism(1.0, 0.1, 4.0).group_size == 4
-    assert isinstance(ElsMechanism(1.0, 0.1, 4.0).group_size, int)
-
-
 def test_from_dict_rejects_unknown_kind_unknown_key_and_missing_key() -> None:
     with pytest.raises(InvalidMechanismError, match="kind='dp-sgd'"):
         mechanism_from_dict({"kind": "dp-sgd"})
@@ -157,3 +152,18 @@ def test_accounting_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules, 'userdp.accounting imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("build", "name"),
+    [
+        (lambda: UlsMechanism(True, 0.01), "noise_multiplier"),
+        (lambda: UlsMechanism(1.0, True), "sampling_prob"),
+        (lambda: ElsMechanism(1.0, 0.01, 2.0), "group_size"),
+        (lambda: BallsInBinsMechanism(1.0, 8.0, 2, "fixed"), "bins"),
+    ],
+)
+def test_booleans_are_not_numbers_and_integral_floats_are_not_integers(build, name):
+    """The mechanisms take the checks every accountant and sampler takes (one module)."""
+    with pytest.raises(InvalidMechanismError, match=rf"^{name}=(True|2\.0|8\.0) is "):
+        build()

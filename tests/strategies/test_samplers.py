@@ -168,3 +168,10 @@ def test_sampler_rejects_bad_parameters():
         BallsInBinsSampler(3, "sometimes")
     with pytest.raises(SamplerError):
         PoissonSampler(0.1).load_state_dict(BallsInBinsSampler(2).state_dict())
+
+
+@pytest.mark.parametrize("q", [True, 0.0, 1.5, "0.1"])
+def test_a_sampling_rate_is_a_real_number_in_the_unit_interval(q):
+    """``True`` is not the rate 1: the samplers check rates as the accountants do."""
+    with pytest.raises(SamplerError, match=r"sampling_prob=.* expected a float in \(0, 1\]"):
+        PoissonSampler(q, seed=0)
