@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
+from userdp.local_files import local_file_problems
+
 
 class ConfigError(ValueError):
     """The config file is missing, not TOML, or fails validation (one line per problem)."""
@@ -517,6 +519,28 @@ def _check_user_wise_filter(strategy: StrategyConfig) -> None:
         )
 
 
+def check_local_files(config: Config) -> None:
+    """The files ``config`` names on THIS machine (:mod:`userdp.local_files`), its DeepSpeed JSON
+    and its plugin; :class:`ConfigError` naming every problem. Checked by :func:`load_config`,
+    not by :func:`parse_config` nor ``deploy render``, whose config names paths that exist only
+    inside the pods."""
+    problems = local_file_problems(config)
+    if config.model.deepspeed_config is not None:
+        try:
+            read_deepspeed_json(config.model.deepspeed_config)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if config.strategy.name not in BUILTIN_STRATEGIES:
+        from userdp.plugins import check_plugin
+
+        try:
+            check_plugin(config)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def load_config(path: str | Path, *, local_files: bool = True) -> Config:
     """Read and validate a TOML config file, and (``local_files``) the files it names on this
     machine (:func:`check_local_files`)."""
@@ -540,6 +564,3 @@ def load_config(path: str | Path, *, local_files: bool = True) -> Config:
     if local_files:
         check_local_files(config)
     return config
-
-
-from userdp.local_files import check_local_files  # noqa: E402  (it reads this module's names)

@@ -1,11 +1,11 @@
 """The files a config names on THIS machine, checked before anything starts (``config check``,
-``simulate``, ``train``, ``coordinator``, ``worker``: :func:`userdp.config.load_config`).
+``simulate``, ``train``, ``coordinator``, ``worker``: :func:`userdp.config.check_local_files`).
 
 Each check is cheap (no sha256 of the data: ``userdp shard verify`` does that) and catches what
 would otherwise fail a run after its workers started: a shard folder with a file missing or
 truncated, a model whose vocabulary is smaller than the shards' tokenizer or whose positions are
-fewer than ``data.seq_len``, a DeepSpeed JSON that cannot drive a worker, a plugin that does not
-import. ``deploy render`` does not run them: its config names paths that exist only in the pods.
+fewer than ``data.seq_len``, a run folder that is a file. ``deploy render`` does not run them: its
+config names paths that exist only in the pods.
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_local_files", "model_positions", "run_folder_problem"]
+__all__ = ["local_file_problems", "model_positions", "run_folder_problem"]
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 """config.json keys transformers models use for the number of positions."""
 
 
-def check_local_files(config: Any) -> None:
-    """Raise :class:`userdp.config.ConfigError` naming every problem with the files ``config``
-    names (the module docstring)."""
-    from userdp.config import BUILTIN_STRATEGIES, ConfigError, read_deepspeed_json
-
+def local_file_problems(config: Any) -> list[str]:
+    """One line per problem with the shard folder, TLS folder, model folder and run folder that
+    ``config`` names (the module docstring); empty when there is none."""
     problems: list[str] = []
     vocab_size = None
     shards = config.data.shards
@@ -44,20 +42,7 @@ def check_local_files(config: Any) -> None:
     run_folder = run_folder_problem(config.output.dir, "output.dir", writable=False)
     if run_folder:
         problems.append(run_folder)
-    if config.model.deepspeed_config is not None:
-        try:
-            read_deepspeed_json(config.model.deepspeed_config)
-        except ValueError as exc:
-            problems.append(str(exc))
-    if config.strategy.name not in BUILTIN_STRATEGIES:
-        from userdp.plugins import check_plugin
-
-        try:
-            check_plugin(config)
-        except ValueError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise ConfigError("; ".join(problems))
+    return problems
 
 
 def run_folder_problem(
