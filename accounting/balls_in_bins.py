@@ -391,11 +391,24 @@ def _estimate_setup(
     :func:`calibration_samples` (δ) independent samples, i.e. that many times ``compositions``
     one-copy draws for a composed pair."""
     if num_samples is None:
-        num_samples = compositions * calibration_samples(
-            delta, safety=safety, rejection_prob=rejection_prob
-        )
+        num_samples = certified_draws(delta, compositions, safety, rejection_prob)[0]
     m = positive_int("num_samples", num_samples, BallsInBinsError)
     return m, _root_seed(seed)
+
+
+def certified_draws(
+    delta: float,
+    compositions: int,
+    safety: float = DEFAULT_SAFETY,
+    rejection_prob: float = DEFAULT_REJECTION_PROB,
+) -> tuple[int, int]:
+    """(estimate draws, verification draws) of :func:`certified_epsilon` and
+    :func:`certified_max_epochs` at their default counts, for a pair composed ``compositions``
+    times: :func:`calibration_samples` and, for the fresh check (which gets a quarter of
+    ``rejection_prob``: half to the Verify step, half of that to each direction),
+    :func:`~userdp.accounting.monte_carlo.evr_samples` independent samples."""
+    estimate = calibration_samples(delta, safety=safety, rejection_prob=rejection_prob)
+    return compositions * estimate, compositions * mc.evr_samples(delta, safety, rejection_prob / 4)
 
 
 def _goal(delta: float, m: int, compositions: int, safety: float, rejection_prob: float) -> float:
@@ -434,6 +447,9 @@ def _certify(
     """The Verify of Estimate-Verify-Release for the certified queries: :func:`verify` of
     (``epsilon``, ``delta``) at σ on fresh samples with half of ``rejection_prob``; raises
     :class:`VerificationFailedError` (naming ``what`` was checked) when it fails."""
+    if verify_samples is None:
+        pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
+        verify_samples = certified_draws(delta, pair.compositions, safety, rejection_prob)[1]
     result = verify(
         sigma,
         bins,

@@ -86,22 +86,26 @@ def monte_carlo_epsilon(
 ) -> MonteCarloEpsilon:
     """The certified ε and the point estimate of ``steps`` steps of ``mechanism``, both on
     samples seeded by :func:`ledger_seed` (the certified value is cached on disk)."""
-    from userdp.accounting import api, balls_in_bins, monte_carlo
+    from userdp.accounting import api, balls_in_bins
 
     seed = ledger_seed(run_id, mechanism, steps)
     certified = certified_monte_carlo_epsilon(mechanism, steps, delta, seed=seed)
     estimate = api.epsilon(mechanism, steps, delta, seed=seed)
     epochs = api.balls_in_bins_epochs(mechanism, steps)
-    groups = epochs if mechanism.bin_semantics == "per-epoch" else 1
-    estimate_samples = balls_in_bins.calibration_samples(delta)
-    # certified_epsilon verifies with half its rejection probability, verify halves it again
-    rejection = balls_in_bins.DEFAULT_REJECTION_PROB / 4
-    verify_samples = monte_carlo.evr_samples(delta, balls_in_bins.DEFAULT_SAFETY, rejection)
+    pair = balls_in_bins.dominating_pair(
+        mechanism.bins,
+        epochs,
+        bin_semantics=mechanism.bin_semantics,
+        correlation=mechanism.correlation,
+    )
+    estimate_draws, verify_draws = balls_in_bins.certified_draws(delta, pair.compositions)
     return MonteCarloEpsilon(
         epsilon=math.inf if certified is None else float(certified),
         estimate=float(estimate),
         seed=str(seed),
-        estimate_samples=groups * estimate_samples,
-        verify_samples=groups * verify_samples,
-        calibration_target=balls_in_bins.calibration_target(delta, estimate_samples),
+        estimate_samples=estimate_draws,
+        verify_samples=verify_draws,
+        calibration_target=balls_in_bins.calibration_target(
+            delta, estimate_draws // pair.compositions
+        ),
     )
