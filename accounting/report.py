@@ -319,8 +319,8 @@ def build_report(
         eps = compose_epsilon(phases, delta, **accountant_options)
 
     def prefix_epsilon(k: int) -> float:
-        if k == len(records):
-            return eps  # the stated ε, not a second accounting of the whole run
+        if k == len(records):  # already computed: the stated ε, or the labelled estimate
+            return eps if monte_carlo is None else monte_carlo.estimate
         prefix = group_phases(records[:k])
         if monte_carlo is None:
             # upper bounds at a coarser grid (pessimistic discretization bounds ε at any grid)

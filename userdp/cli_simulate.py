@@ -90,12 +90,11 @@ def _run(args: argparse.Namespace) -> int:
 
     keep_freed_memory()  # chunk messages reuse freed pages (see the module)
     config = _load(args)
-    problem = run_folder_problem(
-        args.output or config.output.dir, "--output" if args.output else "output.dir"
-    )
+    run_dir = args.output or config.output.dir
+    problem = run_folder_problem(run_dir, "--output" if args.output else "output.dir")
     if problem:
         raise ValueError(problem)
-    args.log_dir = Path(args.output or config.output.dir) / "logs"
+    args.log_dir = Path(run_dir) / "logs"
     _logging(args.quiet)
     if config.output.seed is None:
         from userdp.run_outputs import initial_model_note

@@ -267,6 +267,7 @@ def test_balls_in_bins_report_states_the_certified_epsilon_reproducibly(tmp_path
     )
     estimate = first.monte_carlo["epsilon_estimate"]
     assert estimate == balls_in_bins.epsilon(2.0, 2, 3, delta, seed=seed) < first.epsilon
+    assert first.epsilon_curve[-1][1] == estimate  # the curve is labelled as estimates
     markdown = first.to_markdown()
     assert "| stated (certified by Estimate-Verify-Release) |" in markdown
     assert f"| point estimate (not a guarantee) | {estimate:.4g} | estimate |" in markdown
