@@ -218,6 +218,8 @@ class Strategy(ABC):
     unit: str = "user"
     group_size: int = 0
     clip_norm: float = 1.0
+    fixed_cohort_size: float | None = None
+    """The normalizer fixed in advance (the constructor's ``expected_cohort_size``), or None."""
     needs_unit_updates: bool = False
     """True: the release depends on each unit's own clipped update, not only on their sum (e.g.
     a filter over pairwise distances). The step then gathers one update per unit and calls
@@ -246,6 +248,7 @@ class Strategy(ABC):
         group_size: int = 0,
         noise: NoiseMechanism | None = None,
         optimizer: ServerOptimizer | None = None,
+        expected_cohort_size: float | None = None,
     ) -> None:
         _check_unit(unit)
         _check_positive("clip_norm", clip_norm)
@@ -261,6 +264,7 @@ class Strategy(ABC):
         self.noise_multiplier = float(noise_multiplier)
         self.noise = noise if noise is not None else GaussianNoise()
         self.optimizer = optimizer if optimizer is not None else Sgd(learning_rate=1.0)
+        self.fixed_cohort_size = expected_cohort_size
 
     # ---- sampling ------------------------------------------------------------------------------
 
@@ -283,7 +287,11 @@ class Strategy(ABC):
 
     def expected_cohort_size(self, population: Any) -> float:
         """The normalizer of :meth:`server_update`: expected units per step (qN, p|D_sub|, N/b)
-        for this population. Default: the sampler's expected size over the users."""
+        for this population. Default: ``expected_cohort_size`` when the constructor was given
+        one (fixed in advance, e.g. from a public N), else the sampler's expected size over the
+        users (N treated as public)."""
+        if self.fixed_cohort_size is not None:
+            return float(self.fixed_cohort_size)
         return self.sampler.expected_size(len(as_population(population)))
 
     # ---- the worker's task ----------------------------------------------------------------------

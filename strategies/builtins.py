@@ -109,11 +109,11 @@ class UserLevelSampling(Strategy):
             group_size=group_size,
             noise=noise,
             optimizer=optimizer,
+            expected_cohort_size=expected_cohort_size,
         )
         self.sampling_prob = sampling_prob
         self.bins, self.epochs = bins, epochs
         self.cohort_cap = cohort_cap
-        self._fixed_normalizer = expected_cohort_size
 
     @property
     def sampling(self) -> Sampling:
@@ -128,11 +128,6 @@ class UserLevelSampling(Strategy):
                 "mechanism was declared for that many steps"
             )
         return super().sample_cohort(step, population)
-
-    def expected_cohort_size(self, population: Any) -> float:
-        if self._fixed_normalizer is not None:
-            return float(self._fixed_normalizer)
-        return super().expected_cohort_size(population)
 
     # -- privacy description ---------------------------------------------------------------------
 
@@ -149,7 +144,7 @@ class UserLevelSampling(Strategy):
         )
 
     def caveats(self) -> tuple[str, ...]:
-        own = (N_CAVEAT,) if self._fixed_normalizer is None else ()
+        own = (N_CAVEAT,) if self.fixed_cohort_size is None else ()
         return (*super().caveats(), *own)
 
     def _require_poisson(self) -> None:

@@ -104,15 +104,10 @@ class BltDpFtrl(Strategy):
             unit="user",
             noise=noise,
             optimizer=optimizer,
+            expected_cohort_size=expected_cohort_size,
         )
         self.blt = blt
         self.bins, self.epochs = int(bins), int(epochs)
-        self._fixed_normalizer = expected_cohort_size
-
-    def expected_cohort_size(self, population: Any) -> float:
-        if self._fixed_normalizer is not None:
-            return float(self._fixed_normalizer)
-        return super().expected_cohort_size(population)
 
     def sample_cohort(self, step: int, population: Any) -> Cohort:
         if step >= self.bins * self.epochs:
@@ -141,5 +136,5 @@ class BltDpFtrl(Strategy):
         return (
             *super().caveats(),
             "correlated-noise buffers are checkpointed: protect checkpoints like noise",
-            *((N_CAVEAT,) if self._fixed_normalizer is None else ()),
+            *((N_CAVEAT,) if self.fixed_cohort_size is None else ()),
         )

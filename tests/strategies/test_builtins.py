@@ -266,3 +266,34 @@ def test_aggregate_is_not_a_hook_a_strategy_can_override():
         class Rescaled(UserLevelSampling):
             def aggregate(self, partials):
                 return {}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "key"),
+    [
+        ({"name": "uls"}, "expected_cohort_size"),
+        ({"name": "dp-fedavg"}, "expected_cohort_size"),
+        ({"name": "blt-dp-ftrl", "sampling": "balls-in-bins-fixed"}, "expected_cohort_size"),
+        ({"name": "els"}, "expected_batch_size"),
+    ],
+)
+def test_the_normalizer_keys_the_caveat_names_fix_the_normalizer(strategy, key):
+    """The report's advice ("set strategy.expected_cohort_size / expected_batch_size") can be
+    followed: the key fixes the normalizer whatever the population, and the caveat that N (or
+    the example counts) was treated as public goes away."""
+    from userdp.config import parse_config
+    from userdp.run_components import make_strategy
+
+    def build(extra):
+        config = parse_config(
+            {"strategy": {**strategy, "sampling_prob": 0.25, "steps": 8, **extra}}
+        )
+        return make_strategy(config, 40, 1.5)
+
+    population = {f"u{i}": 1 + i % 3 for i in range(40)}
+    default, fixed = build({}), build({key: 7.5})
+    assert fixed.expected_cohort_size(population) == 7.5
+    assert default.expected_cohort_size(population) != 7.5
+    public = [c for c in default.caveats() if "treated" in c and "public" in c]
+    assert public and f"strategy.{key}" in public[0]
+    assert not [c for c in fixed.caveats() if c in public]
