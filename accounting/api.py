@@ -18,7 +18,6 @@ Dispatch (all add-or-remove-one-user adjacency, pessimistic estimates):
 uls, els and randomized-clipping steps compose with each other across phases as PLDs; group
 privacy, balls-in-bins and user-wise-filter are whole-run accountants and cannot be composed with
 anything else.
-One idea — the one entry point from mechanisms to ε/δ — hence one module over 400 lines.
 """
 
 from __future__ import annotations
@@ -206,7 +205,7 @@ def privacy_loss_distribution(
             composed = composed.compose(pld_ops.self_compose(step, count))
         elif isinstance(mechanism, UlsMechanism):
             # PLDAccountant's arithmetic bit for bit, with faster truncation bounds.
-            composed = composed.compose(pld_ops.library_self_compose(step, count))
+            composed = composed.compose(pld_ops.self_compose(step, count, bit_exact=True))
         else:
             composed = composed.compose(step.self_compose(count))
     return composed

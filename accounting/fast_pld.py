@@ -38,6 +38,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
 from scipy import interpolate, special
+from userdp.accounting import dp_accounting_adapter as adapter
 
 __all__ = ["mixture_gaussian_deltas", "mixture_gaussian_pld"]
 
@@ -120,7 +121,7 @@ def _cdfs(loss: plm.MixtureGaussianPrivacyLoss, x: np.ndarray) -> tuple[np.ndarr
     REMOVE: μ_up = Σ_k b_k N(−s_k, σ²), μ_low = N(0, σ²). ADD: μ_up = N(0, σ²),
     μ_low = Σ_k b_k N(s_k, σ²). Same formulas as dp_accounting, without scipy.stats overhead.
     """
-    sigma = loss._standard_deviation
+    sigma, _, _ = adapter.mixture_loss_constants(loss)
     probs, sens = loss.sampling_probs, loss.sensitivities
     if loss.adjacency_type == _REMOVE:
         upper = special.ndtr((x[:, None] + sens[None, :]) / sigma) @ probs
@@ -154,9 +155,8 @@ def _inverse_losses(
     out = np.empty_like(targets)
     if targets.size == 0:
         return out
-    variance = loss._variance
+    _, variance, consts = adapter.mixture_loss_constants(loss)
     sens = loss.sensitivities
-    consts = loss._precompute_privacy_loss_constants
     log_1m_q = math.log1p(-q) if q < 1.0 else -math.inf
     if loss.adjacency_type == _ADD:
         finite = ~np.isclose(targets, -log_1m_q)

@@ -3,11 +3,10 @@
 Used for every PLD mechanism (uls, els); each function names the library routine it replaces
 and how the result compares (tests/accounting/test_fast_pld.py):
 
-* :func:`self_compose` — ``PrivacyLossDistribution.self_compose`` with real FFTs (half the
-  work): same truncation bounds, FFT length and infinity mass; probabilities equal to ~1e-21.
-* :func:`library_self_compose` — ``self_compose`` bit for bit (the library's complex FFT and
-  arithmetic); only the truncation bounds are computed faster. For ULS, whose ε must stay
-  exactly ``PLDAccountant``'s.
+* :func:`self_compose` — ``PrivacyLossDistribution.self_compose``: same truncation bounds, FFT
+  length and infinity mass. By default with real FFTs (half the work; probabilities equal to
+  ~1e-21); ``bit_exact=True`` keeps the library's complex FFT and arithmetic bit for bit, only
+  the truncation bounds computed faster (for ULS, whose ε must stay exactly ``PLDAccountant``'s).
 * :func:`epsilon_for_delta` — ``get_epsilon_for_delta``: the library's scan over the losses
   (a Python loop, up to ~10⁶ iterations) with prefix sums in the same summation order.
 * ``_self_convolve_bounds`` — ``common.compute_self_convolve_bounds``: the same 40 Chernoff
@@ -23,77 +22,55 @@ import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy import fft
+from userdp.accounting import dp_accounting_adapter as adapter
 
-__all__ = ["epsilon_for_delta", "library_self_compose", "self_compose"]
+__all__ = ["epsilon_for_delta", "self_compose"]
 
 
 def self_compose(
-    pld: pld_lib.PrivacyLossDistribution, num_times: int, tail_mass_truncation: float = 1e-15
+    pld: pld_lib.PrivacyLossDistribution,
+    num_times: int,
+    tail_mass_truncation: float = 1e-15,
+    *,
+    bit_exact: bool = False,
 ) -> pld_lib.PrivacyLossDistribution:
-    """``pld.self_compose(num_times)`` with real FFTs (half the work of the library's complex
-    FFT); same truncation bounds (``common.compute_self_convolve_bounds``), same infinity mass,
-    same result up to float rounding. Falls back to the library for sparse PMFs."""
-    pmfs = []
-    for pmf in (pld._pmf_remove, pld._pmf_add):
-        if not isinstance(pmf, pld_pmf.DensePLDPmf):
+    """``pld.self_compose(num_times)``: the same truncation bounds
+    (``common.compute_self_convolve_bounds``, computed by :func:`_self_convolve_bounds`), FFT
+    length and infinity mass. ``bit_exact``: the library's complex FFT and arithmetic, so the
+    result is the library's bit for bit; otherwise real FFTs (half the work), equal up to float
+    rounding. Falls back to the library for sparse PMFs."""
+    composed = []
+    for pmf in adapter.distinct_pmfs(pld):
+        dense = adapter.dense_arrays(pmf)
+        if dense is None:
             return pld.self_compose(num_times, tail_mass_truncation)
-        pmfs.append(_self_compose_dense(pmf, num_times, tail_mass_truncation))
-    return pld_lib.PrivacyLossDistribution(pmfs[0], pmfs[1])
-
-
-def library_self_compose(
-    pld: pld_lib.PrivacyLossDistribution, num_times: int, tail_mass_truncation: float = 1e-15
-) -> pld_lib.PrivacyLossDistribution:
-    """``pld.self_compose(num_times)`` bit for bit: the library's complex FFT and arithmetic,
-    with only its truncation bounds (40 scipy ``logsumexp`` calls, most of the time for short
-    runs) computed by :func:`_self_convolve_bounds`, which returns the same integers. Used for
-    ULS, whose ε must stay exactly ``PLDAccountant``'s."""
-    pmfs = []
-    for pmf in (pld._pmf_remove,) if pld._symmetric else (pld._pmf_remove, pld._pmf_add):
-        if not isinstance(pmf, pld_pmf.DensePLDPmf):
-            return pld.self_compose(num_times, tail_mass_truncation)
-        if num_times <= 0:
-            raise ValueError(f"num_times should be >= 1, num_times={num_times}")
-        probs = pmf._probs
-        lower, upper = _self_convolve_bounds(probs, num_times, tail_mass_truncation)
-        output_len = upper - lower + 1
-        fast_len = fft.next_fast_len(max(output_len, len(probs)))
-        circular = np.real(fft.ifft(fft.fft(probs, fast_len) ** num_times))
-        out = np.array(np.roll(circular, -lower)[:output_len])
-        infinity_mass = tail_mass_truncation - math.expm1(
-            num_times * math.log1p(-pmf._infinity_mass)
-        )
-        pmfs.append(
-            pld_pmf.DensePLDPmf(
-                pmf._discretization,
-                pmf._lower_loss * num_times + lower,
-                out,
-                infinity_mass,
-                pmf._pessimistic_estimate,
-            )
-        )
-    return pld_lib.PrivacyLossDistribution(*pmfs)
+        composed.append(_self_compose_dense(dense, num_times, tail_mass_truncation, bit_exact))
+    return pld_lib.PrivacyLossDistribution(*composed)
 
 
 def _self_compose_dense(
-    pmf: pld_pmf.DensePLDPmf, num_times: int, tail_mass_truncation: float
+    pmf: adapter.DenseArrays, num_times: int, tail_mass_truncation: float, bit_exact: bool
 ) -> pld_pmf.DensePLDPmf:
     if num_times <= 0:
         raise ValueError(f"num_times should be >= 1, num_times={num_times}")
-    probs = pmf._probs
+    probs = pmf.probs
     lower, upper = _self_convolve_bounds(probs, num_times, tail_mass_truncation)
     output_len = upper - lower + 1
     # The library's length (complex next_fast_len), so the circular wrap-around is identical.
     fast_len = fft.next_fast_len(max(output_len, len(probs)))
-    circular = fft.irfft(fft.rfft(probs, fast_len) ** num_times, fast_len)
-    out = np.roll(circular, -lower)[:output_len]
-    infinity_mass = tail_mass_truncation - math.expm1(num_times * math.log1p(-pmf._infinity_mass))
+    if bit_exact:
+        circular = np.real(fft.ifft(fft.fft(probs, fast_len) ** num_times))
+        out = np.array(np.roll(circular, -lower)[:output_len])
+    else:
+        circular = fft.irfft(fft.rfft(probs, fast_len) ** num_times, fast_len)
+        out = np.roll(circular, -lower)[:output_len]
+    infinity_mass = tail_mass_truncation - math.expm1(num_times * math.log1p(-pmf.infinity_mass))
     return pld_pmf.DensePLDPmf(
-        pmf._discretization,
-        pmf._lower_loss * num_times + lower,
+        pmf.discretization,
+        pmf.lower_loss * num_times + lower,
         out,
         infinity_mass,
-        pmf._pessimistic_estimate,
+        pmf.pessimistic_estimate,
     )
 
 
@@ -103,23 +80,23 @@ def epsilon_for_delta(pld: pld_lib.PrivacyLossDistribution, delta: float) -> flo
 
     Same algorithm and summation order (sequential sums from the largest loss down), so the
     result equals the library's up to the last bits of ``exp``; sparse PMFs go to the library."""
-    pmfs = [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]
-    if not all(isinstance(pmf, pld_pmf.DensePLDPmf) for pmf in pmfs):
+    pmfs = [adapter.dense_arrays(pmf) for pmf in adapter.distinct_pmfs(pld)]
+    if any(pmf is None for pmf in pmfs):
         return float(pld.get_epsilon_for_delta(delta))
     return max(_dense_epsilon_for_delta(pmf, delta) for pmf in pmfs)
 
 
-def _dense_epsilon_for_delta(pmf: pld_pmf.DensePLDPmf, delta: float) -> float:
-    """``pld_pmf._get_epsilon_for_delta`` for a dense PMF, vectorized (see epsilon_for_delta)."""
-    infinity_mass = pmf._infinity_mass
+def _dense_epsilon_for_delta(pmf: adapter.DenseArrays, delta: float) -> float:
+    """The library's ε(δ) scan of one dense PMF, vectorized (see epsilon_for_delta)."""
+    infinity_mass = pmf.infinity_mass
     if infinity_mass > delta:
         return math.inf
-    probs = np.flip(np.asarray(pmf._probs, dtype=np.float64))
+    probs = np.flip(np.asarray(pmf.probs, dtype=np.float64))
     n = probs.size
     if n == 0:
         return 0.0 if infinity_mass <= delta else math.inf
-    step = pmf._discretization
-    upper_loss = (pmf._lower_loss + n - 1) * step
+    step = pmf.discretization
+    upper_loss = (pmf.lower_loss + n - 1) * step
     # itertools.count(upper_loss, -step) adds the step repeatedly: the same sequential sums.
     losses = np.add.accumulate(np.concatenate(([upper_loss], np.full(n - 1, -step))))
     mass_upper = np.add.accumulate(np.concatenate(([infinity_mass], probs)))

@@ -60,6 +60,7 @@ import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy import integrate, stats
+from userdp.accounting import dp_accounting_adapter as adapter
 from userdp.accounting import fast_pld
 from userdp.accounting.validation import positive_float, positive_int, probability
 
@@ -154,7 +155,7 @@ def privacy_loss_distribution(
                 [1.0 - q, q],
                 value_discretization_interval=value_discretization_interval,
             )
-        remove, add = pld._pmf_remove, pld._pmf_add  # noqa: SLF001 (no public accessor)
+        remove, add = adapter.directions(pld)
         if mix_remove is None:
             mix_remove, mix_add = remove, add
         else:
