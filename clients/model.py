@@ -17,17 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# name -> (family, layers, width, heads); vocabulary and context come from the shards and the
-# config. Llama presets have an untied head, grouped-query attention and a SwiGLU MLP.
-PRESETS: dict[str, tuple[str, int, int, int]] = {
-    "gpt2-tiny": ("gpt2", 2, 64, 4),
-    "gpt2-small": ("gpt2", 12, 768, 12),
-    "gpt2-medium": ("gpt2", 24, 1024, 16),
-    "llama-tiny": ("llama", 2, 64, 4),
-    "llama-small": ("llama", 12, 768, 12),
-}
-
+from userdp.clients.presets import PRESETS
 
 # Where userdp's default differs from PEFT's: GPT-2 keeps adapters on attention AND MLP (PEFT's
 # mapping has c_attn only), as userdp has always trained it.

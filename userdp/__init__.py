@@ -22,14 +22,14 @@ __all__ = ["Config", "ConfigError", "RunResult", "load_config", "parse_config", 
 if TYPE_CHECKING:
     from userdp.api import simulate
     from userdp.config import Config, ConfigError, load_config, parse_config
-    from userdp.simulation import RunResult
+    from userdp.run.launch import RunResult
 
 _LAZY = {
     "Config": "userdp.config",
     "ConfigError": "userdp.config",
     "load_config": "userdp.config",
     "parse_config": "userdp.config",
-    "RunResult": "userdp.simulation",
+    "RunResult": "userdp.run.launch",
     "simulate": "userdp.api",
 }
 

@@ -6,14 +6,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from userdp.config import Config, ConfigError, check_local_files, load_config, parse_config
+from userdp.run.launch import run
+
 __all__ = ["WORKERS", "simulate"]
 
 WORKERS = ("grpc", "in-process")
 
 
 def _as_config(config: Any) -> Any:
-    from userdp.config import Config, ConfigError, check_local_files, load_config, parse_config
-
     if isinstance(config, Config):
         return config
     if isinstance(config, str | Path):
@@ -35,7 +36,7 @@ def simulate(
     workers: str = "grpc",
     quiet: bool = True,
 ) -> Any:
-    """Train ``config`` and return its :class:`~userdp.simulation.RunResult` (run folder, steps
+    """Train ``config`` and return its :class:`~userdp.run.loop.RunResult` (run folder, steps
     done, ε, δ, σ, held-out loss before and after, why it stopped).
 
     ``workers="grpc"`` starts the coordinator and ``workers.count`` worker processes on loopback
@@ -43,9 +44,6 @@ def simulate(
     this process. ``output_dir`` overrides ``output.dir``; an existing run folder is resumed.
     A plugin strategy in a dict config is imported from ``strategy.plugin_path`` or
     ``sys.path``. Bad input raises :class:`userdp.ConfigError` (a ValueError)."""
-    from userdp.config import ConfigError
-    from userdp.simulation import run
-
     if workers not in WORKERS:
         raise ConfigError(f"workers={workers!r} is not allowed; expected one of {WORKERS}")
     return run(_as_config(config), output_dir, mode=workers, quiet=quiet)

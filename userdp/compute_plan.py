@@ -34,7 +34,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from userdp.accounting.calibration import calibrate_noise_multiplier
+from userdp.accounting.mechanisms import UlsMechanism
+from userdp.clients.batching import Unit, prepare_units
+from userdp.clients.clipping import squared_norm, unit_gradient
+from userdp.clients.engine import ClippingEngine
+from userdp.clients.model import build_model, model_shape
+from userdp.clients.perplexity import score_examples
+from userdp.clients.selection import PERPLEXITY_SELECTIONS, select_examples
+from userdp.clients.shard_store import ShardStore
+from userdp.run.components import default_delta, shard_directory, split_users
 from userdp.strategies.compute_budget import (
     RULES,
     BudgetChoice,
@@ -116,16 +127,10 @@ class UserGradientNorms:
 
     def user_norm(self, user_id: str, group_size: int) -> float:
         """‖∇θ (mean loss over ≤ G selected examples of ``user_id``)‖ (0 with no usable example)."""
-        from userdp.clients.batching import Unit, prepare_units
-        from userdp.clients.clipping import squared_norm, unit_gradient
-        from userdp.clients.selection import PERPLEXITY_SELECTIONS, select_examples
-
         engine = self.engine
         everything = self.examples_of(user_id)
         perplexities = None
         if self.selection in PERPLEXITY_SELECTIONS:  # the plan runs at the initial model
-            from userdp.clients.perplexity import score_examples
-
             if user_id not in self._perplexities:  # once per user, whatever the group sizes
                 self._perplexities[user_id] = score_examples(
                     engine.module,
@@ -181,9 +186,6 @@ class CohortNoise:
         return cohort_size / self.num_users
 
     def __call__(self, cohort_size: int) -> float:
-        from userdp.accounting.calibration import calibrate_noise_multiplier
-        from userdp.accounting.mechanisms import UlsMechanism
-
         if cohort_size not in self.sigmas:
             template = UlsMechanism(1.0, self.sampling_prob(cohort_size))  # σ is the free field
             self.sigmas[cohort_size] = float(
@@ -213,7 +215,7 @@ class BudgetPlan:
     epsilon: float
     delta: float
     delta_source: str
-    """``"privacy.delta"`` or ``"1/N^1.1"`` (:func:`userdp.run_components.default_delta`)."""
+    """``"privacy.delta"`` or ``"1/N^1.1"`` (:func:`userdp.run.components.default_delta`)."""
     steps: int
     user_source: str
     sampled_users: int
@@ -360,13 +362,6 @@ def plan_budget(
 ) -> BudgetPlan:
     """Run Estimate-and-Double for ``config`` (a validated :class:`userdp.config.Config`) with
     compute budget ``budget`` = G·M, M ≤ N; see the module docstring for the estimators."""
-    import torch
-
-    from userdp.clients.engine import ClippingEngine
-    from userdp.clients.model import build_model, model_shape
-    from userdp.clients.shard_store import ShardStore
-    from userdp.run_components import default_delta, shard_directory, split_users
-
     check_plannable(config, budget, rule, users, seed)
     shard_dir = shard_directory(config)
     with ShardStore(shard_dir) as store:

@@ -12,7 +12,7 @@ POINTS = {
     "ledger": ("userdp.accounting.ledger", "Ledger", "_write_line"),
     "checkpoint": ("userdp.server.coordinator", None, "save_checkpoint"),
     "journal": ("userdp.server.coordinator", None, "append_release_journal"),
-    "report": ("userdp.run_outputs", None, "render_report"),
+    "report": ("userdp.run.outputs", None, "render_report"),
 }
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 from scipy import stats
 
-from userdp.audit import epsilon_lower_bound, run_audit
 from userdp.config import parse_config
+from userdp.run.audit import epsilon_lower_bound, run_audit
 
 
 def audit_config():
@@ -58,9 +58,9 @@ def test_the_audit_cli_says_its_reach_first_then_what_it_is_doing(tmp_path, monk
     Ctrl-C does)."""
     import signal
 
-    from userdp import audit
     from userdp.cli import main
-    from userdp.cli_simulate import _interrupt
+    from userdp.cli.simulate import _interrupt
+    from userdp.run import audit
 
     handlers = []
     real = audit.run_audit

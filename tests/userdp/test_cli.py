@@ -56,7 +56,8 @@ def test_readme_cli_reference_names_every_command() -> None:
 def test_an_unexpected_error_is_one_line_exit_2_with_its_traceback_in_a_file(
     monkeypatch, capsys, tmp_path
 ) -> None:
-    from userdp import cli, cli_config
+    from userdp import cli
+    from userdp.cli import config as cli_config
 
     def broken(args):
         raise RuntimeError("workers did not become ready\nsecond line of detail")
@@ -95,7 +96,7 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a non-interactive shell's `cmd &` does
 
 
-@pytest.mark.parametrize("module", ["cli_simulate", "cli_coordinator", "cli_worker"])
+@pytest.mark.parametrize("module", ["cli.simulate", "cli.coordinator", "cli.worker"])
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_sigint_and_sigterm_stop_a_command_started_with_sigint_ignored(module, signame) -> None:
     """`simulate`/`train`, `coordinator` and `worker` run inside `stop_signals()`, which makes
@@ -140,7 +141,9 @@ def test_the_commands_run_inside_stop_signals(monkeypatch, tmp_path) -> None:
     import signal
     import types
 
-    from userdp import cli_coordinator, cli_simulate, cli_worker
+    from userdp.cli import coordinator as cli_coordinator
+    from userdp.cli import simulate as cli_simulate
+    from userdp.cli import worker as cli_worker
 
     seen = []
 
@@ -157,7 +160,7 @@ def test_the_commands_run_inside_stop_signals(monkeypatch, tmp_path) -> None:
             final_eval_loss=None,
         )
 
-    monkeypatch.setitem(sys.modules, "userdp.simulation", types.SimpleNamespace(run=record))
+    monkeypatch.setitem(sys.modules, "userdp.run.launch", types.SimpleNamespace(run=record))
     monkeypatch.setattr(cli_coordinator, "_serve", lambda args: record() and 0)
     monkeypatch.setattr(cli_worker, "_serve", lambda args: record() and 0)
     before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))

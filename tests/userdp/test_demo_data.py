@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from userdp.demo_data import demo_corpus, examples_per_user
+from userdp.shards.demo import demo_corpus, examples_per_user
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from userdp.config import parse_config
-from userdp.run_outputs import config_toml
+from userdp.run.outputs import config_toml
 
 HERE = Path(__file__).resolve().parent
 TMPFS_SIZE = "48m"

@@ -12,7 +12,7 @@ from userdp.strategies.noise import GaussianNoise
 from userdp.strategies.toy import PartitionedUsers, ToyMeanEstimation
 
 from tests.strategies.helpers import ListLedger
-from userdp.flower import UserDpFlowerStrategy, make_client_app
+from userdp.run.flower import UserDpFlowerStrategy, make_client_app
 
 NODES = 3
 
@@ -97,7 +97,7 @@ def test_two_round_flower_simulation_charges_the_ledger():
 def test_task_spec_round_trips_through_a_config_record():
     from userdp.strategies.base import TaskSpec
 
-    from userdp.flower import _task_from_config, _task_to_config
+    from userdp.run.flower import _task_from_config, _task_to_config
 
     task = TaskSpec(clip_norm=0.5, unit="example", group_size=4, local_steps=2, local_lr=0.1)
     config = _task_to_config(task, ["u1/0", "u2/3"], step=7)

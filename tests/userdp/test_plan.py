@@ -69,7 +69,7 @@ def plan(request, config_path) -> dict:
 def shard_counts(config_path: Path) -> tuple[dict[str, int], list[str], list[str]]:
     from userdp.clients.shard_store import ShardStore
 
-    from userdp.run_components import shard_directory, split_users
+    from userdp.run.components import shard_directory, split_users
 
     config = load_config(config_path)
     with ShardStore(shard_directory(config)) as store:
@@ -174,7 +174,7 @@ def test_user_norm_is_the_gradient_norm_of_the_mean_example_loss(config_path) ->
     from userdp.clients.shard_store import ShardStore
 
     from userdp.compute_plan import UserGradientNorms
-    from userdp.run_components import shard_directory
+    from userdp.run.components import shard_directory
 
     config = load_config(config_path)
     _, _, held = shard_counts(config_path)
@@ -280,7 +280,7 @@ def test_user_norm_with_perplexity_selection_uses_the_initial_models_lowest_ppl(
     from userdp.clients.shard_store import ShardStore
 
     from userdp.compute_plan import UserGradientNorms
-    from userdp.run_components import shard_directory
+    from userdp.run.components import shard_directory
 
     config = load_config(config_path)
     _, _, held = shard_counts(config_path)

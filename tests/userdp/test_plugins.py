@@ -13,8 +13,7 @@ import pytest
 import userdp
 from userdp import cli
 from userdp.config import ConfigError, load_config
-from userdp.plugins import PluginError, build_plugin
-from userdp.run_components import make_strategy
+from userdp.run.registry import PluginError, build_strategy
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = REPO / "examples" / "plugin" / "warmup_uls.py"
@@ -50,7 +49,7 @@ def test_a_plugin_next_to_the_config_is_found_and_built(plugin_dir, capsys):
     assert run_cli(["config", "check", str(path)], capsys)[0] == 0
     config = load_config(path)
     assert config.strategy.plugin_path == str(plugin_dir.resolve())
-    strategy = make_strategy(config, 100, 1.7)
+    strategy = build_strategy(config, 100, 1.7)
     assert type(strategy).__name__ == "WarmupUls"
     assert strategy.noise_multiplier == 1.7 and strategy.warmup_steps == 3
     assert strategy.clip_norm == config.strategy.clip_norm
@@ -97,7 +96,7 @@ def test_bad_plugins_are_one_line_and_exit_2(plugin_dir, capsys, name, params, f
 def test_a_plugin_constructor_that_refuses_its_arguments_is_a_plugin_error(plugin_dir):
     config = load_config(write_config(plugin_dir, "warmup_uls:WarmupUls"))
     with pytest.raises(PluginError, match=r"WarmupUls\(.*\) failed: noise_multiplier=-1.0"):
-        build_plugin(config, 10, -1.0)
+        build_strategy(config, 10, -1.0)
 
 
 def test_params_and_plugin_path_belong_to_plugins_only(tmp_path):
@@ -126,7 +125,7 @@ def test_the_python_api_runs_a_plugin_from_a_dict(plugin_dir, tmp_path):
 
 
 def test_the_flower_adapter_builds_a_plugin_from_config(plugin_dir):
-    from userdp.flower import UserDpFlowerStrategy
+    from userdp.run.flower import UserDpFlowerStrategy
 
     path = write_config(plugin_dir, "warmup_uls:WarmupUls")
     adapter = UserDpFlowerStrategy.from_config(path, ledger=None, num_users=40)
@@ -171,9 +170,9 @@ def test_a_plugin_gets_the_sampler_the_builtins_build_for_the_config(tmp_path):
         "        return UlsMechanism(self.noise_multiplier, self.sampler.base.sampling_prob)\n"
     )
     path = write_config(tmp_path, "own:Own", "", extra='sampling = "padding"\n')
-    plugin = make_strategy(load_config(path), 400, 1.0)
-    builtin = make_strategy(load_config(write_config(tmp_path / "b", "uls", "")), 400, 1.0)
+    plugin = build_strategy(load_config(path), 400, 1.0)
+    builtin = build_strategy(load_config(write_config(tmp_path / "b", "uls", "")), 400, 1.0)
     assert plugin.sampler.sampling == "padding" and plugin.sampler.size == 135  # 100 + 4·√75
     builtin_padding = load_config(write_config(tmp_path / "c", "uls", "", 'sampling = "padding"\n'))
-    assert make_strategy(builtin_padding, 400, 1.0).sampler.size == plugin.sampler.size
+    assert build_strategy(builtin_padding, 400, 1.0).sampler.size == plugin.sampler.size
     assert builtin.sampler.sampling == "poisson"

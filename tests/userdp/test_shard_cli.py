@@ -17,8 +17,8 @@ import pytest
 from userdp.clients.shard_store import ShardStore
 
 from userdp.cli import main
-from userdp.shard_input import InputSource
-from userdp.shard_writer import ShardOptions, write_shards
+from userdp.shards.input import InputSource
+from userdp.shards.writer import ShardOptions, write_shards
 
 
 def _rows(n: int = 300, seed: int = 0) -> list[dict]:

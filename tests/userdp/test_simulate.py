@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from userdp import cli
 from userdp.config import load_config, parse_config
-from userdp.run_components import prepare_run, split_users
-from userdp.run_outputs import config_toml, read_metrics
-from userdp.simulation import run
-from userdp.worker_processes import _worker_assignments
+from userdp.run.components import prepare_run, split_users
+from userdp.run.grpc_workers import _worker_assignments
+from userdp.run.launch import run
+from userdp.run.outputs import config_toml, read_metrics
 
 REPORT_KEYS = {
     "epsilon",
@@ -107,7 +107,7 @@ def test_worker_logs_hold_their_start_up_phases(grpc_run) -> None:
 def test_a_worker_process_that_exits_ends_the_wait_naming_its_log(tmp_path) -> None:
     from userdp.server.startup import WorkerStartupError
 
-    from userdp.worker_processes import _check_workers_alive
+    from userdp.run.grpc_workers import _check_workers_alive
 
     log_path = tmp_path / "worker-0.log"
     with open(log_path, "w") as log_file:
@@ -238,7 +238,7 @@ def test_cli_rejects_config_and_demo_together(tmp_path) -> None:
 
 
 def test_report_says_what_epsilon_does_not_cover(grpc_run) -> None:
-    from userdp.run_outputs import EVAL_CAVEAT, METRICS_CAVEAT
+    from userdp.run.outputs import EVAL_CAVEAT, METRICS_CAVEAT
 
     _, result = grpc_run
     report = json.loads((result.run_dir / "privacy_report.json").read_text())
@@ -262,7 +262,7 @@ def test_in_process_resume_continues_from_its_checkpoint(tmp_path, monkeypatch) 
     """Interrupted after 2 of 4 steps and run again, an in-process run ends with the same model
     as an uninterrupted one (noise off, seeded sampling): it resumed from its checkpoint, not from
     the initial model, and the ledger holds each step once."""
-    from userdp.simulation import RunLoop
+    from userdp.run.loop import RunLoop
 
     config = small_config(tmp_path, steps=4)
     whole = run(
@@ -301,7 +301,7 @@ def test_in_process_resume_never_reruns_a_charged_step(tmp_path) -> None:
     from userdp.server.checkpoint import save_checkpoint
     from userdp.server.coordinator import ResumeError
 
-    from userdp.in_process import _resume_in_process
+    from userdp.run.in_process import _resume_in_process
 
     class Noise:
         def __init__(self, state):
@@ -360,7 +360,7 @@ def test_the_secret_sampler_seed_is_only_in_checkpoints(tmp_path) -> None:
 def test_the_report_states_the_initial_model_seed_policy(grpc_run, tmp_path) -> None:
     """Runs are compared by their reports: the report says whether the initial model was seeded
     (output.seed) and, when not, that another run starts from another model."""
-    from userdp.run_outputs import initial_model_note, render_report
+    from userdp.run.outputs import initial_model_note, render_report
 
     config, result = grpc_run
     report = json.loads((result.run_dir / "privacy_report.json").read_text())

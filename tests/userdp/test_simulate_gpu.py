@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.userdp.test_simulate import assert_same_updates, small_config
-from userdp.simulation import run
+from userdp.run.launch import run
 
 pytestmark = pytest.mark.gpu
 

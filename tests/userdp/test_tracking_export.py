@@ -14,8 +14,8 @@ import pytest
 from userdp.clients.tokenization import ByteTokenizer
 
 from userdp.config import ConfigError, parse_config
-from userdp.export import byte_tokenizer_fast
-from userdp.simulation import run
+from userdp.run.export import byte_tokenizer_fast
+from userdp.run.launch import run
 
 TEXTS = ["hello world", "naïve café ☕", "tabs\tand\nnewlines", "", "<pad> is text here"]
 
@@ -78,7 +78,7 @@ def test_a_backend_without_its_package_is_a_one_line_error(monkeypatch, tmp_path
     not track, load the same config without it."""
     from userdp.cli import main
     from userdp.config import load_config
-    from userdp.tracking import Trackers
+    from userdp.run.tracking import Trackers
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -117,7 +117,7 @@ def test_a_trained_bpe_exports_as_a_fast_tokenizer(tmp_path: Path) -> None:
     from userdp.clients.tokenization import load_tokenizer
 
     from userdp import cli
-    from userdp.export import hf_tokenizer
+    from userdp.run.export import hf_tokenizer
 
     rows = [{"user": f"u{i % 7}", "text": f"{t} number {i}"} for i, t in enumerate(TEXTS * 8)]
     source = tmp_path / "in.jsonl"
@@ -141,7 +141,7 @@ def test_a_tokenizer_trained_on_the_users_text_is_a_report_caveat(tmp_path: Path
     from userdp.accounting.mechanisms import UlsMechanism
 
     from userdp import cli
-    from userdp.run_outputs import TRAINED_TOKENIZER_CAVEAT, render_report
+    from userdp.run.outputs import TRAINED_TOKENIZER_CAVEAT, render_report
 
     rows = [{"user": f"u{i % 7}", "text": f"{t} number {i}"} for i, t in enumerate(TEXTS * 8)]
     source = tmp_path / "in.jsonl"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from userdp.run_components import demo_shards
+from userdp.run.components import demo_shards
 
 
 def _free_port() -> int:

@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from userdp.testing.checks import Kit, Skip
+
 __all__ = ["CHECKS", "ConformanceResult", "StrategyCheckError", "check_strategy"]
 
 CHECKS = ("noise", "normalization", "exactly_once", "fresh_noise", "sampling", "facts")
@@ -76,8 +78,6 @@ def check_strategy(
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:
         raise ValueError(f"unknown checks {unknown}; expected some of {CHECKS}")
-    from userdp.testing.checks import Kit, Skip
-
     kit = Kit(factory, users)
     result, failures = ConformanceResult(), []
     for name in CHECKS:

@@ -11,8 +11,20 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import torch
 
-from userdp.testing import stats
+from userdp.accounting.correlation import from_spec
+from userdp.accounting.facts import Adjacency, PrivacyFacts, Sampling
+from userdp.accounting.mechanisms import mechanism_from_dict
+from userdp.accounting.report import assumptions
+from userdp.proto.results import TaskResult, TaskSum
+from userdp.server.aggregation import StepGather, TensorSpec
+from userdp.server.planning import plan_groups
+from userdp.server.population import Population
+from userdp.strategies.base import PopulationCounts, Strategy, parse_example_unit_id
+from userdp.strategies.step import CohortSum, run_step
+from userdp.strategies.unit_stats import UnitStats
+from userdp.testing.stats import assert_gaussian_noise, assert_uncorrelated, std_bounds
 
 SHAPES = {"w": (400, 256), "b": (512,)}  # 102 912 coordinates: ~±1.7% χ² interval at 1e-7
 STATISTIC_DRAWS = 4000
@@ -33,8 +45,6 @@ def _flat(tensors: dict[str, Any]) -> np.ndarray:
 
 class Kit:
     def __init__(self, factory: Callable[[], Any], users: int) -> None:
-        from userdp.strategies.base import PopulationCounts, Strategy
-
         self.factory = factory
         ids = tuple(f"user-{i:05d}" for i in range(users))
         counts = np.array([1 + (7 * i) % 9 for i in range(users)], dtype=np.int64)
@@ -49,19 +59,16 @@ class Kit:
 
     def step(self, strategy: Any, step: int, params: dict[str, np.ndarray]) -> Any:
         """Run ``step`` with zero contributions from every unit; return (planned, release)."""
-        from userdp.strategies.base import ClipStatistics
-        from userdp.strategies.step import Gathered, run_step
-
         seen: list[Any] = []
 
-        def gather(planned: Any) -> Gathered:
-            return Gathered(
+        def gather(planned: Any) -> CohortSum:
+            return CohortSum(
                 _zeros({k: v.shape for k, v in params.items()}),
-                ClipStatistics(len(planned.cohort), 0),
+                UnitStats(count=len(planned.cohort)),
             )
 
         planned, _, _ = run_step(
-            strategy, step, self.population, params, gather, on_release=seen.append
+            strategy, step, params, self.population, gather, on_release=seen.append
         )
         return planned, seen[0]
 
@@ -71,8 +78,6 @@ class Kit:
         correlation = getattr(mechanism, "correlation", None)
         if correlation is None:
             return 1.0, 1.0
-        from userdp.accounting.correlation import from_spec
-
         inverse = from_spec(correlation).inverse_coefs(step + 1)
         return float(np.sqrt(np.sum(inverse**2))), abs(float(inverse[0]))
 
@@ -94,7 +99,7 @@ class Kit:
                 f"mechanism, C = {clip:g} from the task)"
             )
             if not release.statistics:
-                stats.assert_gaussian_noise(values, sigma * clip * factor, what)
+                assert_gaussian_noise(values, sigma * clip * factor, what)
                 continue
             self._check_combined(strategy, planned, values, sigma, clip * factor, what)
         if strategy.facts().secure_noise:
@@ -118,25 +123,21 @@ class Kit:
 
     def _check_combined(self, strategy, planned, values, sigma, scale, what) -> None:
         """Sum and statistics together: one Gaussian mechanism of multiplier σ."""
-        from userdp.strategies.base import ClipStatistics
-
         n = values.size
-        parts = [(math.sqrt(float(values @ values) / n), scale, stats.std_bounds(n))]
+        parts = [(math.sqrt(float(values @ values) / n), scale, std_bounds(n))]
         small = {"b": np.zeros(4)}
         cohort = planned.cohort
         draws: dict[str, list[float]] = {}
         sensitivity: dict[str, float] = {}
         for _ in range(STATISTIC_DRAWS):
-            release = strategy.privatize(
-                planned.step, small, ClipStatistics(len(cohort), 0), cohort
-            )
+            release = strategy.privatize(planned.step, small, UnitStats(count=len(cohort)), cohort)
             for name, statistic in release.statistics.items():
                 draws.setdefault(name, []).append(statistic.value)
                 sensitivity[name] = statistic.sensitivity
         for name, values_of in draws.items():
             x = np.asarray(values_of)
             measured = float(x.std(ddof=1))
-            parts.append((measured, sensitivity[name], stats.std_bounds(x.size - 1)))
+            parts.append((measured, sensitivity[name], std_bounds(x.size - 1)))
         ratios = [(s / d) for s, d, _ in parts]
         if min(ratios) == 0:
             names = ["sum", *draws]
@@ -185,13 +186,6 @@ class Kit:
         )
 
     def check_exactly_once(self) -> None:
-        import torch
-
-        from userdp.server.aggregation import PartialSum, StepGather, TensorSpec
-        from userdp.server.planning import plan_groups
-        from userdp.server.population import Population
-        from userdp.strategies.unit_stats import UnitStats
-
         strategy = self.factory()
         users = self.population.user_ids
         shards = [f"shard-{i}" for i in range(4)]
@@ -234,11 +228,13 @@ class Kit:
             estimate_probes=probes,
         )
 
-        def partial(task_id: str, attempt: int, worker: str) -> PartialSum:
+        def partial(task_id: str, attempt: int, worker: str) -> TaskResult:
             members = gather.task_units(task_id)
             total = sum((contribution(u) for u in members), torch.zeros(dim))
             stats = UnitStats(count=len(members))
-            return PartialSum(task_id, attempt, step, 1, worker, members, {"w": total}, stats)
+            return TaskResult(
+                task_id, attempt, step, 1, worker, members, TaskSum({"w": total}, stats)
+            )
 
         for i, group in enumerate(groups):
             task_id, attempt = gather.issue(f"worker-{i}", [group.group_id], 0.0)
@@ -269,7 +265,7 @@ class Kit:
         if not stateful:
             _, first = self.step(strategy, 5, _zeros())
             _, retry = self.step(strategy, 5, _zeros())
-            stats.assert_uncorrelated(
+            assert_uncorrelated(
                 _flat(first.noisy_sum), _flat(retry.noisy_sum), "step 5 and its retry"
             )
         original = self.factory()
@@ -288,7 +284,7 @@ class Kit:
         what = "step 2 released by a run and by its restored copy"
         if not stateful:
             for step, earlier in enumerate(before):
-                stats.assert_uncorrelated(
+                assert_uncorrelated(
                     _flat(b.noisy_sum),
                     earlier,
                     f"the restored copy's step 2 vs the original's step {step} (noise replayed)",
@@ -301,7 +297,7 @@ class Kit:
         else:
             values = _flat(a.noisy_sum)
             scale = math.sqrt(float(values @ values) / values.size)
-        stats.assert_gaussian_noise(
+        assert_gaussian_noise(
             difference,
             math.sqrt(2) * scale,
             f"{what}: their difference must be two independent fresh draws (the correlated "
@@ -309,8 +305,6 @@ class Kit:
         )
 
     def check_sampling(self) -> None:
-        from userdp.accounting.facts import Sampling
-
         strategy = self.factory()
         mechanism, facts = strategy.mechanism(), strategy.facts()
         kind = mechanism.kind
@@ -358,8 +352,6 @@ class Kit:
         )
 
     def _poisson_examples(self, strategy: Any, mechanism: Any) -> None:
-        from userdp.strategies.base import parse_example_unit_id
-
         g, p = int(mechanism.group_size), float(mechanism.sampling_prob)
         counts = self.population.examples_per_user
         d_sub = int(np.minimum(counts, g).sum())
@@ -423,10 +415,6 @@ class Kit:
             )
 
     def check_facts(self) -> None:
-        from userdp.accounting.facts import Adjacency, PrivacyFacts, Sampling
-        from userdp.accounting.mechanisms import mechanism_from_dict
-        from userdp.accounting.report import assumptions
-
         strategy = self.factory()
         mechanism, facts = strategy.mechanism(), strategy.facts()
         assert isinstance(facts, PrivacyFacts), (

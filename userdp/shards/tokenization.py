@@ -10,6 +10,10 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer
+
 from userdp.clients.shard_format import TOKENIZER_DIR, InputDataError, TokenizerInfo
 from userdp.clients.tokenization import (
     ByteTokenizer,
@@ -82,13 +86,9 @@ def build_tokenizer(
 
 def _info(kind: str, tokenizer_id: str, directory: Path) -> TokenizerInfo:
     if kind == "transformers":
-        from transformers import AutoTokenizer
-
         loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         vocab, eos, pad = len(loaded), loaded.eos_token_id, loaded.pad_token_id
     else:
-        from tokenizers import Tokenizer as HFTokenizer
-
         loaded = HFTokenizer.from_file(str(directory / "tokenizer.json"))
         vocab = loaded.get_vocab_size()
         eos, pad = loaded.token_to_id("<eos>"), loaded.token_to_id("<pad>")
@@ -105,9 +105,6 @@ def _info(kind: str, tokenizer_id: str, directory: Path) -> TokenizerInfo:
 
 def _train_bpe(vocab_size: int, texts: Callable[[], Iterator[list[str]]], path: Path) -> None:
     """Byte-level BPE (every string encodes, no unknown tokens) trained on the input's texts."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

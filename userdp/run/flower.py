@@ -17,8 +17,8 @@ Semantics, stated plainly:
 - Transport is Flower's (polling, no exactly-once beyond one reply per message). Evaluation
   rounds are skipped.
 
-The ClientApp wraps ``compute(task, unit_ids, params) -> (partial_sum, ClipStatistics)``, the
-same worker contract as :mod:`userdp.strategies.inprocess`.
+The ClientApp wraps ``compute(task, unit_ids, params) -> (task_sum, UnitStats)``, the
+same worker contract as :func:`userdp.strategies.inprocess.run_local_step`.
 """
 
 from __future__ import annotations
@@ -42,23 +42,25 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
-
 from userdp.strategies.base import (
-    ClipStatistics,
     PopulationCounts,
     Strategy,
     StrategyError,
     TaskSpec,
     parse_example_unit_id,
 )
-from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep, begin_step, finish_step
+from userdp.strategies.step import CohortSum, ExecutionOptions, PlannedStep, begin_step, finish_step
 from userdp.strategies.tensors import sum_tensor_dicts
+from userdp.strategies.unit_stats import UnitStats
+
+from userdp.config import Config, load_config
+from userdp.run.components import strategy_from_config
 
 __all__ = ["UserDpFlowerStrategy", "make_client_app"]
 
 log = logging.getLogger(__name__)
 
-Compute = Callable[[TaskSpec, Sequence[str], Mapping[str, np.ndarray]], tuple[dict, ClipStatistics]]
+Compute = Callable[[TaskSpec, Sequence[str], Mapping[str, np.ndarray]], tuple[dict, UnitStats]]
 UsersOfNode = Callable[[Context], Mapping[str, int]]
 
 
@@ -116,9 +118,6 @@ class UserDpFlowerStrategy(FlowerStrategy):
         plugin ``"package.module:ClassName"``) with its execution options. ``num_users`` is N,
         the users the nodes hold: σ is calibrated for it when ``privacy.noise_multiplier`` is
         unset, and the census must then find exactly N users."""
-        from userdp.config import Config, load_config
-        from userdp.run_components import strategy_from_config
-
         if not isinstance(config, Config):
             config = load_config(config)
         strategy, options, _ = strategy_from_config(config, num_users)
@@ -236,7 +235,7 @@ class UserDpFlowerStrategy(FlowerStrategy):
         finish_step(
             self.strategy,
             planned,
-            Gathered(summed, ClipStatistics(units, clipped)),
+            CohortSum(summed, UnitStats(count=units, clipped=clipped)),
             self.params,
             self.ledger,
         )
@@ -287,7 +286,7 @@ def make_client_app(compute: Compute, users_of_node: UsersOfNode) -> ClientApp:
         reply = RecordDict(
             {
                 "sum": ArrayRecord({k: _array(np.asarray(v)) for k, v in partial.items()}),
-                "userdp.stats": MetricRecord({"units": stats.units, "clipped": stats.clipped}),
+                "userdp.stats": MetricRecord({"units": stats.count, "clipped": stats.clipped}),
             }
         )
         return Message(reply, reply_to=msg)

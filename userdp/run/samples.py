@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 PROMPT_TOKENS = 16
@@ -31,8 +32,6 @@ def sample_prompts(
     config: Any, tokenizer: Any, store: Any, eval_users: Sequence[str]
 ) -> list[tuple[str, np.ndarray]]:
     """(source, prompt ids) of the configured prompts or of held-out users' first tokens."""
-    import pyarrow as pa
-
     if config.output.sample_prompts is not None:
         encoded = tokenizer.encode_arrow(pa.array(list(config.output.sample_prompts)))
         return [

@@ -24,17 +24,17 @@ from userdp import __version__
 
 # Modules that add subcommands, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
-    "userdp.cli_config",
-    "userdp.cli_shard",
-    "userdp.cli_plan",
-    "userdp.cli_simulate",
-    "userdp.cli_audit",
-    "userdp.accounting.cli",
-    "userdp.cli_ledger",
-    "userdp.cli_deploy",
-    "userdp.cli_certs",
-    "userdp.cli_coordinator",
-    "userdp.cli_worker",
+    "userdp.cli.config",
+    "userdp.cli.shard",
+    "userdp.cli.plan",
+    "userdp.cli.simulate",
+    "userdp.cli.audit",
+    "userdp.cli.account",
+    "userdp.cli.ledger",
+    "userdp.cli.deploy",
+    "userdp.cli.certs",
+    "userdp.cli.coordinator",
+    "userdp.cli.worker",
 )
 
 

@@ -47,8 +47,8 @@ from userdp.clients.shard_format import (
     write_manifest,
 )
 from userdp.clients.tokenization import Tokenizer
-from userdp.shard_input import InputBatch, InputSource
-from userdp.tokenization import build_tokenizer
+from userdp.shards.input import InputBatch, InputSource
+from userdp.shards.tokenization import build_tokenizer
 
 _SPILL_FLUSH_BYTES = 32 << 20
 _MAX_SPILL_FILES = 4096

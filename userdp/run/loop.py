@@ -1,18 +1,18 @@
 """``userdp simulate`` and ``userdp train``: one run from a config to a model and a privacy report.
 
 Three ways to reach the workers, one run loop (:class:`RunLoop`) and one set of outputs
-(:mod:`userdp.run_outputs`):
+(:mod:`userdp.run.outputs`):
 
 - ``grpc`` (``simulate``): the real coordinator serves the ``userdp.v1`` protocol on loopback and
   ``workers.count`` worker PROCESSES (``userdp worker``) hold the shards (``workers.replicas``
-  copies of each) and compute with the DeepSpeed engine (:mod:`userdp.worker_processes`).
+  copies of each) and compute with the DeepSpeed engine (:mod:`userdp.run.grpc_workers`).
 - ``in-process`` (``simulate --in-process``): the same strategy hooks and the same worker compute
   in one process, without gRPC or retries: fast research loops; it checkpoints and resumes like
-  the coordinator (:mod:`userdp.in_process`).
+  the coordinator (:mod:`userdp.run.in_process`).
 - ``external`` (``train``): the coordinator serves ``coordinator.host:port`` and waits for an
-  already running deployment's workers to connect (:mod:`userdp.worker_processes`).
+  already running deployment's workers to connect (:mod:`userdp.run.grpc_workers`).
 
-Before step 1: σ is calibrated to the target (:mod:`userdp.run_components`), and the held-out
+Before step 1: σ is calibrated to the target (:mod:`userdp.run.components`), and the held-out
 users' loss is measured on the initial model (the no-fine-tuning baseline). Ctrl-C (or SIGTERM)
 stops cleanly: a checkpoint is saved and the same command resumes; the ledger, not the step
 counter, says what was spent.
@@ -23,7 +23,6 @@ the in-process step; the transport modules never see it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,15 +30,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
+from userdp.clients.model import build_model, load_parameters, model_shape
+from userdp.clients.shard_store import ShardStore
+from userdp.clients.tokenization import load_tokenizer
+from userdp.server.startup import progress_logger, summarize
 
-from userdp.in_process import InProcessWorker, run_in_process
-from userdp.worker_processes import serve_workers, shut_down
+from userdp.run.components import open_ledger, prepare_run
+from userdp.run.evaluation import Evaluator, eval_examples
+from userdp.run.outputs import (
+    MetricsLog,
+    export_release,
+    read_metrics,
+    render_plots,
+    render_report,
+    write_config,
+    write_facts,
+)
+from userdp.run.samples import generate_samples, sample_prompts, write_samples
+from userdp.run.tracking import Trackers
 
-__all__ = ["MODES", "InProcessWorker", "RunLoop", "RunResult", "resolved_config", "run"]
+__all__ = ["RunLoop", "RunResult", "resolved_config", "shut_down"]
 
 log = logging.getLogger(__name__)
-
-MODES = ("grpc", "in-process", "external")
 
 
 @dataclass
@@ -84,8 +97,6 @@ class RunLoop:
     """Metrics, evaluation, progress and outputs around the steps of one run."""
 
     def __init__(self, config: Any, out: Path, *, quiet: bool, test_only_disable_noise: bool):
-        from userdp.run_components import prepare_run
-
         self.out = out
         self.quiet = quiet
         self.no_noise = test_only_disable_noise
@@ -104,10 +115,6 @@ class RunLoop:
     # -- components ------------------------------------------------------------------------------
 
     def start(self, mode: str) -> None:
-        from userdp.run_components import open_ledger
-        from userdp.run_outputs import MetricsLog, read_metrics, write_config
-        from userdp.tracking import Trackers
-
         self.run_config = resolved_config(self.config, self.setup, self.out, mode)
         self.config_path = write_config(self.run_config, self.out)
         self.ledger = open_ledger(self.setup, self.out)
@@ -123,17 +130,11 @@ class RunLoop:
             self.evaluate(0)  # the no-fine-tuning baseline, before any privacy is spent
         self.epsilon = self._spent()
         if not self.quiet:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=self.steps, initial=len(self.ledger.records), unit="step")
 
     def _model_and_evaluator(self) -> tuple[Any, Any]:
         """The launcher's copy of the model (evaluation and the saved model) holding the run's
         frozen tensors, and the held-out evaluator on it (None without held-out users)."""
-        from userdp.clients.model import build_model, load_parameters, model_shape
-        from userdp.clients.shard_store import ShardStore
-        from userdp.evaluation import Evaluator, eval_examples
-
         setup = self.setup
         shape = model_shape(setup.manifest, self.config.data.seq_len)
         model = build_model(self.config.model, shape, seed=0)
@@ -145,8 +146,6 @@ class RunLoop:
         return model, Evaluator(model, examples, pad_id=shape.pad_id or 0)
 
     def evaluate(self, step: int, params: dict[str, torch.Tensor] | None = None) -> None:
-        from userdp.clients.model import load_parameters
-
         if self.evaluator is None:
             return
         load_parameters(self.model, params if params is not None else self.setup.trainable)
@@ -162,11 +161,7 @@ class RunLoop:
         self.trackers.log_row(row)
 
     def _write_samples(self) -> None:
-        """Greedy continuations of the sample prompts (:mod:`userdp.samples`)."""
-        from userdp.clients.shard_store import ShardStore
-        from userdp.clients.tokenization import load_tokenizer
-        from userdp.samples import generate_samples, sample_prompts, write_samples
-
+        """Greedy continuations of the sample prompts (:mod:`userdp.run.samples`)."""
         output = self.run_config.output
         if output.sample_prompts is None and (not output.sample_count or not self.setup.eval_users):
             return
@@ -197,8 +192,6 @@ class RunLoop:
     def on_worker_progress(self, starting: list[Any]) -> None:
         """While the coordinator waits for workers: each starting worker's phase on the progress
         bar (or logged when quiet: on a change, else every 30 s); an empty list clears it."""
-        from userdp.server.startup import progress_logger, summarize
-
         if self._bar is not None:
             text = summarize(starting)
             self._bar.set_description_str(f"workers: {text}" if text else "", refresh=True)
@@ -252,8 +245,6 @@ class RunLoop:
             log.info("step %d: loss %.4f, eps %s, %d units", step, loss, self.epsilon, units)
 
     def finish(self, params: dict[str, torch.Tensor], stopped: str) -> RunResult:
-        from userdp.run_outputs import export_release, render_plots, render_report, write_facts
-
         self.close_progress()
         steps_done = len(self.ledger.records)
         if steps_done and steps_done not in self.eval_losses and stopped != "interrupted":
@@ -282,59 +273,15 @@ class RunLoop:
         )
 
 
-def _start_coordinator(loop: RunLoop) -> Any:
-    """The coordinator of the ``grpc`` and ``external`` modes, serving ``loop``'s components
-    (:func:`userdp.server.runtime.start_coordinator`), not yet waiting for workers."""
-    from userdp.server.runtime import start_coordinator
-
-    setup = loop.setup
-    return start_coordinator(
-        loop.run_config,
-        strategy=setup.strategy,
-        ledger=loop.ledger,
-        params=setup.trainable,
-        frozen=setup.frozen,
-        population=setup.population,
-        checkpoint_dir=loop.out / "checkpoints",
-        options=setup.options,
-        test_only_disable_noise=loop.no_noise,
-    )
-
-
-def run(
-    config: Any,
-    output: str | Path | None = None,
-    *,
-    mode: str = "grpc",
-    quiet: bool = False,
-    test_only_disable_noise: bool = False,
-) -> RunResult:
-    """Run ``config`` (see the module docstring); ``output`` overrides ``output.dir``.
-
-    ``test_only_disable_noise`` (NOT PRIVATE) exists for the test that compares the grpc and
-    in-process paths; no config key or CLI flag reaches it."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    out = Path(output or config.output.dir)
-    loop = RunLoop(config, out, quiet=quiet, test_only_disable_noise=test_only_disable_noise)
-    loop.start(mode)
-    stopped = "interrupted"
-    params = loop.setup.trainable
-    try:
-        if mode == "in-process":
-            from userdp.strategies.inprocess import run_step
-
-            step = functools.partial(run_step, test_only_disable_noise=loop.no_noise)
-            params, stopped = run_in_process(loop, step)
-        else:
-            params, stopped = serve_workers(loop, _start_coordinator(loop), spawn=(mode == "grpc"))
-    except KeyboardInterrupt:
-        stopped = "interrupted"
-    except Exception:
-        loop.abandon()
-        raise
-    try:
-        return loop.finish(params, stopped)
-    except Exception:
-        loop.abandon()
-        raise
+def shut_down(*actions: tuple[str, Any]) -> list[BaseException]:
+    """Run every shutdown action even when one fails (a full disk must not leave the gRPC server
+    or the worker processes running, which would keep the process alive): each failure is
+    logged in one line and returned."""
+    errors: list[BaseException] = []
+    for what, action in actions:
+        try:
+            action()
+        except Exception as exc:
+            log.error("could not %s: %s", what, " ".join(str(exc).split()) or type(exc).__name__)
+            errors.append(exc)
+    return errors

@@ -33,7 +33,7 @@ import socket
 import threading
 from pathlib import Path
 
-from userdp.cli_simulate import stop_signals
+from userdp.cli.simulate import stop_signals
 
 REFUSED_EXIT = 3
 UNREACHABLE_EXIT = 4

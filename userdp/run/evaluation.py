@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from userdp.clients.batching import Unit, make_batch, pack_units, prepare_units, token_losses
 
 
 def eval_examples(
@@ -44,8 +45,6 @@ class Evaluator:
         pad_id: int = 0,
         batch_tokens: int = 8192,
     ) -> None:
-        from userdp.clients.batching import Unit, pack_units, prepare_units
-
         self.model = model
         self.pad_id = pad_id
         ordered = sorted(examples, key=len)  # similar lengths share a batch: less padding
@@ -56,8 +55,6 @@ class Evaluator:
     @torch.no_grad()
     def loss(self) -> float:
         """Mean cross-entropy per predicted token (nan without examples)."""
-        from userdp.clients.batching import make_batch, token_losses
-
         device = next(self.model.parameters()).device
         total, tokens = 0.0, 0
         for units in self.batches:

@@ -2,7 +2,7 @@
 
 Reads the shard manifest (user -> shard, shard sha256; never rows), holds out the evaluation
 users, builds the strategy (σ calibrated to the target when not given), the ledger
-(``<output.dir>/ledger.jsonl``) and the initial model (:func:`userdp.run_components.prepare_run`), resumes from
+(``<output.dir>/ledger.jsonl``) and the initial model (:func:`userdp.run.components.prepare_run`), resumes from
 ``<output.dir>/checkpoints`` when it exists (the ledger decides what was spent), serves the
 ``userdp.v1`` protocol on ``coordinator.host:port`` (see :mod:`userdp.server.runtime` for the
 security choice) and runs until ``strategy.steps`` steps are done or the budget is exhausted;
@@ -20,7 +20,7 @@ import json
 import logging
 from pathlib import Path
 
-from userdp.cli_simulate import stop_signals
+from userdp.cli.simulate import stop_signals
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if config.data.shards is None:
         raise ValueError("data.shards must name a shard directory for `userdp coordinator`")
-    from userdp.run_components import open_ledger, prepare_run
+    from userdp.run.components import open_ledger, prepare_run
     from userdp.server.runtime import start_coordinator
 
     setup = prepare_run(config)  # user split, population, sigma calibrated to the target
@@ -80,8 +80,8 @@ def _write_outputs(setup, out: Path, params) -> None:
     and δ resolved), ``strategy_facts.json``, the exported model with its release state, and
     ``privacy_report.{json,md}`` recomputed from the ledger."""
     from userdp.clients.model import build_model, load_parameters, model_shape
-    from userdp.run_outputs import export_release, render_report, write_config, write_facts
-    from userdp.simulation import resolved_config
+    from userdp.run.loop import resolved_config
+    from userdp.run.outputs import export_release, render_report, write_config, write_facts
 
     run_config = resolved_config(setup.config, setup, out, "external")
     write_config(run_config, out)

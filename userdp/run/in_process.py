@@ -1,8 +1,8 @@
-"""The ``in-process`` transport of :func:`userdp.simulation.run` (``simulate --in-process``).
+"""The ``in-process`` transport of :func:`userdp.run.launch.run` (``simulate --in-process``).
 
-The same strategy hooks (:func:`userdp.strategies.inprocess.run_step`) and the same worker compute
-(:class:`userdp.clients.worker_service.EngineCompute`, fed the wire ``Task`` the coordinator would
-send) in one process, without gRPC or retries. It checkpoints like the coordinator (every
+The same strategy hooks (:func:`userdp.strategies.inprocess.run_local_step`) and the same worker
+compute (:class:`userdp.clients.worker_service.EngineCompute`, fed the wire ``Task`` the coordinator
+would send) in one process, without gRPC or retries. It checkpoints like the coordinator (every
 ``coordinator.checkpoint_every`` steps and on exit, same format) and resumes from the checkpoint
 (:func:`_resume_in_process`).
 """
@@ -13,12 +13,18 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from userdp.accounting.ledger import BudgetExceededError
+from userdp.clients.shard_store import ShardStore
+from userdp.clients.worker_service import build_compute
+from userdp.proto.codec import task_proto
+from userdp.server.checkpoint import restore_latest, save_checkpoint
+from userdp.server.coordinator import continue_after_lost_steps
+from userdp.strategies.unit_stats import UnitStats
 
-if TYPE_CHECKING:
-    from userdp.simulation import RunLoop
+from userdp.run.loop import RunLoop
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +45,6 @@ class InProcessWorker:
     same step and units. Used by ``simulate --in-process`` and by ``userdp audit``."""
 
     def __init__(self, config: Any, setup: Any) -> None:
-        from userdp.clients.shard_store import ShardStore
-        from userdp.clients.worker_service import build_compute
-
         self.store = ShardStore(setup.shard_dir)
         self.compute = build_compute(config, self.store)
         self.compute.apply_model({k: LocalTensor(v) for k, v in setup.frozen.items()}, full=True)
@@ -49,9 +52,7 @@ class InProcessWorker:
     def __call__(
         self, spec: Any, step: int, unit_ids: Sequence[str], params: dict[str, torch.Tensor]
     ) -> Any:
-        """The clipped sum of ``unit_ids`` at ``params`` (a :class:`ClippedSum`)."""
-        from userdp.proto.codec import task_proto
-
+        """The :class:`~userdp.proto.results.TaskSum` of ``unit_ids`` at ``params``."""
         self.compute.apply_model({k: LocalTensor(v) for k, v in params.items()}, full=False)
         return self.compute.compute(task_proto(spec, step, "in-process", 0, 0, unit_ids, 0.0))
 
@@ -65,9 +66,6 @@ def _resume_in_process(
     """Load the latest in-process checkpoint into ``params`` and ``strategy``; return the next
     step. Steps the ledger charged after that checkpoint (a crash between checkpoints) are never
     re-run, as for the coordinator (:func:`~userdp.server.coordinator.continue_after_lost_steps`)."""
-    from userdp.server.checkpoint import restore_latest
-    from userdp.server.coordinator import continue_after_lost_steps
-
     checkpoint = restore_latest(checkpoint_dir, params, strategy)
     next_step = checkpoint.step if checkpoint is not None else 0
     last = ledger.last_step if ledger.records else -1
@@ -77,18 +75,13 @@ def _resume_in_process(
 
 
 def run_in_process(
-    loop: RunLoop, run_step: Callable[..., Any]
+    loop: RunLoop, run_local_step: Callable[..., Any]
 ) -> tuple[dict[str, torch.Tensor], str]:
     """Run ``loop``'s steps in this process; returns the trained parameters and why it stopped
     ("finished", "budget" or "interrupted").
 
-    ``run_step`` is :func:`userdp.strategies.inprocess.run_step`, with any run-wide keyword
-    arguments already bound by the caller."""
-    from userdp.accounting.ledger import BudgetExceededError
-    from userdp.server.checkpoint import save_checkpoint
-    from userdp.strategies.base import ClipStatistics
-    from userdp.strategies.unit_stats import UnitStats
-
+    ``run_local_step`` is :func:`userdp.strategies.inprocess.run_local_step`, with any run-wide
+    keyword arguments already bound by the caller."""
     setup, config = loop.setup, loop.run_config
     params = setup.trainable
     compute = InProcessWorker(config, setup)
@@ -97,7 +90,7 @@ def run_in_process(
     def worker(spec: Any, unit_ids: Any, current: dict[str, torch.Tensor]) -> tuple[dict, Any]:
         result = compute(spec, step_stats["step"], list(unit_ids), current)
         step_stats["stats"] += result.stats
-        return dict(result.sums), ClipStatistics(result.stats.count, result.stats.clipped)
+        return dict(result.sums), result.stats
 
     checkpoint_dir = loop.out / "checkpoints"
     start = _resume_in_process(checkpoint_dir, params, setup.strategy, loop.ledger)
@@ -117,7 +110,7 @@ def run_in_process(
         for step in range(start, loop.steps):
             step_stats.update(step=step, stats=UnitStats())
             try:
-                record = run_step(
+                record = run_local_step(
                     setup.strategy,
                     step,
                     params,

@@ -8,7 +8,7 @@ import json
 
 def _check(args: argparse.Namespace) -> int:
     from userdp.config import ConfigError, load_config
-    from userdp.tracking import missing_backends
+    from userdp.run.tracking import missing_backends
 
     config = load_config(args.file)
     missing = missing_backends(config.output.report_to)

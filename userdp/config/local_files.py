@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from userdp.clients.shard_format import ManifestError, read_manifest
+
 __all__ = ["local_file_problems", "model_positions", "run_folder_problem"]
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -72,8 +74,6 @@ def run_folder_problem(
 
 def _shards_problem(shards: str) -> tuple[str | None, int | None]:
     """(what is wrong with the shard folder or None, the shards' tokenizer vocabulary size)."""
-    from userdp.clients.shard_format import ManifestError, read_manifest
-
     folder = Path(shards)
     if not folder.is_dir():
         return (

@@ -1,27 +1,16 @@
-"""The one TOML config shared by ``train``, ``simulate``, ``coordinator``, ``worker`` and ``audit``.
-
-Every section is a frozen pydantic model that forbids unknown keys, so a typo is an error, not a
-silently ignored setting; values are strict (``true``/``false`` only for booleans, unquoted numbers
-for numbers: ``"yes"``, ``1`` or ``"80"`` are errors naming the key, never coerced).
-:func:`load_config` turns validation failures into :class:`ConfigError`
-whose message names the key, the bad value and the allowed range, e.g.
-``privacy.delta must be in (0, 1), got 1.5``; an unknown key gets the closest known one. The
-files a config names are checked by :mod:`userdp.local_files`.
-"""
+"""The config's sections: frozen, strict pydantic models that forbid unknown keys, one per TOML
+table, each key with its range and its meaning."""
 
 from __future__ import annotations
 
-import difflib
-import json
 import math
 import re
-import tomllib
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
-from userdp.local_files import local_file_problems
+from userdp.clients.deepspeed_config import ZERO3_REFUSAL
+from userdp.run.registry import BUILTIN_STRATEGIES
 
 
 class ConfigError(ValueError):
@@ -93,57 +82,6 @@ class DataConfig(_Section):
     position table is built for it, up to ``PRESET_MAX_SEQ_LEN``)."""
 
 
-ZERO3_REFUSAL = (
-    "ZeRO-3 is not supported: it keeps only a partition of each parameter on a rank outside a "
-    "module's forward/backward, while the clipping engines read whole parameters (shapes, "
-    "per-unit norms) and a worker applies the coordinator's broadcast to whole tensors; neither "
-    "is implemented for partitioned parameters (docs/worker.md). Use stage 0-2"
-)
-
-
-PARTITIONING = ("tensor_parallel", "sequence_parallel_size", "pipeline", "moe", "expert_parallel")
-"""Keys that split a module's parameters or tokens across a worker's ranks: a rank would then
-see only part of a unit's gradient (its norm) or of its tokens, so they are refused."""
-
-
-def deepspeed_json_problem(config: Any) -> str | None:
-    """Why a DeepSpeed config object cannot drive a userdp worker (None when it can)."""
-    if not isinstance(config, dict):
-        return "must hold a JSON object (DeepSpeed's config format)"
-    stage = (config.get("zero_optimization") or {}).get("stage", 0)
-    if stage not in (0, 1, 2):
-        return f"sets zero_optimization.stage = {stage!r}; {ZERO3_REFUSAL}"
-    for key in PARTITIONING:
-        value = config.get(key)
-        if value not in (None, {}, False, 0, 1):
-            return (
-                f"sets {key!r}: it splits a module's parameters or tokens across the worker's "
-                "ranks, so no rank sees a unit's whole gradient to clip it; remove it"
-            )
-    return None
-
-
-def read_deepspeed_json(path: str | None) -> dict[str, Any] | None:
-    """``model.deepspeed_config``'s JSON object (None when unset); ValueError naming the file and
-    what is wrong when it is unreadable or cannot drive a userdp worker."""
-    if not path:
-        return None
-    try:
-        loaded = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(
-            f"model.deepspeed_config = {path!r} is not a file (a DeepSpeed JSON config)"
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(
-            f"model.deepspeed_config = {path!r} is not a readable JSON file: {exc}"
-        ) from None
-    problem = deepspeed_json_problem(loaded)
-    if problem:
-        raise ValueError(f"model.deepspeed_config = {path!r} {problem}")
-    return loaded
-
-
 def _zero_stage(value: int) -> int:
     if value == 3:
         raise ValueError(f"= 3: {ZERO3_REFUSAL}")
@@ -192,16 +130,6 @@ class ModelConfig(_Section):
     """Must be 0 (see the error for why)."""
 
 
-BUILTIN_STRATEGIES: tuple[str, ...] = (
-    "uls",
-    "els",
-    "group-privacy",
-    "dp-fedavg",
-    "adaptive-clipping",
-    "randomized-clipping",
-    "blt-dp-ftrl",
-    "user-wise-filter",
-)
 PLUGIN_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 
@@ -336,7 +264,7 @@ class OutputConfig(_Section):
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     """Experiment trackers that get the metrics and the privacy report, as HF Trainer's
     ``report_to`` (each an optional extra: ``userdp[tracking]`` for tensorboard and mlflow,
-    ``userdp[wandb]``); see userdp/tracking.py for where each writes."""
+    ``userdp[wandb]``); see userdp/run/tracking.py for where each writes."""
     sample_prompts: list[str] | None = None
     """Prompts whose continuations go to ``samples.jsonl`` and the report's appendix after the
     last evaluation; default: the first tokens of a few held-out users' first example (those
@@ -357,210 +285,3 @@ class Config(_Section):
     coordinator: CoordinatorConfig = CoordinatorConfig()
     workers: WorkersConfig = WorkersConfig()
     output: OutputConfig = OutputConfig()
-
-
-def _known_keys(loc: tuple[Any, ...]) -> list[str]:
-    """The keys of the config section at ``loc`` (a validation error's location, minus its
-    last part)."""
-    model: Any = Config
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None or not isinstance(field.annotation, type):
-            return []
-        model = field.annotation
-    return list(getattr(model, "model_fields", {}))
-
-
-def _format_error(err: dict[str, Any]) -> str:
-    key = ".".join(str(part) for part in err["loc"])
-    kind = err["type"]
-    value = err.get("input")
-    if kind == "extra_forbidden":
-        close = difflib.get_close_matches(str(err["loc"][-1]), _known_keys(err["loc"][:-1]), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else "check the spelling; "
-        return f"{key}: unknown key ({hint}see `userdp config show` for all keys)"
-    if kind == "missing":
-        return f"{key}: required key is missing"
-    if kind == "bool_type":
-        return f"{key} must be true or false (an unquoted TOML boolean), got {value!r}"
-    if kind in ("int_type", "float_type") and isinstance(value, str):
-        what = "an integer" if kind == "int_type" else "a number"
-        return f"{key} must be {what}, not a string: write it unquoted, got {value!r}"
-    if kind == "int_type":
-        return f"{key} must be an integer, got {value!r}"
-    if kind == "float_type":
-        return f"{key} must be a number, got {value!r}"
-    message = err["msg"]
-    if message.startswith("Value error, "):
-        return f"{key} {message.removeprefix('Value error, ')}"
-    return f"{key}: {message[0].lower() + message[1:]}, got {value!r}"
-
-
-def parse_config(raw: dict[str, Any]) -> Config:
-    """Validate a parsed TOML document; raise ConfigError naming every bad key."""
-    try:
-        config = Config.model_validate(raw)
-    except ValidationError as exc:
-        lines = [_format_error(err) for err in exc.errors()]
-        raise ConfigError("; ".join(lines)) from None
-    strategy = config.strategy
-    if strategy.name in BUILTIN_STRATEGIES and (strategy.params or strategy.plugin_path):
-        key = "params" if strategy.params else "plugin_path"
-        raise ConfigError(
-            f"strategy.{key} is for plugin strategies (name = 'package.module:ClassName'); the "
-            f"built-in {strategy.name!r} takes the [strategy] keys"
-        )
-    from userdp.clients.selection import PERPLEXITY_SELECTIONS
-
-    if config.data.selection in PERPLEXITY_SELECTIONS and strategy.name in ("els", "group-privacy"):
-        raise ConfigError(
-            f"data.selection = {config.data.selection!r} ranks a user's examples for user-level "
-            f"units, but strategy.name = {strategy.name!r} trains on example units of a subset "
-            "the coordinator draws uniformly; use a user-level strategy (uls, dp-fedavg, ...) or "
-            "data.selection = 'random'"
-        )
-    _check_user_wise_filter(strategy)
-    _check_normalizers(strategy)
-    if config.model.path is None:
-        _check_preset_seq_len(config.model.preset, config.data.seq_len)
-    workers = config.workers
-    if workers.replicas > workers.count:
-        raise ConfigError(
-            f"workers.replicas = {workers.replicas} > workers.count = {workers.count}: each shard "
-            "needs that many distinct workers; lower workers.replicas or raise workers.count"
-        )
-    cyclic = strategy.sampling == "cyclic-poisson"
-    if cyclic != (strategy.bands is not None) or (cyclic and strategy.name != "blt-dp-ftrl"):
-        raise ConfigError(
-            "strategy.sampling = 'cyclic-poisson' and strategy.bands go together, with "
-            "strategy.name = 'blt-dp-ftrl' (banded C, accounted as banded matrix factorization "
-            f"with cyclic Poisson sampling); got name {strategy.name!r}, sampling "
-            f"{strategy.sampling!r}, bands {strategy.bands!r}"
-        )
-    if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
-        raise ConfigError(
-            "strategy.sampling = 'shuffle' has no tight accountant: set "
-            "privacy.allow_unaccounted_sampling = true to run it anyway (the report will say so)"
-        )
-    return config
-
-
-PRESET_MAX_SEQ_LEN = 8192
-"""The longest ``data.seq_len`` a preset is built for (its position table has that many rows)."""
-
-
-def _check_preset_seq_len(preset: str | None, seq_len: int) -> None:
-    """A preset sizes its positions from ``data.seq_len``: bound it, with the memory it implies."""
-    if seq_len <= PRESET_MAX_SEQ_LEN:
-        return
-    from userdp.clients.model import PRESETS
-
-    family, layers, width, heads = PRESETS[preset or "gpt2-tiny"]
-    table = (
-        f"a position table of {seq_len:,} x {width} float32 ({seq_len * width * 4 / 1e9:.3g} GB)"
-    )
-    scores = heads * seq_len**2 * 4 / 1e9
-    raise ConfigError(
-        f"data.seq_len = {seq_len:,} is more than {PRESET_MAX_SEQ_LEN}, the longest the presets "
-        f"are built for: model.preset = {preset!r} would get "
-        + (f"{table} and " if family == "gpt2" else "")
-        + f"attention scores of {heads} heads x {seq_len:,}² float32 per layer and example "
-        f"({scores:.3g} GB); set data.seq_len <= {PRESET_MAX_SEQ_LEN}"
-    )
-
-
-USER_LEVEL_NORMALIZED = (
-    "uls",
-    "dp-fedavg",
-    "adaptive-clipping",
-    "randomized-clipping",
-    "blt-dp-ftrl",
-)
-"""Built-ins whose noisy sum is divided by an expected cohort of users."""
-
-
-def _check_normalizers(strategy: StrategyConfig) -> None:
-    """``expected_cohort_size`` / ``expected_batch_size`` only where the strategy uses them."""
-    for key, names in (
-        ("expected_cohort_size", USER_LEVEL_NORMALIZED),
-        ("expected_batch_size", ("els", "group-privacy")),
-    ):
-        if getattr(strategy, key) is not None and strategy.name not in names:
-            raise ConfigError(
-                f"strategy.{key} applies to strategy.name in {names}, not {strategy.name!r}: "
-                + (
-                    "a plugin takes its arguments in [strategy.params]"
-                    if strategy.name not in BUILTIN_STRATEGIES
-                    else "remove it"
-                )
-            )
-
-
-def _check_user_wise_filter(strategy: StrategyConfig) -> None:
-    """``user-wise-filter`` takes every user in every step and needs τ; τ means nothing elsewhere."""
-    name = strategy.name
-    if name != "user-wise-filter":
-        if strategy.concentration_threshold is not None:
-            raise ConfigError(
-                "strategy.concentration_threshold is for strategy.name = 'user-wise-filter'; "
-                f"remove it for {name!r}"
-            )
-        return
-    if strategy.concentration_threshold is None:
-        raise ConfigError(
-            "strategy.name = 'user-wise-filter' needs strategy.concentration_threshold (tau, the "
-            "L2 radius of concentrated user gradients; the noise scales with it)"
-        )
-    if strategy.sampling != "poisson" or strategy.sampling_prob != 1.0:
-        raise ConfigError(
-            "strategy.name = 'user-wise-filter' uses every user in every step: set "
-            "strategy.sampling = 'poisson' and strategy.sampling_prob = 1.0, got "
-            f"{strategy.sampling!r} with {strategy.sampling_prob:g}"
-        )
-
-
-def check_local_files(config: Config) -> None:
-    """The files ``config`` names on THIS machine (:mod:`userdp.local_files`), its DeepSpeed JSON
-    and its plugin; :class:`ConfigError` naming every problem. Checked by :func:`load_config`,
-    not by :func:`parse_config` nor ``deploy render``, whose config names paths that exist only
-    inside the pods."""
-    problems = local_file_problems(config)
-    if config.model.deepspeed_config is not None:
-        try:
-            read_deepspeed_json(config.model.deepspeed_config)
-        except ValueError as exc:
-            problems.append(str(exc))
-    if config.strategy.name not in BUILTIN_STRATEGIES:
-        from userdp.plugins import check_plugin
-
-        try:
-            check_plugin(config)
-        except ValueError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-def load_config(path: str | Path, *, local_files: bool = True) -> Config:
-    """Read and validate a TOML config file, and (``local_files``) the files it names on this
-    machine (:func:`check_local_files`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not UTF-8 text") from None
-    config = parse_config(raw)
-    strategy = config.strategy
-    if strategy.name not in BUILTIN_STRATEGIES:
-        folder = Path(strategy.plugin_path or ".").expanduser()
-        folder = folder if folder.is_absolute() else path.resolve().parent / folder
-        config = config.model_copy(
-            update={"strategy": strategy.model_copy(update={"plugin_path": str(folder)})}
-        )
-    if local_files:
-        check_local_files(config)
-    return config

@@ -1,4 +1,4 @@
-"""``userdp audit --config F``: one-run canary audit of a config (see :mod:`userdp.audit`)."""
+"""``userdp audit --config F``: one-run canary audit of a config (see :mod:`userdp.run.audit`)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ PHASES = {
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from userdp.audit import largest_lower_bound, run_audit, write_audit
-    from userdp.cli_simulate import demo_config_path, stop_signals
+    from userdp.cli.simulate import demo_config_path, stop_signals
     from userdp.config import load_config
+    from userdp.run.audit import largest_lower_bound, run_audit, write_audit
 
     if args.demo == bool(args.config):
         raise ValueError("give exactly one of --config FILE or --demo")

@@ -68,8 +68,8 @@ def _handle(args: argparse.Namespace) -> int:
             "or 'userdp shard verify DIR'"
         )
 
-    from userdp.shard_writer import ShardOptions, write_shards
-    from userdp.tokenization import parse_tokenizer_spec
+    from userdp.shards.tokenization import parse_tokenizer_spec
+    from userdp.shards.writer import ShardOptions, write_shards
 
     parse_tokenizer_spec(args.tokenizer or "byte")  # fail before reading any input
 
@@ -84,8 +84,8 @@ def _handle(args: argparse.Namespace) -> int:
     if args.demo is not None:
         if args.target is not None or args.out is not None:
             raise ValueError("--demo OUT writes the demo corpus; drop INPUT and --out")
-        from userdp.demo_data import demo_corpus
-        from userdp.shard_input import InputSource
+        from userdp.shards.demo import demo_corpus
+        from userdp.shards.input import InputSource
 
         name = f"userdp-demo-{args.demo_users}users"
         source = InputSource.from_table(demo_corpus(args.demo_users), "user_id", "text", name)
@@ -104,7 +104,7 @@ def _handle(args: argparse.Namespace) -> int:
     ]
     if missing:
         raise ValueError(f"userdp shard needs {', '.join(missing)} (or --demo OUT, or verify DIR)")
-    from userdp.shard_input import open_input
+    from userdp.shards.input import open_input
 
     source = open_input(args.target, args.format, args.user_column, args.text_column)
     summary = write_shards(source, args.out, options)

@@ -24,6 +24,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from userdp.accounting.ledger import ledger_state, read_ledger
+from userdp.accounting.report import build_report, public_model_selection_caveat
+from userdp.clients.model import load_parameters
+from userdp.clients.selection import PERPLEXITY_SELECTIONS
+from userdp.clients.shard_format import read_manifest
+
+from userdp.run.export import export_model
+from userdp.run.samples import samples_appendix
+
 METRICS_CAVEAT = (
     "metrics.jsonl and plots/ hold statistics of the TRAINING users computed without noise "
     "(realized cohort sizes, sampled users' training loss, clip fractions): they are NOT covered "
@@ -44,8 +53,6 @@ TRAINED_TOKENIZER_CAVEAT = (
 
 def _tokenizer_kind(config: Any) -> str | None:
     """The shards' tokenizer kind (``byte``, ``bpe``, ``transformers``, ``tokenizers``)."""
-    from userdp.clients.shard_format import read_manifest
-
     try:
         return read_manifest(config.data.shards).tokenizer.kind if config.data.shards else None
     except (OSError, ValueError):
@@ -147,9 +154,6 @@ RELEASE_STATE = "userdp_release.json"
 def export_release(model: Any, params: Any, run_dir: Path, setup: Any, epsilon: Any) -> Path:
     """The trained weights ``params`` loaded into ``model`` and exported to ``RUN/model`` with
     their release state (:func:`write_release_state` at ε, the setup's δ); returns the folder."""
-    from userdp.clients.model import load_parameters
-    from userdp.export import export_model
-
     load_parameters(model, params)
     model_dir = export_model(model, run_dir, setup.manifest.tokenizer, setup.shard_dir)
     write_release_state(model_dir, run_dir / "ledger.jsonl", epsilon, setup.delta)
@@ -160,8 +164,6 @@ def write_release_state(model_dir: Path, ledger_path: Path, epsilon: Any, delta:
     """``model/userdp_release.json``: the ledger state (step count, last record hash) and ε, δ
     of the exported weights, so a reader can tell exported weights from a ledger that moved on
     (``userdp ledger verify`` compares them)."""
-    from userdp.accounting.ledger import ledger_state, read_ledger
-
     header, records = read_ledger(ledger_path)
     state = {"ledger": ledger_state(records, header), "epsilon": epsilon, "delta": delta}
     path = model_dir / RELEASE_STATE
@@ -203,9 +205,6 @@ def clipping_summary(steps: list[Mapping[str, Any]], clip_norm: float) -> str | 
 def render_report(run_dir: Path, config: Any, delta: float) -> dict:
     """Recompute the privacy report from ``ledger.jsonl`` and add the held-out evaluation from
     ``metrics.jsonl``; write ``privacy_report.{json,md}``. Returns the report dict."""
-    from userdp.accounting.report import build_report, public_model_selection_caveat
-    from userdp.clients.selection import PERPLEXITY_SELECTIONS
-
     rows = read_metrics(run_dir / "metrics.jsonl")
     steps = [r for r in rows if r.get("kind") == "step"]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -256,8 +255,6 @@ def render_report(run_dir: Path, config: Any, delta: float) -> dict:
     markdown += f"\n## Initial model\n\n{initial_model_note(config.output.seed)}\n"
     samples_path = run_dir / "samples.jsonl"
     if samples_path.is_file():
-        from userdp.samples import samples_appendix
-
         rows = [json.loads(line) for line in samples_path.read_text().splitlines() if line]
         markdown += samples_appendix(rows)
     _atomic_write_text(run_dir / "privacy_report.json", json.dumps(data, indent=2, sort_keys=True))

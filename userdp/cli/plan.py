@@ -16,7 +16,7 @@ RULE_HELP = (
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from userdp.cli_simulate import demo_config_path
+    from userdp.cli.simulate import demo_config_path
     from userdp.compute_plan import plan_budget
     from userdp.config import load_config
 

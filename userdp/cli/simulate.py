@@ -1,4 +1,4 @@
-"""``userdp simulate``, ``userdp train`` and ``userdp report`` (see :mod:`userdp.simulation`)."""
+"""``userdp simulate``, ``userdp train`` and ``userdp report`` (see :mod:`userdp.run.loop`)."""
 
 from __future__ import annotations
 
@@ -84,9 +84,9 @@ def _logging(quiet: bool) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """``simulate`` (grpc, or in-process) and ``train`` (external workers)."""
-    from userdp.local_files import run_folder_problem
+    from userdp.config.local_files import run_folder_problem
     from userdp.proto.allocator import keep_freed_memory
-    from userdp.simulation import run
+    from userdp.run.launch import run
 
     keep_freed_memory()  # chunk messages reuse freed pages (see the module)
     config = _load(args)
@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     args.log_dir = Path(run_dir) / "logs"
     _logging(args.quiet)
     if config.output.seed is None:
-        from userdp.run_outputs import initial_model_note
+        from userdp.run.outputs import initial_model_note
 
         print(f"userdp: {initial_model_note(None)}", file=sys.stderr)
     if args.command == "train":
@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from userdp.config import load_config
-    from userdp.run_outputs import render_plots, render_report
+    from userdp.run.outputs import render_plots, render_report
 
     run_dir = Path(args.run_dir)
     config_path = run_dir / "config.toml"

@@ -18,6 +18,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from userdp.clients.shard_format import TOKENIZER_DIR, TokenizerInfo
 from userdp.clients.tokenization import BYTE_OFFSET
 
@@ -41,9 +43,6 @@ def _byte_level_chars() -> dict[int, str]:
 def byte_tokenizer_fast() -> Any:
     """userdp's byte tokenizer as a ``PreTrainedTokenizerFast``: every UTF-8 byte is one token
     (a BPE without merges over the byte-level alphabet), ids as in the shards."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {token: i for i, token in enumerate(BYTE_SPECIALS)}
     vocab.update({char: b + BYTE_OFFSET for b, char in _byte_level_chars().items()})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
@@ -61,8 +60,6 @@ def byte_tokenizer_fast() -> Any:
 
 def hf_tokenizer(info: TokenizerInfo, shard_dir: Path) -> Any:
     """The shards' tokenizer as a transformers tokenizer (see the module docstring)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     if info.kind == "byte":
         return byte_tokenizer_fast()
     directory = Path(shard_dir) / (info.path or TOKENIZER_DIR)

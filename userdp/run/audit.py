@@ -32,6 +32,7 @@ the audit flags a broken run; no config key or CLI flag reaches it.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -41,6 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 from scipy import stats
+from userdp.accounting.api import epsilon as accountant_epsilon
+from userdp.clients.clipping import Accumulator, add_clipped_unit
+from userdp.server.population import Population
+from userdp.strategies.inprocess import run_local_step
+from userdp.strategies.unit_stats import UnitStats
+
+from userdp.run.components import prepare_run
+from userdp.run.in_process import InProcessWorker
 
 GUESS_COUNTS = (10, 20, 50, 100, 200, 500)
 UNREACHABLE_CLIP_NORM = 1e30
@@ -126,13 +135,6 @@ def run_audit(
     """Train ``config`` once in the in-process simulator with canaries (module docstring).
     ``on_phase`` hears what the audit is doing ("preparing", "training", "accounting"),
     ``on_step`` the number of each finished step (a progress bar)."""
-    from userdp.clients.clipping import Accumulator, add_clipped_unit
-    from userdp.run_components import prepare_run
-    from userdp.server.population import Population
-    from userdp.simulation import InProcessWorker
-    from userdp.strategies.base import ClipStatistics
-    from userdp.strategies.inprocess import run_step
-
     if canaries < 20:
         raise ValueError(f"--canaries must be at least 20, got {canaries}")
     if not 0.5 < confidence < 1:
@@ -182,7 +184,7 @@ def run_audit(
                 add_clipped_unit(acc, {parameter: grad.view_as(current[parameter])}, 0.0, 0)
             sums[parameter] += acc.sums[parameter]
             count, clipped = count + acc.stats.count, clipped + acc.stats.clipped
-        return sums, ClipStatistics(count, clipped)
+        return sums, UnitStats(count=count, clipped=clipped)
 
     scores = np.zeros(canaries)
     index = torch.as_tensor(flat)
@@ -195,7 +197,7 @@ def run_audit(
     try:
         for step in range(config.strategy.steps):
             current_step[0] = step
-            run_step(
+            run_local_step(
                 strategy,
                 step,
                 params,
@@ -223,8 +225,6 @@ def run_audit(
             best = (bound, 2 * k, correct)
     bound, guesses, correct = best
     rate = (correct + 0.5) / (guesses + 1)  # smoothed, so r/r correct stays finite
-    from userdp.accounting.api import epsilon as accountant_epsilon
-
     claimed = float(accountant_epsilon(strategy.mechanism(), config.strategy.steps, setup.delta))
     return AuditResult(
         epsilon_lower_bound=bound,
@@ -246,8 +246,6 @@ def run_audit(
 
 
 def write_audit(result: AuditResult, out: Path) -> Path:
-    import json
-
     out.mkdir(parents=True, exist_ok=True)
     path = out / "audit.json"
     path.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")

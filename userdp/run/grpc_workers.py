@@ -1,4 +1,4 @@
-"""The ``grpc`` and ``external`` transports of :func:`userdp.simulation.run`: a running coordinator,
+"""The ``grpc`` and ``external`` transports of :func:`userdp.run.launch.run`: a running coordinator,
 the worker processes it serves, and shutting both down.
 
 ``grpc`` (``simulate``) spawns ``workers.count`` ``userdp worker`` processes on loopback, each
@@ -18,12 +18,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from userdp.server.runtime import start_coordinator
+from userdp.server.startup import WorkerStartupError
 
-if TYPE_CHECKING:
-    from userdp.simulation import RunLoop
+from userdp.run.loop import RunLoop, shut_down
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,6 @@ def _last_line(path: Path) -> str:
 def _check_workers_alive(procs: list[subprocess.Popen]) -> None:
     """Raise :class:`WorkerStartupError` naming the first worker process that has exited and
     the last line of its log (the wait for workers calls this while it waits)."""
-    from userdp.server.startup import WorkerStartupError
-
     for proc in procs:
         if proc.poll() is not None:
             worker_id = proc.args[proc.args.index("--worker-id") + 1]
@@ -173,15 +172,18 @@ def serve_workers(loop: RunLoop, running: Any, spawn: bool) -> tuple[dict[str, t
     return setup.trainable, stopped
 
 
-def shut_down(*actions: tuple[str, Any]) -> list[BaseException]:
-    """Run every shutdown action even when one fails (a full disk must not leave the gRPC server
-    or the worker processes running, which would keep the process alive): each failure is
-    logged in one line and returned."""
-    errors: list[BaseException] = []
-    for what, action in actions:
-        try:
-            action()
-        except Exception as exc:
-            log.error("could not %s: %s", what, " ".join(str(exc).split()) or type(exc).__name__)
-            errors.append(exc)
-    return errors
+def start_coordinator_for(loop: RunLoop) -> Any:
+    """The coordinator of the ``grpc`` and ``external`` modes, serving ``loop``'s components
+    (:func:`userdp.server.runtime.start_coordinator`), not yet waiting for workers."""
+    setup = loop.setup
+    return start_coordinator(
+        loop.run_config,
+        strategy=setup.strategy,
+        ledger=loop.ledger,
+        params=setup.trainable,
+        frozen=setup.frozen,
+        population=setup.population,
+        checkpoint_dir=loop.out / "checkpoints",
+        options=setup.options,
+        test_only_disable_noise=loop.no_noise,
+    )

@@ -1,0 +1,203 @@
+"""Reading a config: TOML to validated sections (:func:`parse_config`), the checks that span keys,
+and the files it names on this machine (:func:`load_config`)."""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from userdp.clients.deepspeed_config import read_deepspeed_json
+from userdp.clients.presets import PRESETS
+from userdp.clients.selection import PERPLEXITY_SELECTIONS
+from userdp.config.local_files import local_file_problems
+from userdp.config.schema import Config, ConfigError, StrategyConfig
+from userdp.run.registry import (
+    BUILTIN_STRATEGIES,
+    PluginError,
+    check_strategy,
+    check_strategy_keys,
+    strategy_class,
+)
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys of the config section at ``loc`` (a validation error's location, minus its
+    last part)."""
+    model: Any = Config
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None or not isinstance(field.annotation, type):
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    key = ".".join(str(part) for part in err["loc"])
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(str(err["loc"][-1]), _known_keys(err["loc"][:-1]), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else "check the spelling; "
+        return f"{key}: unknown key ({hint}see `userdp config show` for all keys)"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    if kind == "bool_type":
+        return f"{key} must be true or false (an unquoted TOML boolean), got {value!r}"
+    if kind in ("int_type", "float_type") and isinstance(value, str):
+        what = "an integer" if kind == "int_type" else "a number"
+        return f"{key} must be {what}, not a string: write it unquoted, got {value!r}"
+    if kind == "int_type":
+        return f"{key} must be an integer, got {value!r}"
+    if kind == "float_type":
+        return f"{key} must be a number, got {value!r}"
+    message = err["msg"]
+    if message.startswith("Value error, "):
+        return f"{key} {message.removeprefix('Value error, ')}"
+    return f"{key}: {message[0].lower() + message[1:]}, got {value!r}"
+
+
+def parse_config(raw: dict[str, Any]) -> Config:
+    """Validate a parsed TOML document; raise ConfigError naming every bad key."""
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_format_error(err) for err in exc.errors()]
+        raise ConfigError("; ".join(lines)) from None
+    strategy = config.strategy
+    if strategy.name in BUILTIN_STRATEGIES and (strategy.params or strategy.plugin_path):
+        key = "params" if strategy.params else "plugin_path"
+        raise ConfigError(
+            f"strategy.{key} is for plugin strategies (name = 'package.module:ClassName'); the "
+            f"built-in {strategy.name!r} takes the [strategy] keys"
+        )
+
+    if config.data.selection in PERPLEXITY_SELECTIONS and strategy.name in ("els", "group-privacy"):
+        raise ConfigError(
+            f"data.selection = {config.data.selection!r} ranks a user's examples for user-level "
+            f"units, but strategy.name = {strategy.name!r} trains on example units of a subset "
+            "the coordinator draws uniformly; use a user-level strategy (uls, dp-fedavg, ...) or "
+            "data.selection = 'random'"
+        )
+    _check_user_wise_filter(strategy)
+    if strategy.name in BUILTIN_STRATEGIES:
+        try:
+            check_strategy_keys(strategy_class(strategy.name), strategy)
+        except PluginError as exc:
+            raise ConfigError(str(exc)) from None
+    if config.model.path is None:
+        _check_preset_seq_len(config.model.preset, config.data.seq_len)
+    workers = config.workers
+    if workers.replicas > workers.count:
+        raise ConfigError(
+            f"workers.replicas = {workers.replicas} > workers.count = {workers.count}: each shard "
+            "needs that many distinct workers; lower workers.replicas or raise workers.count"
+        )
+    cyclic = strategy.sampling == "cyclic-poisson"
+    if cyclic != (strategy.bands is not None) or (cyclic and strategy.name != "blt-dp-ftrl"):
+        raise ConfigError(
+            "strategy.sampling = 'cyclic-poisson' and strategy.bands go together, with "
+            "strategy.name = 'blt-dp-ftrl' (banded C, accounted as banded matrix factorization "
+            f"with cyclic Poisson sampling); got name {strategy.name!r}, sampling "
+            f"{strategy.sampling!r}, bands {strategy.bands!r}"
+        )
+    if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
+        raise ConfigError(
+            "strategy.sampling = 'shuffle' has no tight accountant: set "
+            "privacy.allow_unaccounted_sampling = true to run it anyway (the report will say so)"
+        )
+    return config
+
+
+PRESET_MAX_SEQ_LEN = 8192
+"""The longest ``data.seq_len`` a preset is built for (its position table has that many rows)."""
+
+
+def _check_preset_seq_len(preset: str | None, seq_len: int) -> None:
+    """A preset sizes its positions from ``data.seq_len``: bound it, with the memory it implies."""
+    if seq_len <= PRESET_MAX_SEQ_LEN:
+        return
+    family, layers, width, heads = PRESETS[preset or "gpt2-tiny"]
+    table = (
+        f"a position table of {seq_len:,} x {width} float32 ({seq_len * width * 4 / 1e9:.3g} GB)"
+    )
+    scores = heads * seq_len**2 * 4 / 1e9
+    raise ConfigError(
+        f"data.seq_len = {seq_len:,} is more than {PRESET_MAX_SEQ_LEN}, the longest the presets "
+        f"are built for: model.preset = {preset!r} would get "
+        + (f"{table} and " if family == "gpt2" else "")
+        + f"attention scores of {heads} heads x {seq_len:,}² float32 per layer and example "
+        f"({scores:.3g} GB); set data.seq_len <= {PRESET_MAX_SEQ_LEN}"
+    )
+
+
+def _check_user_wise_filter(strategy: StrategyConfig) -> None:
+    """``user-wise-filter`` takes every user in every step and needs τ; τ means nothing elsewhere."""
+    name = strategy.name
+    if name != "user-wise-filter":
+        if strategy.concentration_threshold is not None:
+            raise ConfigError(
+                "strategy.concentration_threshold is for strategy.name = 'user-wise-filter'; "
+                f"remove it for {name!r}"
+            )
+        return
+    if strategy.concentration_threshold is None:
+        raise ConfigError(
+            "strategy.name = 'user-wise-filter' needs strategy.concentration_threshold (tau, the "
+            "L2 radius of concentrated user gradients; the noise scales with it)"
+        )
+    if strategy.sampling != "poisson" or strategy.sampling_prob != 1.0:
+        raise ConfigError(
+            "strategy.name = 'user-wise-filter' uses every user in every step: set "
+            "strategy.sampling = 'poisson' and strategy.sampling_prob = 1.0, got "
+            f"{strategy.sampling!r} with {strategy.sampling_prob:g}"
+        )
+
+
+def check_local_files(config: Config) -> None:
+    """The files ``config`` names on THIS machine (:mod:`userdp.config.local_files`), its DeepSpeed JSON
+    and its plugin; :class:`ConfigError` naming every problem. Checked by :func:`load_config`,
+    not by :func:`parse_config` nor ``deploy render``, whose config names paths that exist only
+    inside the pods."""
+    problems = local_file_problems(config)
+    if config.model.deepspeed_config is not None:
+        try:
+            read_deepspeed_json(config.model.deepspeed_config)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if config.strategy.name not in BUILTIN_STRATEGIES:
+        try:
+            check_strategy(config)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def load_config(path: str | Path, *, local_files: bool = True) -> Config:
+    """Read and validate a TOML config file, and (``local_files``) the files it names on this
+    machine (:func:`check_local_files`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text") from None
+    config = parse_config(raw)
+    strategy = config.strategy
+    if strategy.name not in BUILTIN_STRATEGIES:
+        folder = Path(strategy.plugin_path or ".").expanduser()
+        folder = folder if folder.is_absolute() else path.resolve().parent / folder
+        config = config.model_copy(
+            update={"strategy": strategy.model_copy(update={"plugin_path": str(folder)})}
+        )
+    if local_files:
+        check_local_files(config)
+    return config

@@ -1,0 +1,362 @@
+"""The strategy registry: one way to name, find and build a strategy from a config.
+
+``[strategy] name`` is a registered name (the built-ins below) or a plugin
+``"package.module:ClassName"``; a registered name is itself a ``module:Class`` path, so a built-in
+and a plugin are imported, checked and built by the same code:
+
+- the class must subclass :class:`userdp.strategies.Strategy`; a plugin module is imported from
+  ``strategy.plugin_path`` (default: the config file's folder) or ``PYTHONPATH``;
+- its constructor gets, by name, each argument it declares among :data:`CONFIG_ARGUMENTS`
+  (``noise_multiplier`` σ, which every strategy must take; ``clip_norm``, ``sampling_prob``,
+  ``group_size``, ``steps``, ``num_users``, ``seed`` = ``strategy.sampler_seed``, ``optimizer``,
+  ``sampler``, the strategy-only ``[strategy]`` keys, and the values a scheme derives from them:
+  ``bins``/``epochs`` for balls-in-bins and cyclic Poisson, ``cohort_cap`` for padding, ...) and,
+  for a plugin, every key of ``[strategy.params]``;
+- a class that declares :attr:`~userdp.strategies.Strategy.samplings` refuses any other
+  ``strategy.sampling``; a strategy-only key that is set but that the constructor does not take
+  is refused, never ignored.
+
+Bad names, a class that is not a Strategy and arguments the constructor does not take are
+:class:`PluginError` (a ValueError: the CLI prints one line and exits 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from userdp.accounting.mechanisms import Mechanism
+from userdp.strategies.base import Strategy
+from userdp.strategies.noise import NoiseRng
+from userdp.strategies.optimizers import ServerOptimizer, make_optimizer
+from userdp.strategies.samplers import bins_for, make_sampler, padding_cap
+
+if TYPE_CHECKING:
+    from userdp.config import Config, StrategyConfig
+
+__all__ = [
+    "BUILTIN_STRATEGIES",
+    "CONFIG_ARGUMENTS",
+    "PluginError",
+    "build_strategy",
+    "check_strategy",
+    "check_strategy_keys",
+    "default_delta",
+    "server_optimizer",
+    "strategy_arguments",
+    "strategy_class",
+]
+
+BUILTIN_STRATEGIES: dict[str, str] = {
+    "uls": "userdp.strategies.builtins:UserLevelSampling",
+    "els": "userdp.strategies.builtins:ExampleLevelSampling",
+    "group-privacy": "userdp.strategies.builtins:GroupPrivacyComparison",
+    "dp-fedavg": "userdp.strategies.builtins:DpFedAvg",
+    "adaptive-clipping": "userdp.strategies.adaptive_clipping:AdaptiveClipping",
+    "randomized-clipping": "userdp.strategies.builtins:RandomizedClipping",
+    "blt-dp-ftrl": "userdp.strategies.dpftrl:BltDpFtrl",
+    "user-wise-filter": "userdp.strategies.user_filter:UserWiseFilter",
+}
+"""The registered names and the ``module:Class`` each stands for."""
+
+OPTIONAL_KEYS = ("bands", "expected_cohort_size", "expected_batch_size", "concentration_threshold")
+"""Strategy-only ``[strategy]`` keys that default to unset: set, they must reach the constructor."""
+
+BALLS_IN_BINS = ("balls-in-bins-fixed", "balls-in-bins-epoch")
+
+_OMIT = object()
+"""A derived argument that does not apply to the config's sampling (the constructor's default
+stands; a required one is reported missing)."""
+
+
+class PluginError(ValueError):
+    """A strategy cannot be imported or built from the config; the message says what to change."""
+
+
+def default_delta(num_users: int) -> float:
+    """δ = 1/N^1.1 (N training users): below 1/N, so no single user can be revealed outright."""
+    return 1.0 / num_users**1.1
+
+
+def server_optimizer(config: Config) -> ServerOptimizer:
+    """The server optimizer of ``strategy.server_optimizer`` / ``server_lr`` / ``momentum``."""
+    s = config.strategy
+    if s.server_optimizer == "momentum":
+        return make_optimizer("sgd", s.server_lr, momentum=s.momentum)
+    return make_optimizer(s.server_optimizer, s.server_lr)
+
+
+def strategy_class(name: str, plugin_path: str | None = None) -> type[Strategy]:
+    """The Strategy subclass a registered name or a plugin ``"package.module:ClassName"`` names."""
+    target = BUILTIN_STRATEGIES.get(name, name)
+    module_name, _, class_name = target.partition(":")
+    where = f"{plugin_path} or PYTHONPATH" if plugin_path else "PYTHONPATH"
+    if plugin_path:
+        folder = str(Path(plugin_path).expanduser())
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise PluginError(
+                f"strategy.name = {name!r}: no module {module_name!r} in {where}; put "
+                f"{module_name.replace('.', '/')}.py next to the config or set "
+                "strategy.plugin_path"
+            ) from None
+        raise PluginError(
+            f"strategy.name = {name!r}: importing {module_name!r} failed: {exc}"
+        ) from None
+    except Exception as exc:  # the plugin's own code failed while importing
+        raise PluginError(
+            f"strategy.name = {name!r}: importing {module_name!r} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise PluginError(
+            f"strategy.name = {name!r}: module {module_name!r} ({module.__file__}) has no "
+            f"{class_name!r}"
+        )
+    if not (inspect.isclass(cls) and issubclass(cls, Strategy)):
+        raise PluginError(
+            f"strategy.name = {name!r}: {class_name} is not a subclass of "
+            "userdp.strategies.Strategy"
+        )
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise PluginError(f"strategy.name = {name!r}: {class_name} does not implement {missing}")
+    return cls
+
+
+def _config_arguments(
+    config: Config, num_users: int, noise_multiplier: float, delta: float
+) -> dict[str, Callable[[], Any]]:
+    """Each argument a constructor may name, made only when named (``optimizer`` imports torch)."""
+    s = config.strategy
+    q = s.sampling_prob
+
+    def bins() -> Any:
+        if s.sampling == "cyclic-poisson":
+            return s.bands
+        return bins_for(q) if s.sampling in BALLS_IN_BINS else _OMIT
+
+    def epochs() -> Any:
+        b = bins()
+        return _OMIT if b is _OMIT else max(1, math.ceil(s.steps / b))
+
+    def expected_cohort() -> float:
+        return s.expected_cohort_size or q * num_users
+
+    return {
+        "noise_multiplier": lambda: noise_multiplier,
+        "clip_norm": lambda: s.clip_norm,
+        "sampling_prob": lambda: _OMIT if s.sampling in BALLS_IN_BINS else q,
+        "sampling": lambda: s.sampling,
+        "group_size": lambda: s.group_size,
+        "steps": lambda: s.steps,
+        "num_users": lambda: num_users,
+        "seed": lambda: s.sampler_seed,  # None: a secret seed (os.urandom), never output.seed
+        "optimizer": lambda: server_optimizer(config),
+        "sampler": lambda: make_sampler(
+            s.sampling,
+            sampling_prob=q,
+            bins=bins_for(q) if bins() is _OMIT else bins(),
+            cohort_cap=padding_cap(q, num_users),
+            seed=s.sampler_seed,
+        ),
+        "bins": bins,
+        "epochs": epochs,
+        "cohort_cap": lambda: padding_cap(q, num_users) if s.sampling == "padding" else _OMIT,
+        "bands": lambda: s.bands,
+        "expected_cohort_size": lambda: s.expected_cohort_size,
+        "expected_batch_size": lambda: s.expected_batch_size,
+        "count_stddev": lambda: max(expected_cohort() / 20.0, 1e-3),  # Andrew et al.: ≈ M/20
+        "probes": lambda: s.probes,
+        "estimator": lambda: s.estimator,
+        "local_steps": lambda: s.local_steps,
+        "local_lr": lambda: s.local_lr,
+        "concentration_threshold": lambda: s.concentration_threshold,
+        "epsilon": lambda: config.privacy.epsilon,
+        "delta": lambda: delta,
+    }
+
+
+CONFIG_ARGUMENTS: tuple[str, ...] = (
+    "noise_multiplier",
+    "clip_norm",
+    "sampling_prob",
+    "sampling",
+    "group_size",
+    "steps",
+    "num_users",
+    "seed",
+    "optimizer",
+    "sampler",
+    "bins",
+    "epochs",
+    "cohort_cap",
+    "bands",
+    "expected_cohort_size",
+    "expected_batch_size",
+    "count_stddev",
+    "probes",
+    "estimator",
+    "local_steps",
+    "local_lr",
+    "concentration_threshold",
+    "epsilon",
+    "delta",
+)
+"""The constructor arguments userdp makes from the config (module docstring)."""
+
+
+def constructor_parameters(cls: type[Strategy]) -> set[str]:
+    """The keyword arguments ``cls(...)`` takes, following ``**kwargs`` up its base classes (a
+    built-in such as DP-FedAvg passes the ULS arguments through)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        parameters = list(inspect.signature(init).parameters.values())[1:]  # without self
+        names |= {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return names
+
+
+def check_strategy_keys(cls: type[Strategy], strategy: StrategyConfig) -> None:
+    """The ``[strategy]`` keys ``cls`` cannot honour: a sampling scheme outside its
+    :attr:`~userdp.strategies.Strategy.samplings`, or a strategy-only key that is set but that its
+    constructor does not take (:class:`PluginError`)."""
+    name = strategy.name
+    if cls.samplings is not None and strategy.sampling not in cls.samplings:
+        allowed = " or ".join(repr(x) for x in cls.samplings)
+        raise PluginError(
+            f"strategy.name = {name!r} supports strategy.sampling = {allowed} only, got "
+            f"{strategy.sampling!r}"
+        )
+    accepted = constructor_parameters(cls)
+    unused = [k for k in OPTIONAL_KEYS if getattr(strategy, k) is not None and k not in accepted]
+    if unused:
+        raise PluginError(
+            f"strategy.{unused[0]} is set, but strategy.name = {name!r} ({cls.__name__}) does not "
+            "take it; remove it"
+            + (
+                ""
+                if name in BUILTIN_STRATEGIES
+                else " (a plugin takes its own arguments in [strategy.params])"
+            )
+        )
+
+
+def strategy_arguments(
+    cls: type[Strategy],
+    config: Config,
+    num_users: int,
+    noise_multiplier: float,
+    delta: float,
+) -> dict[str, Any]:
+    """The keyword arguments ``cls`` gets from ``config`` (module docstring), checked against its
+    signature without calling it."""
+    s = config.strategy
+    name = s.name
+    accepted = constructor_parameters(cls)
+    if "noise_multiplier" not in accepted:
+        raise PluginError(
+            f"strategy.name = {name!r}: {cls.__name__}.__init__ must accept noise_multiplier "
+            "(userdp calibrates it to the privacy target)"
+        )
+    check_strategy_keys(cls, s)
+    made = _config_arguments(config, num_users, noise_multiplier, delta)
+    kwargs = {key: make() for key, make in made.items() if key in accepted}
+    kwargs = {key: value for key, value in kwargs.items() if value is not _OMIT}
+    params: Mapping[str, Any] = s.params
+    clash = sorted(set(params) & set(kwargs))
+    if clash:
+        raise PluginError(
+            f"strategy.params.{clash[0]}: set by userdp from the config "
+            f"({', '.join(sorted(kwargs))}); use the [strategy] key or privacy section"
+        )
+    kwargs.update(params)
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as exc:
+        raise PluginError(f"strategy.params: {cls.__name__}: {exc}") from None
+    return kwargs
+
+
+def _checked_config(config: Config) -> None:
+    s = config.strategy
+    if s.engine == "randomized" and s.name != "randomized-clipping":
+        raise PluginError(
+            "strategy.engine = 'randomized' estimates norms, which needs its own accountant: "
+            "set strategy.name = 'randomized-clipping' (or use engine 'vectorized' / 'loop'; a "
+            "plugin that estimates norms sets engine='randomized' in its configure_task)"
+        )
+
+
+def check_strategy(config: Config) -> None:
+    """Import the config's strategy and check its constructor takes the arguments userdp would
+    pass (without building it)."""
+    _checked_config(config)
+    cls = strategy_class(config.strategy.name, config.strategy.plugin_path)
+    strategy_arguments(cls, config, num_users=1000, noise_multiplier=1.0, delta=1e-6)
+
+
+def build_strategy(
+    config: Config,
+    num_users: int,
+    noise_multiplier: float | Callable[[Mechanism], float],
+    delta: float | None = None,
+) -> Strategy:
+    """The config's strategy for ``num_users`` training users, built once.
+
+    ``noise_multiplier`` is σ, or a calibration that maps the strategy's mechanism value (built at
+    σ = 1) to σ; the strategy then takes that σ (:meth:`~userdp.strategies.Strategy.calibrate`),
+    and the mechanism it reports must equal the calibrated value, or the build fails rather than
+    record one mechanism and run another. δ (``user-wise-filter`` splits it): ``delta``, else
+    ``privacy.delta`` or 1/N^1.1."""
+    _checked_config(config)
+    if delta is None:
+        delta = config.privacy.delta or default_delta(num_users)
+    calibrate = noise_multiplier if callable(noise_multiplier) else None
+    sigma = 1.0 if calibrate is not None else float(noise_multiplier)
+    cls = strategy_class(config.strategy.name, config.strategy.plugin_path)
+    kwargs = strategy_arguments(cls, config, num_users, sigma, delta)
+    try:
+        strategy = cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PluginError(
+            f"strategy.params: {cls.__name__}({', '.join(sorted(kwargs))}) failed: {exc}"
+        ) from None
+    if calibrate is not None:
+        template = strategy.mechanism()
+        sigma = calibrate(template)
+        strategy.calibrate(sigma)
+        calibrated = dataclasses.replace(template, noise_multiplier=sigma)
+        if strategy.mechanism().to_dict() != calibrated.to_dict():
+            raise PluginError(
+                f"strategy.name = {config.strategy.name!r}: {cls.__name__}.mechanism() does not "
+                "follow noise_multiplier after calibration; read self.noise_multiplier where the "
+                "mechanism and the noise are made"
+            )
+    _noise_mode(strategy, config)
+    return strategy
+
+
+def _noise_mode(strategy: Strategy, config: Config) -> None:
+    """Give the strategy's noise a fresh generator of the mode ``privacy.secure_noise`` asks for
+    (the default generator is secure; a deterministic test generator is left alone)."""
+    rng = getattr(getattr(strategy, "noise", None), "rng", None)
+    secure = config.privacy.secure_noise
+    if isinstance(rng, NoiseRng) and rng.secure != secure and not rng.deterministic:
+        strategy.noise.rng = NoiseRng(secure=secure)
