@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from userdp.cli_deploy import DEPLOY_PATHS, chart_fullname
 from userdp.config import parse_config
+from userdp.kubernetes.chart import DEPLOY_PATHS, chart_fullname
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "userdp"
 

@@ -16,7 +16,7 @@ import pytest
 from userdp.proto.channels import SERVICE_NAME, WORKER_HEALTH_SERVICE
 
 from userdp.cli import build_parser
-from userdp.cli_deploy import DEPLOY_PATHS
+from userdp.kubernetes.chart import DEPLOY_PATHS
 
 SHARD_JOB_SCRIPT = 'if [ -f "$1/manifest.json" ]; then exec userdp shard verify "$1"; fi'
 # The chart has no default data source; tests about other things use the demo corpus.
@@ -161,7 +161,9 @@ def test_manifest_commands_are_registered_in_the_cli(render_chart) -> None:
     commands = {argv[0] for _, argv, _, _ in userdp_command_lines(render_chart(DEMO))}
     missing = sorted(commands - _subcommands(build_parser()))
     if missing:
-        pytest.skip(f"userdp {', '.join(missing)} not in COMMAND_MODULES of userdp/cli.py yet")
+        pytest.skip(
+            f"userdp {', '.join(missing)} not in COMMAND_MODULES of userdp/cli/__init__.py yet"
+        )
 
 
 @pytest.mark.parametrize("tls", [True, False])

@@ -11,18 +11,11 @@ import pytest
 import yaml
 
 from userdp.cli import main
-from userdp.cli_deploy import (
-    CHART_MANAGED_KEYS,
-    DEPLOY_PATHS,
-    ShardSource,
-    chart_fullname,
-    effective_config,
-    probe,
-    render_values,
-    secret_manifests,
-    worker_ids,
-)
 from userdp.config import ConfigError
+from userdp.kubernetes.chart import CHART_MANAGED_KEYS, DEPLOY_PATHS, chart_fullname, worker_ids
+from userdp.kubernetes.probe import probe
+from userdp.kubernetes.secrets import secret_manifests
+from userdp.kubernetes.values import ShardSource, effective_config, render_values
 
 # The chart has no default data source; tests about other things use the demo corpus.
 DEMO = {"shardJob": {"demo": True}}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from userdp.cli_deploy import DEPLOY_PATHS
+from userdp.kubernetes.chart import DEPLOY_PATHS
 
 IMAGE = os.environ.get("USERDP_IMAGE", "")
 RUNNER = os.environ.get("USERDP_IMAGE_RUNNER", "podman")

@@ -28,9 +28,10 @@ from pathlib import Path
 import pytest
 from userdp.proto.channels import WORKER_HEALTH_SERVICE
 
-from userdp.cli_deploy import DEPLOY_PATHS, probe
+from userdp.kubernetes.chart import DEPLOY_PATHS
+from userdp.kubernetes.probe import probe
 
-ENTRY_POINTS = ("userdp.cli_coordinator", "userdp.cli_worker", "userdp.clients.worker_service")
+ENTRY_POINTS = ("userdp.cli.coordinator", "userdp.cli.worker", "userdp.clients.worker_service")
 MOUNTS = ("/etc/userdp/config", "/etc/userdp/tls", "/etc/userdp/token", "/data", "/var/lib/userdp")
 
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from userdp.proto.channels import WORKER_HEALTH_SERVICE
 
-from userdp.cli_deploy import probe
 from userdp.config import parse_config
-from userdp.run_components import prepare_run
-from userdp.run_outputs import config_toml
-from userdp.simulation import run
+from userdp.kubernetes.probe import probe
+from userdp.run.components import prepare_run
+from userdp.run.launch import run
+from userdp.run.outputs import config_toml
 
 RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

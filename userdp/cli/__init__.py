@@ -110,5 +110,3 @@ def _save_traceback(args: argparse.Namespace) -> Path | str:
     return path
 
 
-if __name__ == "__main__":
-    sys.exit(main())

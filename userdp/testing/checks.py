@@ -24,7 +24,14 @@ from userdp.server.population import Population
 from userdp.strategies.base import PopulationCounts, Strategy, parse_example_unit_id
 from userdp.strategies.step import CohortSum, run_step
 from userdp.strategies.unit_stats import UnitStats
-from userdp.testing.stats import assert_gaussian_noise, assert_uncorrelated, std_bounds
+from userdp.testing.stats import (
+    ALPHA,
+    assert_gaussian_noise,
+    assert_uncorrelated,
+    binomial_interval,
+    chi2_interval,
+    std_bounds,
+)
 
 SHAPES = {"w": (400, 256), "b": (512,)}  # 102 912 coordinates: ~±1.7% χ² interval at 1e-7
 STATISTIC_DRAWS = 4000
@@ -288,7 +295,7 @@ class Kit:
                     _flat(b.noisy_sum),
                     earlier,
                     f"the restored copy's step 2 vs the original's step {step} (noise replayed)",
-                    stats.ALPHA / 2,
+                    ALPHA / 2,
                 )
         assert np.any(difference != 0), f"{what}: identical noise (noise replayed after resume)"
         if stateful:
@@ -332,7 +339,7 @@ class Kit:
             for unit in cohort:
                 counts[position[unit]] += 1
         trials = len(users) * SAMPLING_STEPS
-        lo, hi = stats.binomial_interval(trials, q)
+        lo, hi = binomial_interval(trials, q)
         total = int(counts.sum())
         assert lo <= total <= hi, (
             f"users were included {total} times in {SAMPLING_STEPS} steps of {len(users)} users "
@@ -344,7 +351,7 @@ class Kit:
         dispersion = float(
             np.sum((sizes_arr - sizes_arr.mean()) ** 2) / (len(users) * rate * (1 - rate))
         )
-        d_lo, d_hi = stats.chi2_interval(SAMPLING_STEPS - 1, slack=0.05)
+        d_lo, d_hi = chi2_interval(SAMPLING_STEPS - 1, slack=0.05)
         assert d_lo <= dispersion <= d_hi, (
             f"cohort sizes (min {sizes_arr.min()}, max {sizes_arr.max()}) do not vary like "
             f"Binomial({len(users)}, {rate:.4f}): dispersion {dispersion:.1f} outside "
@@ -366,7 +373,7 @@ class Kit:
             f"a user contributed {most} distinct examples over the run; the mechanism's "
             f"group size is G = {g} (D_sub must be chosen once)"
         )
-        lo, hi = stats.binomial_interval(d_sub * SAMPLING_STEPS, p)
+        lo, hi = binomial_interval(d_sub * SAMPLING_STEPS, p)
         assert lo <= total <= hi, (
             f"{total} example inclusions in {SAMPLING_STEPS} steps over |D_sub| = {d_sub} but "
             f"the mechanism says p = {p:g}: outside [{lo}, {hi}]"
@@ -387,7 +394,7 @@ class Kit:
                     f"user {unit!r} joined steps {seen} and {t} (mod {bands}); the banded-Poisson "
                     "accountant needs every user's steps to be b̂ apart (one group per user)"
                 )
-        lo, hi = stats.binomial_interval(len(self.population.user_ids) * cycles, p)
+        lo, hi = binomial_interval(len(self.population.user_ids) * cycles, p)
         assert lo <= total <= hi, (
             f"{total} inclusions in {cycles} cycles of {bands} steps over "
             f"{len(self.population.user_ids)} users, but the mechanism says p = {p:g} within "
