@@ -1,14 +1,20 @@
-"""The strategy matrix C of a matrix mechanism, as numbers: the one place they are computed.
+"""The strategy matrix C of a matrix mechanism and its streaming inverse: the one place both live.
 
 A matrix mechanism (DP-FTRL) releases x_t + σ·(C⁻¹Z)_t for a lower-triangular Toeplitz C; all
 releases together are post-processing of CX + σZ, so the privacy loss is read off C's columns
-(Near Exact Privacy Amplification for Matrix Mechanisms, §2). The accountant needs C; the noise
-stream needs the parameters of a recurrence that outputs (C⁻¹Z)_t. Both read them from one
+(Near Exact Privacy Amplification for Matrix Mechanisms, §2, arXiv:2410.06266). The accountant
+needs C; the noise stream needs (C⁻¹Z)_t one step at a time. Both come from one
 :class:`Correlation`, which :func:`from_spec` builds from the
-:class:`~userdp.accounting.mechanisms.CorrelationSpec` the ledger records.
+:class:`~userdp.accounting.mechanisms.CorrelationSpec` the ledger records: its
+:meth:`~Correlation.inverse_step` is the recurrence the noise streams of
+:mod:`userdp.strategies.blt` run on model-sized numpy arrays or torch tensors, and
+:meth:`~Correlation.inverse_coefs` is that same recurrence run on the unit impulse.
 
-* :class:`BltCorrelation`, buffered linear Toeplitz (Dvijotham et al., "Efficient and Near-Optimal Noise Generation for Streaming Differential Privacy"; McMahan et al., "A Hassle-free Algorithm for Private Learning in Practice: Don't Use Tree Aggregation, Use BLTs"): c_0 = 1,
-  c_k = Σ_j ω_j θ_j^{k−1} (k ≥ 1), θ ∈ (0, 1)^d. Streaming with d buffers S_j (start at 0)::
+* :class:`BltCorrelation`, buffered linear Toeplitz (Dvijotham et al., "Efficient and
+  Near-Optimal Noise Generation for Streaming Differential Privacy", arXiv:2404.16706; McMahan et
+  al., "A Hassle-free Algorithm for Private Learning in Practice: Don't Use Tree Aggregation, Use
+  BLTs"): c_0 = 1, c_k = Σ_j ω_j θ_j^{k−1} (k ≥ 1), θ ∈ (0, 1)^d. Streaming with d buffers S_j
+  (start at 0)::
 
       x_t = z_t − Σ_j ω_j S_j ;   S_j ← θ_j S_j + x_t            (x = C⁻¹z exactly)
 
@@ -18,10 +24,13 @@ stream needs the parameters of a recurrence that outputs (C⁻¹Z)_t. Both read 
 
       x_t = (z_t − Σ_{k=1}^{b−1} c_k x_{t−k}) / c_0
 
+  iid noise is its identity case, coefs (1,): x_t = z_t, no state.
+
 Spec names: ``blt`` (``buf_decay`` θ, ``output_scale`` ω); ``banded`` and ``toeplitz``
 (``coefs``: the first column, zero-padded to n); ``identity`` (banded with coefs (1,)).
 
-Imports numpy and scipy.signal only: never torch, never ``userdp.strategies``.
+Imports numpy only: never torch (tensors are handled through their own operators and
+``add_``), never ``userdp.strategies``.
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ __all__ = [
     "BltCorrelation",
     "Correlation",
     "CorrelationError",
+    "IDENTITY",
     "from_spec",
+    "min_sep_column",
     "toeplitz_matrix",
 ]
 
@@ -65,8 +76,21 @@ class Correlation(ABC):
         """c_0..c_{n−1}: the first column of the n×n C."""
 
     @abstractmethod
+    def inverse_step(self, z: Any, state: list[Any]) -> tuple[Any, list[Any]]:
+        """(x_t, state after t) with x_t = (C⁻¹Z)_t, from z_t and the state after t − 1 (``[]``
+        at t = 0, meaning all zeros). ``z`` is a numpy array or torch tensor; the state holds
+        arrays of its kind, shape and dtype. ``z`` and the state are updated in place where the
+        recurrence allows, so the caller must own them."""
+
     def inverse_coefs(self, n: int) -> np.ndarray:
-        """ĉ_0..ĉ_{n−1}: the first column of the n×n C⁻¹ (the stream's impulse response)."""
+        """ĉ_0..ĉ_{n−1}: the first column of the n×n C⁻¹, as :meth:`inverse_step` streams it
+        (its response to the unit impulse z = e_0)."""
+        out = np.zeros(n)
+        state: list[Any] = []
+        for t in range(n):
+            x, state = self.inverse_step(np.full(1, 1.0 if t == 0 else 0.0), state)
+            out[t] = x[0]
+        return out
 
     @property
     @abstractmethod
@@ -115,15 +139,17 @@ class BltCorrelation(Correlation):
         powers = theta[None, :] ** np.arange(max(n - 1, 0))[:, None]
         return np.concatenate([[1.0], (omega[None, :] * powers).sum(axis=1)])[:n]
 
-    def inverse_coefs(self, n: int) -> np.ndarray:
-        theta, omega = np.asarray(self.buf_decay), np.asarray(self.output_scale)
-        out = np.zeros(n)
-        state = np.zeros(len(theta))
-        for t in range(n):
-            x = (1.0 if t == 0 else 0.0) - float(omega @ state)
-            out[t] = x
-            state = theta * state + x
-        return out
+    def inverse_step(self, z: Any, state: list[Any]) -> tuple[Any, list[Any]]:
+        """x_t = z_t − Σ_j ω_j S_j, then S_j ← θ_j S_j + x_t, all in place (x_t is ``z``)."""
+        x = z
+        if not state:  # S = 0: x_0 = z_0 and each S_j becomes x_0
+            return x, [x * 1.0 for _ in self.buf_decay]  # x * 1.0: a copy, numpy or torch
+        for w, s in zip(self.output_scale, state, strict=True):
+            _axpy(x, -w, s)
+        for t, s in zip(self.buf_decay, state, strict=True):
+            s *= t
+            _axpy(s, 1.0, x)
+        return x, state
 
     @property
     def is_identity(self) -> bool:
@@ -155,13 +181,14 @@ class BandedCorrelation(Correlation):
         out[:band] = self.coefs[:band]
         return out
 
-    def inverse_coefs(self, n: int) -> np.ndarray:
-        # The impulse response of the recursive filter c_0 y_t = x_t − Σ_{k≥1} c_k y_{t−k}.
-        impulse = np.zeros(n)
-        impulse[:1] = 1.0
-        from scipy import signal  # imported on use: importing this module stays light
-
-        return signal.lfilter([1.0], np.asarray(self.coefs), impulse)
+    def inverse_step(self, z: Any, state: list[Any]) -> tuple[Any, list[Any]]:
+        """x_t = (z_t − Σ_{k≥1} c_k x_{t−k}) / c_0; the state is the last b − 1 outputs, newest
+        first."""
+        x = z
+        for c, past in zip(self.coefs[1:], state, strict=False):
+            x = x - c * past
+        x = x / self.coefs[0]
+        return x, [x, *state][: len(self.coefs) - 1]
 
     @property
     def is_identity(self) -> bool:
@@ -169,6 +196,32 @@ class BandedCorrelation(Correlation):
 
     def spec(self) -> CorrelationSpec:
         return CorrelationSpec.of("banded", coefs=list(self.coefs))
+
+
+IDENTITY = BandedCorrelation((1.0,))
+"""C = I: iid noise, x_t = z_t."""
+
+
+def min_sep_column(coefs: np.ndarray, min_sep: int = 1, participations: int = 1) -> np.ndarray:
+    """u_t = Σ_j c_{t − j·b}: the sum of C's columns 0, b, 2b, … (at most ``participations`` of
+    them) for a Toeplitz C with first column ``coefs``, the worst participation pattern of C
+    with non-negative, non-increasing coefs under ≤ k participations at least b = ``min_sep``
+    apart (and mode 0 of the balls-in-bins pair with b bins, k epochs)."""
+    n = len(coefs)
+    k = min(int(participations), math.ceil(n / min_sep))
+    column = np.zeros(n)
+    for j in range(k):
+        column[j * min_sep :] += coefs[: n - j * min_sep]
+    return column
+
+
+def _axpy(y: Any, a: float, x: Any) -> None:
+    """y += a·x in place; a torch tensor (recognized by ``add_``) without a temporary."""
+    add_ = getattr(y, "add_", None)
+    if add_ is not None:
+        add_(x, alpha=a)
+    else:
+        y += a * x
 
 
 _PARAMS = {
@@ -198,5 +251,5 @@ def from_spec(spec: CorrelationSpec | Mapping[str, Any]) -> Correlation:
     if spec.name == "blt":
         return BltCorrelation(params["buf_decay"], params["output_scale"])
     if spec.name == "identity":
-        return BandedCorrelation((1.0,))
+        return IDENTITY
     return BandedCorrelation(params["coefs"])

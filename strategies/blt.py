@@ -9,7 +9,8 @@ C itself (its coefficients, inverse and dense form, and the parameters the strea
 comes from :mod:`userdp.accounting.correlation`, the module the accountant builds C with:
 :class:`Blt` is its :class:`~userdp.accounting.correlation.BltCorrelation`, :class:`BandedNoise`
 holds a :class:`~userdp.accounting.correlation.BandedCorrelation`. This module streams C⁻¹Z
-(:class:`BltNoise`, :class:`BandedNoise`) and optimizes C.
+(:class:`CorrelatedNoise`: :class:`BltNoise`, :class:`BandedNoise`) with C's own
+:meth:`~userdp.accounting.correlation.Correlation.inverse_step`, and optimizes C.
 
 Optimization (:func:`optimize_blt`) minimizes loss(C) = sens²(C; b, k) · error(C⁻¹), A the
 prefix-sum matrix, for one of two errors (:data:`OBJECTIVES`): ``"max-error"``, jax_privacy's
@@ -36,7 +37,9 @@ from scipy import optimize as sopt
 from userdp.accounting.correlation import (
     BandedCorrelation,
     BltCorrelation,
+    Correlation,
     CorrelationError,
+    min_sep_column,
     toeplitz_matrix,
 )
 from userdp.accounting.mechanisms import CorrelationSpec
@@ -48,6 +51,7 @@ __all__ = [
     "BltError",
     "BandedNoise",
     "BltNoise",
+    "CorrelatedNoise",
     "OBJECTIVES",
     "banded_inverse_coefs",
     "max_error",
@@ -120,18 +124,6 @@ def objective_error(objective: str) -> Callable[[np.ndarray], float]:
         raise BltError(
             f"objective={objective!r} is not known; expected one of {', '.join(OBJECTIVES)}"
         ) from None
-
-
-def min_sep_column(coefs: np.ndarray, min_sep: int = 1, participations: int = 1) -> np.ndarray:
-    """u_t = Σ_j c_{t − j·b}: the sum of C's columns 0, b, 2b, … (at most ``participations`` of
-    them), the worst participation pattern of Toeplitz C with non-negative, non-increasing coefs
-    under ≤ k participations at least b = ``min_sep`` apart."""
-    n = len(coefs)
-    k = min(int(participations), math.ceil(n / min_sep))
-    column = np.zeros(n)
-    for j in range(k):
-        column[j * min_sep :] += coefs[: n - j * min_sep]
-    return column
 
 
 def min_sep_sensitivity_squared(coefs: np.ndarray, min_sep: int = 1, participations: int = 1):
@@ -258,13 +250,20 @@ def optimize_blt(
 # streaming noise
 
 
-class _StreamingNoise(NoiseMechanism):
-    """Shared bookkeeping: a step counter that must advance by one per released step."""
+class CorrelatedNoise(NoiseMechanism):
+    """Streaming (C⁻¹Z)_t: z_t from the generator, then C's own
+    :meth:`~userdp.accounting.correlation.Correlation.inverse_step` (the recurrence the
+    accountant's C⁻¹ is computed with) on each tensor, with that tensor's stream state.
+
+    Each step must be noised exactly once and in order (a retried or aborted step that drew noise
+    would desynchronize the stream: the coordinator draws noise only after gathering succeeded).
+    """
 
     kind = ""
 
-    def __init__(self, rng: NoiseRng | None = None) -> None:
+    def __init__(self, correlation: Correlation, rng: NoiseRng | None = None) -> None:
         super().__init__(rng)
+        self.correlation = correlation
         self.next_step: int | None = None
         self.buffers: dict[str, list[Any]] = {}
 
@@ -275,6 +274,15 @@ class _StreamingNoise(NoiseMechanism):
                 f"{self.next_step}; steps must be noised once each, in order"
             )
         self.next_step = step + 1
+
+    def sample(self, step: int, like: Mapping[str, Any]) -> dict[str, Any]:
+        self._advance(step)
+        out = {}
+        for name, value in like.items():
+            z = self.rng.normal_like(value)
+            state = [T.match(s, z) for s in self.buffers.get(name, [])]
+            out[name], self.buffers[name] = self.correlation.inverse_step(z, state)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         buffers = {name: [T.clone(b) for b in values] for name, values in self.buffers.items()}
@@ -288,72 +296,35 @@ class _StreamingNoise(NoiseMechanism):
         self.buffers = {name: list(values) for name, values in state["buffers"].items()}
 
 
-class BltNoise(_StreamingNoise):
-    """Streaming (C⁻¹Z)_t for a BLT C, d model-sized buffers per tensor: the recurrence of
-    :mod:`userdp.accounting.correlation` on ``blt``'s own (θ, ω).
-
-    Each step must be noised exactly once and in order (a retried or aborted step that drew noise
-    would desynchronize the stream: the coordinator draws noise only after gathering succeeded).
-    """
+class BltNoise(CorrelatedNoise):
+    """Streaming (C⁻¹Z)_t for a BLT C, d model-sized buffers per tensor: ``blt``'s own
+    recurrence on its (θ, ω)."""
 
     kind = "blt"
 
     def __init__(self, blt: Blt, rng: NoiseRng | None = None) -> None:
-        super().__init__(rng)
+        super().__init__(blt, rng)
         self.blt = blt
 
-    def sample(self, step: int, like: Mapping[str, Any]) -> dict[str, Any]:
-        self._advance(step)
-        theta, omega = self.blt.buf_decay, self.blt.output_scale
-        out = {}
-        for name, value in like.items():
-            x = self.rng.normal_like(value)  # becomes (C⁻¹z)_t in place
-            state = self.buffers.get(name)
-            if state is None:
-                state = [T.zeros_like(x) for _ in theta]
-            else:
-                state = [_match(s, x) for s in state]
-            for w, s in zip(omega, state, strict=True):
-                _axpy(x, -w, s)
-            for t, s in zip(theta, state, strict=True):
-                s *= t
-                _axpy(s, 1.0, x)
-            self.buffers[name] = state
-            out[name] = x
-        return out
 
-
-class BandedNoise(_StreamingNoise):
-    """Streaming (C⁻¹Z)_t for a banded Toeplitz C with ``coefs`` c_0..c_{b−1} (c_0 > 0):
-    x_t = (z_t − Σ_{k=1}^{b−1} c_k x_{t−k}) / c_0, keeping the last b − 1 outputs. ``banded`` is
-    the accountant's :class:`~userdp.accounting.correlation.BandedCorrelation` of these coefs."""
+class BandedNoise(CorrelatedNoise):
+    """Streaming (C⁻¹Z)_t for a banded Toeplitz C with ``coefs`` c_0..c_{b−1} (c_0 > 0),
+    keeping the last b − 1 outputs per tensor. ``banded`` is the accountant's
+    :class:`~userdp.accounting.correlation.BandedCorrelation` of these coefs."""
 
     kind = "banded"
 
     def __init__(self, coefs: Sequence[float], rng: NoiseRng | None = None) -> None:
-        super().__init__(rng)
         try:
-            self.banded = BandedCorrelation(coefs)
+            banded = BandedCorrelation(coefs)
         except CorrelationError as exc:
             raise BltError(str(exc)) from None
+        super().__init__(banded, rng)
+        self.banded = banded
 
     @property
     def coefs(self) -> tuple[float, ...]:
         return self.banded.coefs
-
-    def sample(self, step: int, like: Mapping[str, Any]) -> dict[str, Any]:
-        self._advance(step)
-        out = {}
-        for name, value in like.items():
-            z = self.rng.normal_like(value)
-            history = [_match(h, z) for h in self.buffers.get(name, [])]  # newest first
-            x = z
-            for c, past in zip(self.coefs[1:], history, strict=False):
-                x = x - c * past
-            x = x / self.coefs[0]
-            self.buffers[name] = [x, *history][: len(self.coefs) - 1]
-            out[name] = x
-        return out
 
 
 def banded_inverse_coefs(coefs: Sequence[float], n: int) -> np.ndarray:
@@ -397,26 +368,3 @@ def optimize_banded(
         res = sopt.minimize(loss_of, start, method="L-BFGS-B", bounds=[(0.0, 1.0)] * (bands - 1))
         coefs = np.concatenate([[1.0], res.x])
     return coefs, float(_banded_loss(coefs, n, min_sep, participations, error))
-
-
-def _axpy(y: Any, a: float, x: Any) -> None:
-    """y += a·x in place, without a temporary for torch."""
-    if T.is_torch(y):
-        y.add_(x, alpha=a)
-    else:
-        y += a * x
-
-
-def _match(stored: Any, like: Any) -> Any:
-    """A buffer (ours, or restored numpy/torch from a checkpoint) as ``like``'s kind, device and
-    dtype; a private copy is made whenever it is not already exactly that."""
-    if T.is_torch(like):
-        import torch
-
-        if T.is_torch(stored) and stored.device == like.device and stored.dtype == like.dtype:
-            return stored
-        tensor = stored if T.is_torch(stored) else torch.from_numpy(np.array(stored))
-        return tensor.to(device=like.device, dtype=like.dtype, copy=True)
-    if isinstance(stored, np.ndarray) and stored.dtype == like.dtype:
-        return stored
-    return np.array(T.to_numpy(stored), dtype=like.dtype)

@@ -17,6 +17,7 @@ __all__ = [
     "clone",
     "is_torch",
     "is_finite",
+    "match",
     "norm",
     "sum_tensor_dicts",
     "to_numpy",
@@ -50,6 +51,21 @@ def clone(x: Any) -> Any:
     if is_torch(x):
         return x.detach().clone()
     return np.array(x, copy=True)
+
+
+def match(stored: Any, like: Any) -> Any:
+    """``stored`` (numpy or torch, e.g. restored from a checkpoint) as ``like``'s kind, device
+    and dtype; a private copy is made whenever it is not already exactly that."""
+    if is_torch(like):
+        import torch
+
+        if is_torch(stored) and stored.device == like.device and stored.dtype == like.dtype:
+            return stored
+        tensor = stored if is_torch(stored) else torch.from_numpy(np.array(stored))
+        return tensor.to(device=like.device, dtype=like.dtype, copy=True)
+    if isinstance(stored, np.ndarray) and stored.dtype == like.dtype:
+        return stored
+    return np.array(to_numpy(stored), dtype=like.dtype)
 
 
 def is_finite(x: Any) -> bool:
