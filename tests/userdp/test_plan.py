@@ -118,7 +118,7 @@ def test_sigma_is_the_calibrated_noise_multiplier(plan) -> None:
     from userdp.accounting.calibration import calibrate_noise_multiplier
     from userdp.accounting.mechanisms import UlsMechanism
 
-    from userdp.compute_plan import PLAN_DISCRETIZATION
+    from userdp.plan.estimators import PLAN_DISCRETIZATION
 
     m, n = plan["cohort_size"], plan["num_users"]
     template = UlsMechanism(1.0, m / n)
@@ -173,7 +173,7 @@ def test_user_norm_is_the_gradient_norm_of_the_mean_example_loss(config_path) ->
     from userdp.clients.model import build_model, model_shape
     from userdp.clients.shard_store import ShardStore
 
-    from userdp.compute_plan import UserGradientNorms
+    from userdp.plan.estimators import UserGradientNorms
     from userdp.run.components import shard_directory
 
     config = load_config(config_path)
@@ -206,7 +206,7 @@ def test_user_norm_is_the_gradient_norm_of_the_mean_example_loss(config_path) ->
 
 
 def test_users_come_from_the_held_out_split_unless_training_users_are_allowed() -> None:
-    from userdp.compute_plan import PlanError, sample_users
+    from userdp.plan.budget import PlanError, sample_users
 
     train, held = [f"t{i}" for i in range(50)], [f"h{i}" for i in range(20)]
     kw = {"eval_fraction": 0.3, "allow_training_users": False}
@@ -279,7 +279,7 @@ def test_user_norm_with_perplexity_selection_uses_the_initial_models_lowest_ppl(
     from userdp.clients.model import build_model, model_shape
     from userdp.clients.shard_store import ShardStore
 
-    from userdp.compute_plan import UserGradientNorms
+    from userdp.plan.estimators import UserGradientNorms
     from userdp.run.components import shard_directory
 
     config = load_config(config_path)

@@ -108,5 +108,3 @@ def _save_traceback(args: argparse.Namespace) -> Path | str:
     except OSError:
         return "not saved: the log directory is not writable"
     return path
-
-

@@ -1,5 +1,5 @@
 """``userdp plan --config F --compute-budget B``: ULS's group size and cohort for a compute
-budget by Estimate-and-Double, and the ELS group-size heuristic (see :mod:`userdp.compute_plan`)."""
+budget by Estimate-and-Double, and the ELS group-size heuristic (see :mod:`userdp.plan.budget`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ RULE_HELP = (
 
 def _plan(args: argparse.Namespace) -> int:
     from userdp.cli.simulate import demo_config_path
-    from userdp.compute_plan import plan_budget
     from userdp.config import load_config
+    from userdp.plan.budget import plan_budget
 
     if args.demo == bool(args.config):
         raise ValueError("give exactly one of --config FILE or --demo")
