@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from scipy import stats
 from userdp.accounting.api import epsilon as accountant_epsilon
+from userdp.accounting.durable import atomic_write_text
 from userdp.clients.clipping import Accumulator, add_clipped_unit
 from userdp.server.population import Population
 from userdp.strategies.inprocess import run_local_step
@@ -248,5 +249,5 @@ def run_audit(
 def write_audit(result: AuditResult, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "audit.json"
-    path.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
     return path

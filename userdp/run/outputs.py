@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from userdp.accounting.durable import atomic_write_text
 from userdp.accounting.ledger import ledger_state, read_ledger
 from userdp.accounting.report import build_report, public_model_selection_caveat
 from userdp.clients.model import load_parameters
@@ -60,11 +59,9 @@ def _tokenizer_kind(config: Any) -> str | None:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
+    """A run output that replaces its previous version durably (:func:`atomic_write_text`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
 
 
 # ---- config.toml -------------------------------------------------------------------------------

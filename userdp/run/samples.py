@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+from userdp.accounting.durable import atomic_write_text
 
 PROMPT_TOKENS = 16
 """Tokens of a held-out user's first example used as its prompt."""
@@ -89,7 +90,7 @@ def generate_samples(
 
 def write_samples(rows: Sequence[dict[str, Any]], run_dir: Path) -> Path:
     path = Path(run_dir) / "samples.jsonl"
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     return path
 
 
