@@ -3,9 +3,7 @@ Differential Privacy for Language Model Fine-Tuning"): the filter's math on craf
 AboveThreshold, the noise on a real step, the halt, the refusal outside the in-process step, the
 config, and a short ``simulate --in-process`` run on a tiny model.
 
-Expected values are computed here from the test's constants, never read back from the code.
-One idea — the strategy as it runs, from its math to a run folder — hence one module over 400
-lines."""
+Expected values are computed here from the test's constants, never read back from the code."""
 
 from __future__ import annotations
 
@@ -17,11 +15,11 @@ import pytest
 from scipy import stats
 from userdp.accounting.ledger import Ledger
 from userdp.strategies import AboveThreshold, NoiseRng, Sgd, TrainingHalted, UserWiseFilter
-from userdp.strategies.base import ClipStatistics, StrategyError
-from userdp.strategies.inprocess import run_step
+from userdp.strategies.base import StrategyError
+from userdp.strategies.inprocess import run_local_step
 from userdp.strategies.noise import GaussianNoise
-from userdp.strategies.step import Gathered
-from userdp.strategies.step import run_step as contract_step
+from userdp.strategies.step import CohortSum, run_step
+from userdp.strategies.unit_stats import UnitStats
 from userdp.strategies.user_filter import (
     concentration_score,
     keep_probabilities,
@@ -66,7 +64,7 @@ class PointWorker:
         for unit in unit_ids:
             for name, value in self.points[unit].items():
                 total[name] = total[name] + value
-        return total, ClipStatistics(len(unit_ids), 0)
+        return total, UnitStats(count=len(unit_ids))
 
 
 def _line(positions: list[float]) -> list[dict[str, np.ndarray]]:
@@ -213,7 +211,7 @@ def test_noise_std_on_the_filtered_mean_equals_algorithm_3():
     assert strategy.noise_std(n) == pytest.approx(expected, rel=1e-12)
     seen = []
     params = _zeros()
-    run_step(strategy, 0, params, users, worker, on_release=seen.append)
+    run_local_step(strategy, 0, params, users, worker, on_release=seen.append)
     assert worker.calls == n  # one call per user: every user's own update
     (release,) = seen
     assert release.cohort.expected_size == n and len(release.cohort) == n
@@ -234,7 +232,7 @@ def test_filtered_mean_keeps_the_concentrated_users_only():
     # ε = 400: AboveThreshold's Laplace scales are 0.02 and 0.04 against a margin of 2
     strategy = _strategy(concentration_threshold=0.05, epsilon=400.0, noise=ZeroNoise())
     seen = []
-    run_step(strategy, 0, {"g": np.zeros(2)}, users, worker, on_release=seen.append)
+    run_local_step(strategy, 0, {"g": np.zeros(2)}, users, worker, on_release=seen.append)
     np.testing.assert_allclose(seen[0].noisy_sum["g"], n * center["g"], rtol=1e-12)
 
 
@@ -246,13 +244,13 @@ def test_a_spread_population_halts_and_the_halt_is_charged_and_reported(tmp_path
     ledger = Ledger.open(tmp_path / "ledger.jsonl", create=True, budget_epsilon=50.0, delta=DELTA)
     params = {"g": np.array([1.0])}
     seen = []
-    run_step(strategy, 0, params, users, worker, ledger=ledger, on_release=seen.append)
+    run_local_step(strategy, 0, params, users, worker, ledger=ledger, on_release=seen.append)
     assert seen[0].noisy_sum == {}  # the halt releases nothing but itself
     assert params["g"].tolist() == [1.0]  # and moves nothing
     assert strategy.halted_at == 0 and ledger.steps == 1  # charged: ε/2 of AboveThreshold is spent
     assert ledger.spent(DELTA) >= EPSILON / 2
     with pytest.raises(TrainingHalted, match="answered below at step 0"):
-        run_step(strategy, 1, params, users, worker, ledger=ledger)
+        run_local_step(strategy, 1, params, users, worker, ledger=ledger)
     assert ledger.steps == 1
     caveats = strategy.facts().caveats
     assert any(c.startswith("HALT: AboveThreshold answered below at step 0") for c in caveats)
@@ -270,20 +268,20 @@ def test_continuing_after_steps_lost_since_the_checkpoint_is_refused():
     worker = PointWorker({u: {"g": np.zeros(2)} for u in users})
     strategy = _strategy()
     params = {"g": np.zeros(2)}
-    run_step(strategy, 0, params, users, worker)
+    run_local_step(strategy, 0, params, users, worker)
     checkpoint = strategy.state_dict()  # taken after step 0
-    run_step(strategy, 1, params, users, worker)
-    run_step(strategy, 2, params, users, worker)
+    run_local_step(strategy, 1, params, users, worker)
+    run_local_step(strategy, 2, params, users, worker)
     # a crash loses steps 1-2 (charged in the ledger); the resume skips them and goes on at 3
     resumed = _strategy()
     resumed.load_state_dict(checkpoint)
     with pytest.raises(StrategyError, match="checkpoint_every = 1"):
-        run_step(resumed, 3, params, users, worker)
+        run_local_step(resumed, 3, params, users, worker)
     fresh = _strategy()  # no checkpoint at all: a new AboveThreshold instance mid-run
     with pytest.raises(StrategyError, match="follows step -1"):
-        run_step(fresh, 3, params, users, worker)
+        run_local_step(fresh, 3, params, users, worker)
     resumed.load_state_dict(checkpoint)
-    run_step(resumed, 1, params, users, worker)  # the next step is fine
+    run_local_step(resumed, 1, params, users, worker)  # the next step is fine
 
 
 def test_a_transport_that_gathers_only_sums_is_refused_before_any_work():
@@ -292,13 +290,13 @@ def test_a_transport_that_gathers_only_sums_is_refused_before_any_work():
 
     def gather(planned):
         gathered.append(planned)
-        return Gathered({"g": np.zeros(2)}, ClipStatistics(2, 0))
+        return CohortSum({"g": np.zeros(2)}, UnitStats(count=2))
 
     with pytest.raises(StrategyError, match=r"userdp simulate --in-process"):
-        contract_step(strategy, 0, ["a", "b"], {"g": np.zeros(2)}, gather)
+        run_step(strategy, 0, {"g": np.zeros(2)}, ["a", "b"], gather)
     assert gathered == []
     with pytest.raises(StrategyError, match="returned only their sum"):
-        contract_step(strategy, 0, ["a", "b"], {"g": np.zeros(2)}, gather, unit_updates=True)
+        run_step(strategy, 0, {"g": np.zeros(2)}, ["a", "b"], gather, unit_updates=True)
 
 
 def test_the_mechanism_states_the_split_and_the_horizon():
@@ -372,8 +370,8 @@ def _sim_config(tmp_path, tau: float):
 
 
 def test_simulate_in_process_trains_and_the_report_names_the_mechanism(tmp_path):
-    from userdp.run_outputs import read_metrics
-    from userdp.simulation import run
+    from userdp.run.launch import run
+    from userdp.run.outputs import read_metrics
 
     # τ = 2C: every pair of clipped gradients is within τ, so AboveThreshold passes (the score
     # N is N/5 = 7.2 above its threshold, with Laplace scales 0.4 and 0.8) and all are kept.
@@ -400,7 +398,7 @@ def test_simulate_in_process_trains_and_the_report_names_the_mechanism(tmp_path)
 
 
 def test_simulate_in_process_halts_on_spread_gradients(tmp_path):
-    from userdp.simulation import run
+    from userdp.run.launch import run
 
     config = _sim_config(tmp_path, tau=1e-6)  # only i = i' within τ: the score is 1 ≪ 4N/5
     result = run(config, mode="in-process", quiet=True)

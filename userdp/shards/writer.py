@@ -12,8 +12,7 @@ partition, not an in-memory group-by):
 
 Everything is written into a hidden temporary directory next to ``--out`` and renamed into place
 at the end; on any error the temporary directories are removed, so ``--out`` is either complete
-or absent. Format: :mod:`userdp.clients.shard_format` and docs/data.md. One idea — the two-pass
-streaming writer — whose passes share their state, hence one module over 400 lines.
+or absent. Format: :mod:`userdp.clients.shard_format` and docs/data.md.
 """
 
 from __future__ import annotations

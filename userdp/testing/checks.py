@@ -1,7 +1,7 @@
 """The conformance checks themselves (:mod:`userdp.testing` runs them): one method of
 :class:`Kit` per check, each driving the real step with known contributions and asserting
-against the strategy's mechanism. One idea — the six checks share the population, the zero-
-contribution step and the mechanism-derived expectations — hence one module over 400 lines."""
+against the strategy's mechanism. The sampling check is in
+:mod:`userdp.testing.sampling_checks`."""
 
 from __future__ import annotations
 
