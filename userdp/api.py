@@ -7,14 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from userdp.config import Config, ConfigError, check_local_files, load_config, parse_config
-from userdp.run.launch import run
+from userdp.run.launch import RunResult, run
 
 __all__ = ["WORKERS", "simulate"]
 
 WORKERS = ("grpc", "in-process")
 
+ConfigSource = str | Path | Mapping[str, Any] | Config
+"""A TOML path, a dict of its sections, or a validated :class:`~userdp.config.Config`."""
 
-def _as_config(config: Any) -> Any:
+
+def _as_config(config: ConfigSource) -> Config:
     if isinstance(config, Config):
         return config
     if isinstance(config, str | Path):
@@ -30,12 +33,12 @@ def _as_config(config: Any) -> Any:
 
 
 def simulate(
-    config: Any,
+    config: ConfigSource,
     output_dir: str | Path | None = None,
     *,
     workers: str = "grpc",
     quiet: bool = True,
-) -> Any:
+) -> RunResult:
     """Train ``config`` and return its :class:`~userdp.run.loop.RunResult` (run folder, steps
     done, ε, δ, σ, held-out loss before and after, why it stopped).
 

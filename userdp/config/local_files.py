@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from userdp.clients.shard_format import ManifestError, read_manifest
+from userdp.config.schema import Config
 
 __all__ = ["local_file_problems", "model_positions", "run_folder_problem"]
 
@@ -23,7 +24,7 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 """config.json keys transformers models use for the number of positions."""
 
 
-def local_file_problems(config: Any) -> list[str]:
+def local_file_problems(config: Config) -> list[str]:
     """One line per problem with the shard folder, TLS folder, model folder and run folder that
     ``config`` names (the module docstring); empty when there is none."""
     problems: list[str] = []

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from userdp.config import load_config
+from userdp.config import Config, load_config
 from userdp.kubernetes.chart import (
     CHART_MANAGED_KEYS,
     DEFAULT_PORT,
@@ -179,7 +179,7 @@ def render_values(
 PLUGIN_MAX_BYTES = 512 << 10  # a ConfigMap holds at most 1 MiB in all
 
 
-def _plugin_files(config: Any, kept: dict[str, dict[str, Any]]) -> tuple[dict[str, str], list]:
+def _plugin_files(config: Config, kept: dict[str, dict[str, Any]]) -> tuple[dict[str, str], list]:
     """The plugin module the chart ships in its ConfigMap (a single file next to the config, or
     in ``strategy.plugin_path``), or nothing for a built-in or a plugin installed as a package
     (which the image must then hold). ValueError when the chart cannot reach the plugin."""

@@ -37,6 +37,7 @@ import torch
 from userdp.clients.engine import ClippingEngine
 from userdp.clients.model import build_model, model_shape
 from userdp.clients.shard_store import ShardStore
+from userdp.config import Config
 from userdp.plan.estimators import CohortNoise, UserGradientNorms
 from userdp.run.components import default_delta, shard_directory, split_users
 from userdp.strategies.compute_budget import (
@@ -176,7 +177,7 @@ class BudgetPlan:
         }
 
 
-def check_plannable(config: Any, budget: int, rule: str, users: int, seed: int) -> None:
+def check_plannable(config: Config, budget: int, rule: str, users: int, seed: int) -> None:
     """Refuse what Estimate-and-Double cannot plan, before any data or model is read."""
     s = config.strategy
     if s.name != "uls" or s.sampling != "poisson":
@@ -237,7 +238,7 @@ def sample_users(
 
 
 def plan_budget(
-    config: Any,
+    config: Config,
     budget: int,
     *,
     rule: str = "std-ratio",

@@ -49,6 +49,7 @@ from userdp.server.population import Population
 from userdp.strategies.inprocess import run_local_step
 from userdp.strategies.unit_stats import UnitStats
 
+from userdp.config import Config
 from userdp.run.components import prepare_run
 from userdp.run.in_process import InProcessWorker
 
@@ -123,7 +124,7 @@ def _canary_parameter(params: dict[str, torch.Tensor], canaries: int) -> str:
 
 
 def run_audit(
-    config: Any,
+    config: Config,
     *,
     canaries: int = 200,
     canary_norm_multiple: float = 100.0,

@@ -112,7 +112,7 @@ class UserDpFlowerStrategy(FlowerStrategy):
 
     @classmethod
     def from_config(
-        cls, config: Any, ledger: Any, *, num_users: int, **kwargs: Any
+        cls, config: Config, ledger: Any, *, num_users: int, **kwargs: Any
     ) -> UserDpFlowerStrategy:
         """The strategy of a userdp config (a TOML path or a ``userdp.Config``; a built-in or a
         plugin ``"package.module:ClassName"``) with its execution options. ``num_users`` is N,

@@ -24,6 +24,8 @@ from userdp.server.checkpoint import restore_latest, save_checkpoint
 from userdp.server.coordinator import continue_after_lost_steps
 from userdp.strategies.unit_stats import UnitStats
 
+from userdp.config import Config
+from userdp.run.components import RunSetup
 from userdp.run.loop import RunLoop
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class InProcessWorker:
     shards) called in this process with the wire ``Task`` the coordinator would send for the
     same step and units. Used by ``simulate --in-process`` and by ``userdp audit``."""
 
-    def __init__(self, config: Any, setup: Any) -> None:
+    def __init__(self, config: Config, setup: RunSetup) -> None:
         self.store = ShardStore(setup.shard_dir)
         self.compute = build_compute(config, self.store)
         self.compute.apply_model({k: LocalTensor(v) for k, v in setup.frozen.items()}, full=True)

@@ -36,7 +36,8 @@ from userdp.clients.shard_store import ShardStore
 from userdp.clients.tokenization import load_tokenizer
 from userdp.server.startup import progress_logger, summarize
 
-from userdp.run.components import open_ledger, prepare_run
+from userdp.config import Config
+from userdp.run.components import RunSetup, open_ledger, prepare_run
 from userdp.run.evaluation import Evaluator, eval_examples
 from userdp.run.outputs import (
     MetricsLog,
@@ -68,7 +69,7 @@ class RunResult:
     params: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
 
 
-def resolved_config(config: Any, setup: Any, out: Path, mode: str) -> Any:
+def resolved_config(config: Config, setup: RunSetup, out: Path, mode: str) -> Any:
     """The config as run: shards, model folder and DeepSpeed file as absolute paths, σ and δ
     fixed, output dir set (written to ``config.toml``, which workers and ``userdp report``
     read)."""
@@ -96,7 +97,7 @@ def resolved_config(config: Any, setup: Any, out: Path, mode: str) -> Any:
 class RunLoop:
     """Metrics, evaluation, progress and outputs around the steps of one run."""
 
-    def __init__(self, config: Any, out: Path, *, quiet: bool, test_only_disable_noise: bool):
+    def __init__(self, config: Config, out: Path, *, quiet: bool, test_only_disable_noise: bool):
         self.out = out
         self.quiet = quiet
         self.no_noise = test_only_disable_noise

@@ -29,6 +29,8 @@ from userdp.clients.model import load_parameters
 from userdp.clients.selection import PERPLEXITY_SELECTIONS
 from userdp.clients.shard_format import read_manifest
 
+from userdp.config import Config
+from userdp.run.components import RunSetup
 from userdp.run.export import export_model
 from userdp.run.samples import samples_appendix
 
@@ -50,7 +52,7 @@ TRAINED_TOKENIZER_CAVEAT = (
 )
 
 
-def _tokenizer_kind(config: Any) -> str | None:
+def _tokenizer_kind(config: Config) -> str | None:
     """The shards' tokenizer kind (``byte``, ``bpe``, ``transformers``, ``tokenizers``)."""
     try:
         return read_manifest(config.data.shards).tokenizer.kind if config.data.shards else None
@@ -94,7 +96,7 @@ def _toml_table(name: str, values: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def config_toml(config: Any) -> str:
+def config_toml(config: Config) -> str:
     """The config as TOML (keys with value None are left out: None means 'the default')."""
     lines: list[str] = []
     for section, values in config.model_dump().items():
@@ -102,7 +104,7 @@ def config_toml(config: Any) -> str:
     return "\n".join(lines)
 
 
-def write_config(config: Any, run_dir: Path) -> Path:
+def write_config(config: Config, run_dir: Path) -> Path:
     path = run_dir / "config.toml"
     _atomic_write_text(path, config_toml(config))
     return path
@@ -148,7 +150,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 RELEASE_STATE = "userdp_release.json"
 
 
-def export_release(model: Any, params: Any, run_dir: Path, setup: Any, epsilon: Any) -> Path:
+def export_release(model: Any, params: Any, run_dir: Path, setup: RunSetup, epsilon: Any) -> Path:
     """The trained weights ``params`` loaded into ``model`` and exported to ``RUN/model`` with
     their release state (:func:`write_release_state` at ε, the setup's δ); returns the folder."""
     load_parameters(model, params)
@@ -199,7 +201,7 @@ def clipping_summary(steps: list[Mapping[str, Any]], clip_norm: float) -> str | 
     return text
 
 
-def render_report(run_dir: Path, config: Any, delta: float) -> dict:
+def render_report(run_dir: Path, config: Config, delta: float) -> dict:
     """Recompute the privacy report from ``ledger.jsonl`` and add the held-out evaluation from
     ``metrics.jsonl``; write ``privacy_report.{json,md}``. Returns the report dict."""
     rows = read_metrics(run_dir / "metrics.jsonl")

@@ -20,6 +20,8 @@ import pyarrow as pa
 import torch
 from userdp.accounting.durable import atomic_write_text
 
+from userdp.config import Config
+
 PROMPT_TOKENS = 16
 """Tokens of a held-out user's first example used as its prompt."""
 HELD_OUT_CAVEAT = (
@@ -30,7 +32,7 @@ HELD_OUT_CAVEAT = (
 
 
 def sample_prompts(
-    config: Any, tokenizer: Any, store: Any, eval_users: Sequence[str]
+    config: Config, tokenizer: Any, store: Any, eval_users: Sequence[str]
 ) -> list[tuple[str, np.ndarray]]:
     """(source, prompt ids) of the configured prompts or of held-out users' first tokens."""
     if config.output.sample_prompts is not None:
