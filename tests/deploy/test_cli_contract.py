@@ -59,14 +59,14 @@ def _subcommands(parser) -> set[str]:
 
 
 def full_parser():
-    """``build_parser()``, plus ``userdp.cli_<command>`` modules that exist on disk but are not in
+    """``build_parser()``, plus ``userdp.cli.<command>`` modules that exist on disk but are not in
     COMMAND_MODULES yet (so the contract is checked as soon as a command's module lands;
     test_manifest_commands_are_registered says when one still needs registering)."""
     parser = build_parser()
     registered = _subcommands(parser)
     (action,) = [a for a in parser._actions if a.dest == "command"]
     for command in ("coordinator", "worker"):
-        module = f"userdp.cli_{command}"
+        module = f"userdp.cli.{command}"
         if command not in registered and importlib.util.find_spec(module) is not None:
             importlib.import_module(module).register(action)
     return parser
