@@ -38,10 +38,10 @@ def main() -> None:
 
     from userdp.clients.shard_store import ShardStore
 
-    from userdp.cli_simulate import demo_config_path
+    from userdp.cli.simulate import demo_config_path
     from userdp.config import load_config
-    from userdp.run_components import shard_directory, split_users
-    from userdp.simulation import run
+    from userdp.run.components import shard_directory, split_users
+    from userdp.run.launch import run
 
     base = load_config(demo_config_path())
     with ShardStore(shard_directory(base)) as store:
