@@ -1,7 +1,7 @@
 {{/*
 Names, labels, the in-pod paths, and the userdp TOML config the chart mounts.
 
-The in-pod paths below are a contract with `userdp deploy render` (userdp/cli/deploy.py,
+The in-pod paths below are a contract with `userdp deploy render` (userdp/kubernetes/chart.py,
 DEPLOY_PATHS); tests/deploy checks that the two agree and that the rendered container args parse
 with the userdp CLI.
 */}}
@@ -40,7 +40,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* In-pod paths (keep in sync with userdp/cli/deploy.py DEPLOY_PATHS). */}}
+{{/* In-pod paths (keep in sync with userdp/kubernetes/chart.py DEPLOY_PATHS). */}}
 {{- define "userdp.path.configDir" -}}/etc/userdp/config{{- end -}}
 {{- define "userdp.path.configFile" -}}/etc/userdp/config/userdp.toml{{- end -}}
 {{- define "userdp.path.tlsDir" -}}/etc/userdp/tls{{- end -}}
