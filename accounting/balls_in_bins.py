@@ -37,14 +37,14 @@ from typing import Any
 from scipy import optimize, stats
 from userdp.accounting import monte_carlo as mc
 from userdp.accounting.balls_in_bins_losses import (
-    _ESTIMATE,
-    _VERIFY,
     BIN_SEMANTICS,
+    ESTIMATE,
+    VERIFY,
     BallsInBinsError,
     DominatingPair,
+    LossSampler,
     UnsupportedBinSemanticsError,
     _root_seed,
-    _Sampler,
     correlation_matrix,
     dominating_pair,
 )
@@ -152,11 +152,13 @@ def delta_estimate(
         raise BallsInBinsError(f"confidence={confidence!r} is out of range; expected (0, 1)")
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
     m = _draws("num_samples", num_samples, pair.compositions)
-    sampler = _Sampler(pair, m, seed, _ESTIMATE)
+    sampler = LossSampler(pair, m, seed, ESTIMATE)
     return _estimate(sampler, sigma, epsilon, confidence)
 
 
-def _estimate(sampler: _Sampler, sigma: float, epsilon: float, confidence: float) -> DeltaEstimate:
+def _estimate(
+    sampler: LossSampler, sigma: float, epsilon: float, confidence: float
+) -> DeltaEstimate:
     pq, qp = sampler.estimates(sigma)
     d_pq, se_pq = pq.delta(epsilon)
     d_qp, se_qp = qp.delta(epsilon)
@@ -201,7 +203,7 @@ def epsilon(
     delta = probability("delta", delta, BallsInBinsError, upper_open=True)
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
     m = _draws("num_samples", num_samples, pair.compositions)
-    sampler = _Sampler(pair, m, seed, _ESTIMATE)
+    sampler = LossSampler(pair, m, seed, ESTIMATE)
     return mc.epsilon_from_estimates(list(sampler.estimates(sigma)), delta)
 
 
@@ -242,7 +244,7 @@ def verify(
     if num_samples is None:
         num_samples = pair.compositions * mc.evr_samples(delta, safety, rejection_prob / 2)
     m = _draws("num_samples", num_samples, pair.compositions)
-    sampler = _Sampler(pair, m, seed, _VERIFY)
+    sampler = LossSampler(pair, m, seed, VERIFY)
     pq, qp = sampler.estimates(sigma)
     d_pq, d_qp = (e.point(epsilon) + e.roundoff_bound(epsilon) for e in (pq, qp))
     n = pq.num_samples
@@ -337,7 +339,7 @@ def calibrate_noise_multiplier(
     pair = dominating_pair(bins, epochs, bin_semantics=bin_semantics, correlation=correlation)
     m, root = _estimate_setup(delta, num_samples, seed, safety, rejection_prob, pair.compositions)
     goal = _goal(delta, m, pair.compositions, safety, rejection_prob)
-    sampler = _Sampler(pair, m, root, _ESTIMATE)
+    sampler = LossSampler(pair, m, root, ESTIMATE)
 
     def excess(log_sigma: float) -> float:  # log δ̂ − log goal: nearly linear in log σ
         est = _estimate(sampler, math.exp(log_sigma), target, 0.5)

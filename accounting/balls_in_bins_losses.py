@@ -27,7 +27,7 @@ the Gram matrix G = MᵀM: with k ~ Unif[b], W = MᵀZ ~ N(0, G),
     Y' = −(logsumexpᵢ(−G[i,i]/(2σ²) + Wᵢ/σ) − log b)                 (X ~ Q, loss log Q/P)
 so after an O(n·b²) setup each sample costs O(b²) (O(b) for diagonal G), independent of n and
 of the model size. Both directions are always sampled; each sample's W is shared by both.
-A seed gives independent streams, children ``_ESTIMATE`` (0) and ``_VERIFY`` (1) of
+A seed gives independent streams, children ``ESTIMATE`` (0) and ``VERIFY`` (1) of
 ``SeedSequence(seed)``, drawn again identically on every call (common random numbers).
 """
 
@@ -45,23 +45,33 @@ from scipy.linalg.blas import strmm as _strmm
 from threadpoolctl import threadpool_limits
 from userdp.accounting import monte_carlo as mc
 from userdp.accounting.composed_losses import ComposedLosses, GroupedHistogram
-from userdp.accounting.correlation import Correlation, CorrelationError, from_spec
+from userdp.accounting.correlation import (
+    Correlation,
+    CorrelationError,
+    from_spec,
+    min_sep_column,
+)
 from userdp.accounting.mechanisms import CorrelationSpec
 from userdp.accounting.validation import positive_int
 
 __all__ = [
     "BIN_SEMANTICS",
+    "ESTIMATE",
+    "VERIFY",
     "BallsInBinsError",
     "DominatingPair",
+    "LossSampler",
     "UnsupportedBinSemanticsError",
     "correlation_matrix",
     "dominating_pair",
+    "matrix_modes",
+    "toeplitz_modes",
 ]
 
 BIN_SEMANTICS = ("fixed", "per-epoch")
 _CHUNK_ELEMENTS = 2**23  # float32 entries per chunk of W (32 MiB)
 _THREADS = max(1, min(4, os.cpu_count() or 1))  # chunks computed in parallel (GIL released)
-_ESTIMATE, _VERIFY = 0, 1
+ESTIMATE, VERIFY = 0, 1
 
 
 class BallsInBinsError(ValueError):
@@ -128,6 +138,11 @@ class DominatingPair:
     compositions: int
     bin_semantics: str
 
+    @classmethod
+    def of_modes(cls, modes: np.ndarray) -> DominatingPair:
+        """The fixed-bins pair of modes M (n×b): Gram matrix MᵀM, one composition."""
+        return cls(modes.T @ modes, 1, "fixed")
+
     @property
     def bins(self) -> int:
         return self.gram.shape[0]
@@ -163,11 +178,29 @@ def dominating_pair(
     if matrix is None:
         return DominatingPair(float(epochs) * np.eye(bins), 1, bin_semantics)
     _check_correlation(matrix, n)
-    modes = matrix.reshape(n, epochs, bins).sum(axis=1)  # column t = b·j + i → [:, j, i]
-    return DominatingPair(modes.T @ modes, 1, bin_semantics)
+    return DominatingPair.of_modes(matrix_modes(matrix, bins, epochs))
 
 
-class _Sampler:
+def matrix_modes(matrix: np.ndarray, bins: int, epochs: int) -> np.ndarray:
+    """M (n×b): mode mᵢ = Σⱼ C[:, b·j + i] of a dense n×n C, n = bins·epochs (Lemma 3.2)."""
+    n = bins * epochs
+    return matrix.reshape(n, epochs, bins).sum(axis=1)  # column t = b·j + i → [:, j, i]
+
+
+def toeplitz_modes(coefs: np.ndarray, bins: int, epochs: int) -> np.ndarray:
+    """:func:`matrix_modes` of the Toeplitz C with first column ``coefs`` (n = bins·epochs
+    entries) without forming C: mode 0 is :func:`~userdp.accounting.correlation.min_sep_column`
+    and mode i is mode 0 shifted down by i rows, O(n·b) instead of O(n²) (the BLT optimizer of
+    :mod:`userdp.strategies.blt_amplified` evaluates it hundreds of times)."""
+    column = min_sep_column(np.asarray(coefs, dtype=np.float64), bins, epochs)
+    n = len(column)
+    modes = np.zeros((n, bins))
+    for i in range(bins):
+        modes[i:, i] = column[: n - i]
+    return modes
+
+
+class LossSampler:
     """Privacy-loss samples of a pair at any σ from FIXED randomness (common random numbers).
 
     The standard normals are regenerated chunk by chunk from per-chunk seeds, so the same

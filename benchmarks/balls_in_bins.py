@@ -71,7 +71,7 @@ def block_sum_anchor(samples: int, sigma: float) -> dict:
 
     def run() -> tuple[float, float]:
         pair = bb.dominating_pair(bins, epochs, bin_semantics="per-epoch")
-        sampler = bb._Sampler(pair, samples * epochs, 0, 0)
+        sampler = bb.LossSampler(pair, samples * epochs, 0, 0)
         sums: list[list[np.ndarray]] = [[], []]
         carry = [np.empty(0), np.empty(0)]
         for part in sampler._chunks(sigma, positive=False):
@@ -105,7 +105,7 @@ def dense_anchor(samples: int, sigma: float, correlation: Any) -> dict:
 
     def run() -> tuple[float, float]:
         pair = bb.dominating_pair(bins, epochs, correlation=correlation)
-        sampler = bb._Sampler(pair, samples, 1, 0)
+        sampler = bb.LossSampler(pair, samples, 1, 0)
         w, v = np.linalg.eigh(pair.gram)
         sampler.lower = None
         sampler.factor = (v * np.sqrt(np.clip(w, 0.0, None))).T.astype(np.float32)

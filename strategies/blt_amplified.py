@@ -16,10 +16,11 @@ for one of two errors (:data:`~userdp.strategies.blt.OBJECTIVES`, A the n×n pre
 * ``"max-error"``: error = max_t ‖row_t(A C⁻¹)‖², the largest prefix sum's squared error.
 
 The paper writes the RMSE as σ·‖A C⁻¹‖_F; the 1/√n here is a constant that does not move the
-optimum. δ̂ is the balls-in-bins Monte Carlo estimate (:mod:`userdp.accounting.balls_in_bins_losses`,
-both directions, max) on FIXED draws (k, g): common random numbers, so σ(C) and the loss are
-deterministic, continuous functions of the BLT parameters. The draws use the Cholesky factor of
-the Gram matrix G = MᵀM (W = L g), which moves continuously with C (an eigen-factor would not).
+optimum. δ̂ is the balls-in-bins accountant's own Monte Carlo estimate (its modes, Gram matrix and
+loss sampler, :mod:`userdp.accounting.balls_in_bins_losses`, both directions, max) on FIXED draws
+(k, g) of one seed: common random numbers, so σ(C) and the loss are deterministic, continuous
+functions of the BLT parameters. The sampler uses the Cholesky factor of the Gram matrix G = MᵀM
+(W = L g), which moves continuously with C.
 
 Search: Nelder–Mead over the same (θ, θ̂) logits as :func:`~userdp.strategies.blt.optimize_blt`,
 started from its unamplified optimum for the same objective (C stays non-negative: ω > 0). Few
@@ -38,14 +39,13 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize as sopt
 from userdp.accounting.balls_in_bins import gaussian_sigma
-from userdp.strategies.blt import (
-    Blt,
-    BltError,
-    decode_pair,
-    min_sep_column,
-    objective_error,
-    optimize_blt,
+from userdp.accounting.balls_in_bins_losses import (
+    ESTIMATE,
+    DominatingPair,
+    LossSampler,
+    toeplitz_modes,
 )
+from userdp.strategies.blt import Blt, BltError, decode_pair, objective_error, optimize_blt
 
 __all__ = ["AmplifiedBlt", "amplified_sigma", "optimize_blt_amplified"]
 
@@ -67,37 +67,24 @@ class AmplifiedBlt:
 
 
 class _FixedDraws:
-    """σ(C) on fixed draws: mode indices k and standard normals g, in chunks of ``_CHUNK``."""
+    """σ(C) on fixed draws: the balls-in-bins accountant's own loss sampler
+    (:class:`~userdp.accounting.balls_in_bins_losses.LossSampler`, its estimate stream of
+    ``seed``) on the pair of C's modes, so every C sees the same mode indices k and normals g."""
 
-    def __init__(self, bins: int, num_samples: int, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        self.bins = bins
-        self.k = rng.integers(0, bins, size=num_samples)
-        self.g = rng.standard_normal((num_samples, bins), dtype=np.float32)
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
 
-    def sigma(self, gram: np.ndarray, epsilon: float, delta: float) -> float:
-        chol = np.linalg.cholesky(gram).astype(np.float32)
-        w = self.g @ chol.T  # W ~ N(0, G)
-        diag = np.diag(gram)
-        log_b = math.log(self.bins)
-        m = len(self.k)
-
-        def delta_hat(sigma: float) -> float:
-            total_pq = total_qp = 0.0
-            for start in range(0, m, _CHUNK):
-                part = slice(start, start + _CHUNK)
-                base = w[part] / sigma - (0.5 * diag / sigma**2).astype(np.float32)
-                y_qp = -(_logsumexp(base) - log_b)
-                base += (gram[self.k[part]] / sigma**2).astype(np.float32)
-                y_pq = _logsumexp(base) - log_b
-                total_pq += _hockey_stick_sum(y_pq, epsilon)
-                total_qp += _hockey_stick_sum(y_qp, epsilon)
-            return max(total_pq, total_qp) / m
+    def sigma(self, modes: np.ndarray, epsilon: float, delta: float) -> float:
+        pair = DominatingPair.of_modes(modes)
+        sampler = LossSampler(pair, self.num_samples, self.seed, ESTIMATE)
 
         def excess(log_sigma: float) -> float:
-            return math.log(max(delta_hat(math.exp(log_sigma)), 1e-300)) - math.log(delta)
+            estimates = sampler.estimates(math.exp(log_sigma))
+            delta_hat = max(estimate.point(epsilon) for estimate in estimates)
+            return math.log(max(delta_hat, 1e-300)) - math.log(delta)
 
-        hi = math.log(gaussian_sigma(epsilon, delta, math.sqrt(float(diag.max()))))
+        hi = math.log(gaussian_sigma(epsilon, delta, pair.sensitivity))
         while excess(hi) > 0.0:
             hi += math.log(2.0)
         lo = hi - math.log(4.0)
@@ -106,41 +93,13 @@ class _FixedDraws:
         return math.exp(sopt.brentq(excess, lo, hi, xtol=1e-4))
 
 
-_CHUNK = 2**15
-
-
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    """log Σ over the last axis, in float64 (exp in float32)."""
-    peak = x.max(axis=1)
-    return np.log(np.exp(x - peak[:, None]).sum(axis=1, dtype=np.float64)) + peak
-
-
-def _hockey_stick_sum(losses: np.ndarray, epsilon: float) -> float:
-    return float(np.sum(-np.expm1(np.minimum(epsilon - losses, 0.0))))
-
-
-def _gram(coefs: np.ndarray, bins: int, epochs: int) -> np.ndarray:
-    """G = MᵀM, M[:, i] = Σ_j C e_{bj+i} for C's first column ``coefs`` over bins·epochs steps."""
-    return _shifted_gram(min_sep_column(coefs, bins, epochs), bins)
-
-
-def _shifted_gram(column: np.ndarray, bins: int) -> np.ndarray:
-    """MᵀM for mode 0 = ``column`` (:func:`~userdp.strategies.blt.min_sep_column`): mode i is
-    mode 0 shifted down by i rows."""
-    n = len(column)
-    modes = np.zeros((n, bins))
-    for i in range(bins):
-        modes[i:, i] = column[: n - i]
-    return modes.T @ modes
-
-
 def amplified_sigma(
     blt: Blt, bins: int, epochs: int, epsilon: float, delta: float, *, num_samples: int, seed: int
 ) -> float:
     """σ with δ̂(ε) = δ for ``blt`` under fixed balls-in-bins, on ``num_samples`` draws of
     ``seed`` (an estimate, for comparing BLTs; not a certified σ)."""
-    gram = _gram(blt.toeplitz_coefs(bins * epochs), bins, epochs)
-    return _FixedDraws(bins, num_samples, seed).sigma(gram, epsilon, delta)
+    modes = toeplitz_modes(blt.toeplitz_coefs(bins * epochs), bins, epochs)
+    return _FixedDraws(num_samples, seed).sigma(modes, epsilon, delta)
 
 
 def optimize_blt_amplified(
@@ -165,7 +124,7 @@ def optimize_blt_amplified(
     if not (epsilon > 0.0 and 0.0 < delta < 1.0):
         raise BltError(f"epsilon={epsilon}, delta={delta}; expected epsilon > 0, 0 < delta < 1")
     n, d = bins * epochs, buffers
-    draws = _FixedDraws(bins, num_samples, seed)
+    draws = _FixedDraws(num_samples, seed)
     start_blt, _ = optimize_blt(n, d, min_sep=bins, participations=epochs, objective=objective)
     evaluations = 0
 
@@ -176,10 +135,11 @@ def optimize_blt_amplified(
         if decoded is None:
             return math.inf
         _, _, coefs, inverse = decoded
-        column, err = min_sep_column(coefs, bins, epochs), error(inverse)
+        modes, err = toeplitz_modes(coefs, bins, epochs), error(inverse)
+        column = modes[:, 0]
         if not math.isfinite(float(column @ column) * err):  # the unamplified loss overflows
             return math.inf
-        sigma = draws.sigma(_shifted_gram(column, bins), epsilon, delta)
+        sigma = draws.sigma(modes, epsilon, delta)
         return math.log(sigma**2 * err)  # log: the simplex sees relative changes
 
     start = _start_params(start_blt)
@@ -193,10 +153,11 @@ def optimize_blt_amplified(
     theta, omega, _, _ = decode_pair(best, d, n)
     order = np.argsort(-theta)
     blt = Blt(tuple(theta[order]), tuple(omega[order]))
-    final = _FixedDraws(bins, final_samples, seed + 1)
+    final = _FixedDraws(final_samples, seed + 1)
 
     def measured(candidate: Blt) -> tuple[float, float]:
-        sigma = final.sigma(_gram(candidate.toeplitz_coefs(n), bins, epochs), epsilon, delta)
+        modes = toeplitz_modes(candidate.toeplitz_coefs(n), bins, epochs)
+        sigma = final.sigma(modes, epsilon, delta)
         return sigma, sigma**2 * error(candidate.inverse_coefs(n))
 
     sigma, loss = measured(blt)

@@ -132,8 +132,8 @@ def test_verification_uses_fresh_samples() -> None:
     assert ver.delta_pq != est.delta_pq  # ... but drawn from a different stream
     assert abs(ver.delta_pq - est.delta_pq) <= Z_TOL * math.sqrt(2) * est.stderr_pq
     # The verify stream is independent of the estimate stream: no common draws at all.
-    sampler_e = bb._Sampler(bb.dominating_pair(4, 2), 64, 7, bb._ESTIMATE)
-    sampler_v = bb._Sampler(bb.dominating_pair(4, 2), 64, 7, bb._VERIFY)
+    sampler_e = bb.LossSampler(bb.dominating_pair(4, 2), 64, 7, bb.ESTIMATE)
+    sampler_v = bb.LossSampler(bb.dominating_pair(4, 2), 64, 7, bb.VERIFY)
     (_, w_e), (_, w_v) = sampler_e._normals(0), sampler_v._normals(0)
     assert not np.intersect1d(w_e.ravel(), w_v.ravel()).size
 
@@ -180,7 +180,7 @@ def test_delta_estimate_decreases_in_sigma_on_fixed_draws(mechanism) -> None:
     # The calibration margin's argument needs δ̂(σ) non-increasing in σ on the fixed
     # estimate-stream draws (common random numbers).
     pair = bb.dominating_pair(4, 2, **mechanism)
-    sampler = bb._Sampler(pair, 2**14, 5, bb._ESTIMATE)
+    sampler = bb.LossSampler(pair, 2**14, 5, bb.ESTIMATE)
     grid = np.geomspace(0.5, 4.0, 300) * pair.sensitivity
     deltas = [bb._estimate(sampler, sigma, 1.0, 0.5).delta for sigma in grid]
     # Per-epoch bins compose their groups by an FFT, whose round-off (~1e-16 of the total mass
@@ -338,8 +338,8 @@ def test_diagonal_shortcut_equals_the_general_gram_path(semantics, sigma, bins, 
     # The diagonal-G path derives the P-row's log-sum-exp from the Q-row's; forcing the general
     # path (W = g @ diag(√G), mode = full row of G/σ²) on the same draws must give the same losses.
     pair = bb.dominating_pair(bins, epochs, bin_semantics=semantics)
-    fast = bb._Sampler(pair, 20_000, 3, 0)
-    general = bb._Sampler(pair, 20_000, 3, 0)
+    fast = bb.LossSampler(pair, 20_000, 3, 0)
+    general = bb.LossSampler(pair, 20_000, 3, 0)
     assert fast.factor is None
     general.factor = np.diag(general.scale).astype(np.float32)
     # The general path pairs the rows of g with the modes in sorted order (the same law); the
@@ -361,7 +361,7 @@ def test_diagonal_shortcut_equals_the_general_gram_path(semantics, sigma, bins, 
 def test_two_pass_log_sum_exp_equals_a_float64_reference(semantics, sigma):
     """The equal-diagonal shortcut lse(base) = log Σ e^{s·g} − c, and its overflow fallback, give
     the float64 log-sum-exp of base = √diag·g/σ − diag/(2σ²) on the same draws."""
-    sampler = bb._Sampler(bb.dominating_pair(16, 4, bin_semantics=semantics), 3000, 11, 0)
+    sampler = bb.LossSampler(bb.dominating_pair(16, 4, bin_semantics=semantics), 3000, 11, 0)
     k, g = sampler._normals(0)
     d = float(sampler.diag[0])
     base = np.sqrt(d) * g.astype(np.float64) / sigma - 0.5 * d / sigma**2
@@ -384,7 +384,7 @@ def test_correlated_log_sum_exps_equal_a_float64_reference(factor, sigma) -> Non
     pos = base + G[k]/σ², W = g @ factor, with the modes k of the same draws in sorted order."""
     blt = CorrelationSpec.of("blt", buf_decay=[0.9, 0.5], output_scale=[0.2, 0.4])
     pair = bb.dominating_pair(16, 4, correlation=blt)
-    sampler = bb._Sampler(pair, 3000, 11, 0)
+    sampler = bb.LossSampler(pair, 3000, 11, 0)
     assert sampler.lower is not None  # this Gram matrix is positive definite
     if factor == "eigen":
         w, v = np.linalg.eigh(pair.gram)

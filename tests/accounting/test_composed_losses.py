@@ -43,7 +43,7 @@ def _block_sum_estimate(sigma, bins, epochs, eps, samples, seed) -> tuple[float,
     """The block-sum estimator: ``samples`` independent E-epoch losses, each the sum of E fresh
     one-epoch losses (max over the directions; its standard error)."""
     pair = bb.dominating_pair(bins, epochs, bin_semantics="per-epoch")
-    sampler = bb._Sampler(pair, samples * epochs, seed, bb._ESTIMATE)
+    sampler = bb.LossSampler(pair, samples * epochs, seed, bb.ESTIMATE)
     best = (-1.0, 0.0)
     for y in sampler.losses(sigma):
         total = y.reshape(samples, epochs).sum(axis=1)

@@ -11,8 +11,10 @@ import math
 import numpy as np
 import pytest
 from userdp.accounting import balls_in_bins as bb
+from userdp.accounting.balls_in_bins_losses import DominatingPair, toeplitz_modes
+from userdp.accounting.correlation import BandedCorrelation
 from userdp.strategies.blt import Blt, BltError
-from userdp.strategies.blt_amplified import _gram, amplified_sigma, optimize_blt_amplified
+from userdp.strategies.blt_amplified import amplified_sigma, optimize_blt_amplified
 
 from tests.accounting.account_cli import account
 
@@ -20,11 +22,20 @@ Z_TOL = 5.33  # two-sided normal quantile of the suite's 1e-7 false-alarm rate
 BLT = Blt((0.9, 0.4), (0.3, 0.2))
 
 
-def test_gram_is_the_accountants_dominating_pair() -> None:
-    bins, epochs = 6, 4
-    mine = _gram(BLT.toeplitz_coefs(bins * epochs), bins, epochs)
-    pair = bb.dominating_pair(bins, epochs, correlation=BLT.matrix(bins * epochs))
-    np.testing.assert_allclose(mine, pair.gram, rtol=1e-12)
+@pytest.mark.parametrize(
+    "correlation",
+    [BLT, Blt((0.99, 0.7, 0.2), (0.1, 0.05, 0.3)), BandedCorrelation((1.0, 0.5, 0.25))],
+)
+@pytest.mark.parametrize(("bins", "epochs"), [(6, 4), (1, 5), (7, 1), (5, 3)])
+def test_the_optimizers_toeplitz_gram_is_the_accountants_dominating_pair(
+    correlation, bins, epochs
+) -> None:
+    # the optimizer builds C's modes from its first column (O(n·b)); the accountant from the
+    # dense C it is given: the same Gram matrix, bit for bit
+    n = bins * epochs
+    mine = DominatingPair.of_modes(toeplitz_modes(correlation.toeplitz_coefs(n), bins, epochs))
+    pair = bb.dominating_pair(bins, epochs, correlation=correlation.matrix(n))
+    np.testing.assert_array_equal(mine.gram, pair.gram)
 
 
 def test_sigma_reaches_delta_under_the_balls_in_bins_accountant() -> None:
