@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 from userdp.clients.grpc_client import WorkerClient
-from userdp.clients.partial import ClippedSum
 from userdp.proto.allocator import keep_freed_memory
+from userdp.proto.results import TaskSum
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings, Population
 from userdp.server.grpc_server import serve
@@ -69,9 +69,9 @@ class ZeroCompute:
     def apply_model(self, tensors, full: bool) -> None:
         self.shapes.update({name: t.shape for name, t in tensors.items()})
 
-    def compute(self, task) -> ClippedSum:
+    def compute(self, task) -> TaskSum:
         sums = {name: torch.zeros(shape) for name, shape in self.shapes.items()}
-        return ClippedSum(sums=sums, stats=UnitStats(count=len(task.unit_ids)))
+        return TaskSum(sums=sums, stats=UnitStats(count=len(task.unit_ids)))
 
 
 def _strategy_and_ledger(population: int, cohort: int, ledger_path: Path):
@@ -333,10 +333,10 @@ def bench_partial_transfer(num_params: int, repeats: int = 5) -> dict:
                 if isinstance(event, ResultReceived) and event.task_id == task.task_id:
                     break
             elapsed = time.perf_counter() - start
-            if event.partial is None:
+            if event.result is None:
                 raise RuntimeError(f"the partial sum was refused: {event.error}")
-            seconds.append(elapsed - event.partial.compute_seconds)
-            compute.append(event.partial.compute_seconds)
+            seconds.append(elapsed - event.result.compute_seconds)
+            compute.append(event.result.compute_seconds)
     return {
         **_rates(num_params, seconds),
         "worker_compute_seconds": compute,

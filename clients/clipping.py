@@ -27,7 +27,7 @@ from userdp.clients.batching import (
     make_batch,
     token_losses,
 )
-from userdp.clients.partial import ClippedSum
+from userdp.proto.results import TaskSum
 from userdp.strategies.unit_stats import UnitStats
 
 
@@ -103,8 +103,8 @@ class Accumulator:
             torch.cuda.current_stream(self.flat.device).synchronize()
         return flat_views(host, {name: tensor.shape for name, tensor in self.sums.items()})
 
-    def result(self) -> ClippedSum:
-        return ClippedSum(self.host_sums(), self.stats, self.skipped_examples)
+    def result(self) -> TaskSum:
+        return TaskSum(self.host_sums(), self.stats, self.skipped_examples)
 
 
 def squared_norm(tensors: Sequence[torch.Tensor]) -> float:

@@ -6,7 +6,7 @@ but per-unit gradients are computed with ``torch.autograd.grad`` on ``engine.mod
 buffers. ``autograd.grad`` never runs the AccumulateGrad nodes on which ZeRO-1/2 hang their
 bucketing/reduction hooks, so no unclipped unit gradient is ever reduced across ranks. Inside one
 worker the ranks split the UNITS (a unit is never split) and :func:`all_reduce_result` sums the
-clipped partial sums and statistics. ZeRO-1/2 require an optimizer: a torch SGD with lr 0 is
+clipped task sums and statistics. ZeRO-1/2 require an optimizer: a torch SGD with lr 0 is
 passed and never stepped (the coordinator owns the update; the worker only copies parameters).
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 from userdp.clients.batching import EngineError
-from userdp.clients.clipping import ClippedSum, flat_views
+from userdp.clients.clipping import flat_views
+from userdp.proto.results import TaskSum
 from userdp.strategies.unit_stats import UnitStats
 
 from userdp.config import deepspeed_json_problem
@@ -181,8 +182,8 @@ def raise_if_any_rank_failed(
         raise EngineError(message)
 
 
-def all_reduce_result(result: ClippedSum, device: torch.device) -> ClippedSum:
-    """Sum the ranks' clipped partial sums and statistics (min/max for the norm extremes)."""
+def all_reduce_result(result: TaskSum, device: torch.device) -> TaskSum:
+    """Sum the ranks' task sums and statistics (min/max for the norm extremes)."""
     dist = torch.distributed
     names = sorted(result.sums)
     flat = torch.cat([result.sums[n].reshape(-1) for n in names]).to(device)
@@ -222,4 +223,4 @@ def all_reduce_result(result: ClippedSum, device: torch.device) -> ClippedSum:
         loss_sum=loss_sum,
         tokens=int(tokens),
     )
-    return ClippedSum(sums, stats, skipped_examples=int(skipped))
+    return TaskSum(sums, stats, skipped_examples=int(skipped))

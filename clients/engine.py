@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 from userdp.clients.batching import EngineError, Unit, prepare_units
-from userdp.clients.clipping import Accumulator, ClippedSum, loop_clipped_sum
+from userdp.clients.clipping import Accumulator, loop_clipped_sum
 from userdp.clients.distributed import (
     all_reduce_result,
     raise_if_any_rank_failed,
@@ -48,10 +48,10 @@ from userdp.clients.distributed import (
 from userdp.clients.fedavg import fedavg_clipped_sum
 from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.sketch import SKETCHES, GaussianProbes
+from userdp.proto.results import TaskSum
 
 __all__ = [
     "ENGINES",
-    "ClippedSum",
     "ClippingEngine",
     "EngineError",
     "Unit",
@@ -138,8 +138,8 @@ class ClippingEngine:
         local_batch_size: int = 0,
         probe_seed: int | None = None,
         estimator: str | None = None,
-    ) -> ClippedSum:
-        """Σ_u clip(g_u, C) over ``units`` and its statistics (:class:`ClippedSum`).
+    ) -> TaskSum:
+        """Σ_u clip(g_u, C) over ``units`` and its statistics (:class:`TaskSum`).
 
         engine/token_budget: per-task overrides (None, "" or 0 = the engine's defaults).
         probes: probes k for ``randomized`` (None = the default; 0 = exact norms).
@@ -198,7 +198,7 @@ class ClippingEngine:
         estimator: str | None,
         rank: int,
         world_size: int,
-    ) -> ClippedSum:
+    ) -> TaskSum:
         """This rank's share of :meth:`clipped_sum` (all of it in a single process)."""
         name = self._engine_name(engine) if engine else self.engine
         budget = int(token_budget) if token_budget else self.token_budget

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from userdp.clients.batching import EngineError
 from userdp.clients.distributed import raise_if_any_rank_failed
-from userdp.clients.partial import ClippedSum
 from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.results import TaskSum
 from userdp.proto.tensors import WireTensor
 
 log = logging.getLogger("userdp.worker")
@@ -128,7 +128,7 @@ class BroadcastCompute:
             error = _attempt(self.local.apply_model, tensors, full)
             raise_if_any_rank_failed(error, self.device, _APPLY_FAILED)
 
-    def compute(self, task: pb.Task) -> ClippedSum:
+    def compute(self, task: pb.Task) -> TaskSum:
         with self._lock:
             self._running()
             self.channel.send({"kind": "task"}, [task.SerializeToString()])

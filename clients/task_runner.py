@@ -25,9 +25,9 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-from userdp.clients.partial import ClippedSum
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.codec import result_parts, result_proto
+from userdp.proto.results import TaskSum
 from userdp.proto.tensors import TensorAssembler, TensorDecodeError, WireTensor, tensors_sha256
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class TaskCompute(Protocol):
 
     def apply_model(self, tensors: Mapping[str, WireTensor], full: bool) -> None: ...
 
-    def compute(self, task: pb.Task) -> ClippedSum: ...
+    def compute(self, task: pb.Task) -> TaskSum: ...
 
 
 class ModelReceiver:
@@ -128,16 +128,16 @@ class TaskRunner:
                     outbox.put(_failed(task, reason))
                     continue
                 try:
-                    partial = self.compute.compute(task)
+                    task_sum = self.compute.compute(task)
                 except Exception as exc:  # report, never hang the coordinator's step
                     log.exception("worker %s: task %s failed", self.worker_id, task.task_id)
                     outbox.put(_failed(task, f"{type(exc).__name__}: {exc}"))
                     continue
             if (task.task_id, task.attempt) in cancelled:
                 continue
-            for message in result_parts(task, partial.sums, self.session_chunk_bytes):
+            for message in result_parts(task, task_sum.sums, self.session_chunk_bytes):
                 outbox.put(message)
-            result = result_proto(task, partial, time.perf_counter() - started)
+            result = result_proto(task, task_sum, time.perf_counter() - started)
             outbox.put(pb.WorkerMessage(result=result))
             self.tasks_done += 1
 

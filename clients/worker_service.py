@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 from userdp.clients.distributed import raise_if_any_rank_failed, world
 from userdp.clients.model import load_parameters
-from userdp.clients.partial import ClippedSum
 from userdp.clients.perplexity import ExamplePerplexities, example_perplexities
 from userdp.clients.selection import (
     PERPLEXITY_SELECTIONS,
@@ -37,6 +36,7 @@ from userdp.clients.selection import (
 from userdp.clients.shard_store import ShardStore
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.codec import WorkerTask, parse_example_unit_id, task_from_proto
+from userdp.proto.results import TaskSum
 from userdp.proto.tensors import WireTensor
 
 
@@ -100,7 +100,7 @@ class EngineCompute:
             )
         return self.perplexities.of_user(user_id)
 
-    def compute(self, task: pb.Task) -> ClippedSum:
+    def compute(self, task: pb.Task) -> TaskSum:
         """The task's clipped sum. With world size > 1 every rank of the worker calls this with
         the same task (:mod:`userdp.clients.ranks`); the ranks agree that each read the units
         before the engine's collective, so a rank that cannot read them fails the task on every

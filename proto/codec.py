@@ -7,43 +7,37 @@
   A zero or empty wire field means "the default": the :class:`TaskSpec` default for the example
   selection, the worker's own engine configuration for the engine options.
 - :func:`result_parts` and :func:`result_proto`: a worker's
-  :class:`~userdp.clients.partial.ClippedSum` -> its ``ResultPart`` chunks (in their
-  ``WorkerMessage`` envelopes) and the ``Result``
-  that closes them.
-- :func:`partial_from_result`: a ``Result`` and its reassembled tensors -> the coordinator's
-  :class:`~userdp.server.aggregation.PartialSum`.
+  :class:`~userdp.proto.results.TaskSum` -> its ``ResultPart`` chunks (in their
+  ``WorkerMessage`` envelopes) and the ``Result`` that closes them.
+- :func:`result_from_proto`: a ``Result`` and its reassembled tensors -> the coordinator's
+  :class:`~userdp.proto.results.TaskResult`.
 - ``_stats_fields`` / ``_stats_from_result``: :class:`~userdp.strategies.unit_stats.UnitStats`
   <-> the ``Result`` fields that carry it, the only mapping between the two.
 - :func:`example_unit_id` / :func:`parse_example_unit_id`: example unit ids
   ``"<user id>/<example index>"``, the strategy API's own (:mod:`userdp.strategies.base`),
   re-exported here for the two ends.
 
-Only :func:`partial_from_result` needs torch (through ``userdp.server.aggregation``); it imports
-it when called, so the worker's transport stays free of it.
+No torch: the worker's transport stays free of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.chunk_messages import ChunkMessage, result_part_messages
+from userdp.proto.results import TaskResult, TaskSum
 from userdp.proto.tensors import WireTensor
-from userdp.strategies.base import example_unit_id, parse_example_unit_id
+from userdp.strategies.base import TaskSpec, example_unit_id, parse_example_unit_id
 from userdp.strategies.unit_stats import UnitStats
-
-if TYPE_CHECKING:
-    from userdp.clients.partial import ClippedSum
-    from userdp.server.aggregation import PartialSum
-    from userdp.strategies.base import TaskSpec
 
 __all__ = [
     "WorkerTask",
     "example_unit_id",
     "parse_example_unit_id",
-    "partial_from_result",
+    "result_from_proto",
     "result_parts",
     "result_proto",
     "task_from_proto",
@@ -201,35 +195,32 @@ def _stats_from_result(result: pb.Result) -> UnitStats:
     )
 
 
-def result_proto(task: pb.Task, partial: ClippedSum, compute_seconds: float) -> pb.Result:
-    """The ``Result`` closing a task's parts: the task's labels and the clipped sum's statistics."""
+def result_proto(task: pb.Task, task_sum: TaskSum, compute_seconds: float) -> pb.Result:
+    """The ``Result`` closing a task's parts: the task's labels and the task sum's statistics."""
     return pb.Result(
         task_id=task.task_id,
         attempt=task.attempt,
         step=task.step,
         model_version=task.model_version,
-        num_tensors=len(partial.sums),
-        **_stats_fields(partial.stats),
+        num_tensors=len(task_sum.sums),
+        **_stats_fields(task_sum.stats),
         compute_seconds=compute_seconds,
         unit_ids=task.unit_ids,
     )
 
 
-def partial_from_result(
+def result_from_proto(
     result: pb.Result, worker_id: str, tensors: Mapping[str, WireTensor]
-) -> PartialSum:
-    """The coordinator's :class:`~userdp.server.aggregation.PartialSum` of a ``Result`` from
+) -> TaskResult:
+    """The coordinator's :class:`~userdp.proto.results.TaskResult` of a ``Result`` from
     ``worker_id`` whose parts reassembled into ``tensors`` (judged later, by the step's gather)."""
-    from userdp.server.aggregation import PartialSum
-
-    return PartialSum(
+    return TaskResult(
         task_id=result.task_id,
         attempt=result.attempt,
         step=result.step,
         model_version=result.model_version,
         worker_id=worker_id,
         unit_ids=tuple(result.unit_ids),
-        tensors=tensors,
-        stats=_stats_from_result(result),
+        task_sum=TaskSum(tensors, _stats_from_result(result)),
         compute_seconds=result.compute_seconds,
     )

@@ -1,15 +1,16 @@
-"""Gathering one step's partial clipped sums EXACTLY ONCE per (step, unit).
+"""Gathering one step's task sums EXACTLY ONCE per (step, unit) into the cohort's sum.
 
 The cohort is partitioned into shard groups (:mod:`userdp.server.planning`); groups are batched
 into tasks, one per worker. A task is identified by (step, task id, attempt). :class:`StepGather`
-accepts AT MOST ONE partial per task, and only from a *live* task: issued to that worker, for this
-step and model version, covering exactly the task's units. A failed task (worker lost, timeout,
-TaskFailed, bad partial) is closed for good and its groups return to the pending pool, to be
+accepts AT MOST ONE result (:class:`~userdp.proto.results.TaskResult`) per task, and only from a
+*live* task: issued to that worker, for this step and model version, covering exactly the task's
+units. A failed task (worker lost, timeout,
+TaskFailed, bad result) is closed for good and its groups return to the pending pool, to be
 re-batched under a new task id with a higher attempt number, never to the worker that failed them.
-Results of closed tasks (late duplicates), of other steps or attempts are discarded; a bad partial
+Results of closed tasks (late duplicates), of other steps or attempts are discarded; a bad result
 (wrong units, counts, tensor names, shapes, dtypes, non-finite values, or a norm above what
 ``count`` clipped units can sum to — a worker that did not clip; :func:`contribution_bound`)
-is rejected and its groups re-issued. So is a partial for a live task of this step, from its
+is rejected and its groups re-issued. So is a result for a live task of this step, from its
 worker and attempt, that is labelled with another step: waiting would only end at the task's
 deadline, since that worker answered the task and will send nothing else. Each
 unit belongs to exactly one group and a group is marked done exactly once, so every unit
@@ -26,14 +27,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from userdp.proto.results import TaskResult
 from userdp.proto.tensors import FLOAT_DTYPES, WireTensor
 from userdp.server.planning import ShardGroup
+from userdp.strategies.step import CohortSum
 from userdp.strategies.unit_stats import UnitStats
 
 NORM_TOLERANCE = 1e-3
-"""Relative slack on the ‖partial‖ ≤ count · C check (float32 sums of clipped vectors)."""
+"""Relative slack on the ‖task sum‖ ≤ count · C check (float32 sums of clipped vectors)."""
 ESTIMATE_ALPHA = 1e-9
-"""Randomized clipping: the probability that an honest partial exceeds its bound (then it is
+"""Randomized clipping: the probability that an honest task sum exceeds its bound (then it is
 only re-issued, which costs time, not privacy)."""
 
 
@@ -59,50 +62,20 @@ def contribution_bound(count: int, clip_norm: float, probes: int = 0) -> float:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What a partial sum's tensor must look like: the trainable parameter's shape and dtype."""
+    """What a task sum's tensor must look like: the trainable parameter's shape and dtype."""
 
     shape: tuple[int, ...]
     dtype: str
 
 
-@dataclass
-class PartialSum:
-    """One worker's answer to one task attempt, decoded from the wire."""
-
-    task_id: str
-    attempt: int
-    step: int
-    model_version: int
-    worker_id: str
-    unit_ids: tuple[str, ...]
-    tensors: Mapping[str, WireTensor | torch.Tensor]
-    stats: UnitStats
-    compute_seconds: float = 0.0
-
-
 @dataclass(frozen=True)
 class Verdict:
     """What :meth:`StepGather.offer` did: ``accepted``; else ``reissue`` says whether the task went
-    back to pending (a bad partial of the current attempt) or the message was just discarded."""
+    back to pending (a bad result of the current attempt) or the message was just discarded."""
 
     accepted: bool
     reissue: bool
     reason: str
-
-
-@dataclass
-class GatheredSum:
-    """The step's sum of clipped unit updates (float64) and its statistics."""
-
-    sums: dict[str, torch.Tensor]
-    units: int
-    """Units of the accepted tasks (checked against ``stats.count + stats.nonfinite``)."""
-    stats: UnitStats
-    attempts: int
-    """Tasks issued (first tries and re-issues)."""
-    failed_tasks: int
-    """Tasks closed without being counted (worker lost, timeout, refused, rejected)."""
-    compute_seconds: float
 
 
 class ExactlyOnceViolation(AssertionError):
@@ -130,7 +103,12 @@ class _TaskState:
 
 
 class StepGather:
-    """Exactly-once bookkeeping and running sum for one step (see the module docstring)."""
+    """Exactly-once bookkeeping and running sum for one step (see the module docstring).
+
+    Besides the sum (:meth:`result`) it counts how the gather went: ``units_counted`` (units of
+    the accepted tasks, checked against ``stats.count + stats.nonfinite``), ``attempts`` (tasks
+    issued: first tries and re-issues), ``failed_tasks`` (tasks closed without being counted:
+    worker lost, timeout, refused, rejected) and ``compute_seconds`` (the workers' own)."""
 
     def __init__(
         self,
@@ -163,14 +141,11 @@ class StepGather:
         self._sums = {
             name: torch.zeros(spec.shape, dtype=torch.float64) for name, spec in template.items()
         }
-        self._gathered = GatheredSum(
-            sums=self._sums,
-            units=0,
-            stats=UnitStats(),
-            attempts=0,
-            failed_tasks=0,
-            compute_seconds=0.0,
-        )
+        self.stats = UnitStats()
+        self.units_counted = 0
+        self.attempts = 0
+        self.failed_tasks = 0
+        self.compute_seconds = 0.0
 
     # ---- issuing --------------------------------------------------------------------------------
 
@@ -204,17 +179,17 @@ class StepGather:
             state.task_id = task_id
         units = tuple(u for s in states for u in s.group.unit_ids)
         self._tasks[task_id] = _TaskState(task_id, attempt, worker_id, tuple(group_ids), units, now)
-        self._gathered.attempts += 1
+        self.attempts += 1
         return task_id, attempt
 
     def fail(self, task_id: str, attempt: int, reason: str) -> bool:
-        """A live task failed (timeout, TaskFailed, bad partial): its groups go back to pending and
+        """A live task failed (timeout, TaskFailed, bad result): its groups go back to pending and
         its worker is not tried again for them. False when the task is not live (no change)."""
         task = self._tasks.get(task_id)
         if task is None or not task.live or task.attempt != attempt:
             return False
         task.live = False
-        self._gathered.failed_tasks += 1
+        self.failed_tasks += 1
         for group_id in task.groups:
             state = self._groups[group_id]
             state.task_id = None
@@ -230,36 +205,37 @@ class StepGather:
 
     # ---- results --------------------------------------------------------------------------------
 
-    def offer(self, partial: PartialSum) -> Verdict:
-        """Accept the partial into the sum, discard it, or reject it (see the module docstring)."""
-        task = self._tasks.get(partial.task_id)
-        if partial.step != self.step:
+    def offer(self, result: TaskResult) -> Verdict:
+        """Accept the task result into the sum, discard it, or reject it (see the module
+        docstring)."""
+        task = self._tasks.get(result.task_id)
+        if result.step != self.step:
             if (
                 task is not None
                 and task.live
-                and partial.attempt == task.attempt
-                and partial.worker_id == task.worker
+                and result.attempt == task.attempt
+                and result.worker_id == task.worker
             ):
                 problem = (
-                    f"result labelled step {partial.step} for task {task.task_id} of step "
+                    f"result labelled step {result.step} for task {task.task_id} of step "
                     f"{self.step}"
                 )
                 self.fail(task.task_id, task.attempt, problem)
                 return Verdict(False, True, problem)
-            return Verdict(False, False, f"late result for step {partial.step}")
+            return Verdict(False, False, f"late result for step {result.step}")
         if task is None:
-            return Verdict(False, False, f"unknown task {partial.task_id!r}")
-        if partial.attempt != task.attempt:
-            return Verdict(False, False, f"attempt {partial.attempt} != issued {task.attempt}")
-        if partial.worker_id != task.worker:
+            return Verdict(False, False, f"unknown task {result.task_id!r}")
+        if result.attempt != task.attempt:
+            return Verdict(False, False, f"attempt {result.attempt} != issued {task.attempt}")
+        if result.worker_id != task.worker:
             return Verdict(False, False, f"task was issued to {task.worker}")
         if not task.live:
             return Verdict(False, False, f"duplicate or late: task {task.task_id} is closed")
-        problem = self._check(partial, task.unit_ids)
+        problem = self._check(result, task.unit_ids)
         if problem is not None:
             self.fail(task.task_id, task.attempt, problem)
             return Verdict(False, True, problem)
-        tensors = {name: _as_torch(value) for name, value in partial.tensors.items()}
+        tensors = {name: _as_torch(value) for name, value in result.task_sum.sums.items()}
         for unit in task.unit_ids:
             if unit in self._contributed:
                 raise ExactlyOnceViolation(f"step {self.step}: unit {unit!r} counted twice")
@@ -269,27 +245,27 @@ class StepGather:
         task.live = False
         for group_id in task.groups:
             self._groups[group_id].done = True
-        gathered = self._gathered
-        gathered.units += len(task.unit_ids)
-        gathered.stats += partial.stats
-        gathered.compute_seconds += partial.compute_seconds
+        self.units_counted += len(task.unit_ids)
+        self.stats += result.task_sum.stats
+        self.compute_seconds += result.compute_seconds
         return Verdict(True, False, "accepted")
 
-    def _check(self, partial: PartialSum, unit_ids: tuple[str, ...]) -> str | None:
-        if partial.model_version != self.model_version:
-            return f"model version {partial.model_version}, expected {self.model_version}"
-        if tuple(partial.unit_ids) != unit_ids:
+    def _check(self, result: TaskResult, unit_ids: tuple[str, ...]) -> str | None:
+        if result.model_version != self.model_version:
+            return f"model version {result.model_version}, expected {self.model_version}"
+        if tuple(result.unit_ids) != unit_ids:
             return "unit ids differ from the task's"
-        n, count, nonfinite = len(unit_ids), partial.stats.count, partial.stats.nonfinite
+        stats, tensors = result.task_sum.stats, result.task_sum.sums
+        n, count, nonfinite = len(unit_ids), stats.count, stats.nonfinite
         if count < 0 or nonfinite < 0 or count + nonfinite != n:
             return f"count {count} + nonfinite {nonfinite} != {n} units"
-        if set(partial.tensors) != set(self.template):
-            missing = sorted(set(self.template) - set(partial.tensors))[:3]
-            extra = sorted(set(partial.tensors) - set(self.template))[:3]
+        if set(tensors) != set(self.template):
+            missing = sorted(set(self.template) - set(tensors))[:3]
+            extra = sorted(set(tensors) - set(self.template))[:3]
             return f"tensor names differ (missing {missing}, unexpected {extra})"
         squared = 0.0
         for name, spec in self.template.items():
-            value = partial.tensors[name]
+            value = tensors[name]
             dtype = value.dtype if isinstance(value, WireTensor) else str(value.dtype)[6:]
             shape = tuple(value.shape)
             if dtype != spec.dtype or dtype not in FLOAT_DTYPES:
@@ -308,7 +284,7 @@ class StepGather:
                 else "count*clip_norm"
             )
             return (
-                f"partial sum norm {math.sqrt(squared):.6g} exceeds {what} = {bound:.6g} "
+                f"task sum norm {math.sqrt(squared):.6g} exceeds {what} = {bound:.6g} "
                 "(units not clipped)"
             )
         return None
@@ -318,13 +294,14 @@ class StepGather:
     def complete(self) -> bool:
         return all(s.done for s in self._groups.values())
 
-    def result(self) -> GatheredSum:
-        """The step's sum; only when every group is done and every unit counted exactly once."""
+    def result(self) -> CohortSum:
+        """The cohort's sum (float64); only when every group is done and every unit counted
+        exactly once."""
         if not self.complete():
             raise RuntimeError(f"step {self.step}: shard groups not done")
         if self._contributed != set(self._unit_owner):
             raise ExactlyOnceViolation(f"step {self.step}: contributed units != cohort units")
-        return self._gathered
+        return CohortSum(self._sums, self.stats)
 
 
 def _as_torch(value: WireTensor | torch.Tensor) -> torch.Tensor:
@@ -332,7 +309,7 @@ def _as_torch(value: WireTensor | torch.Tensor) -> torch.Tensor:
 
 
 def template_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
-    """The partial-sum template of a set of trainable parameters."""
+    """The task-sum template of a set of trainable parameters."""
     return {
         name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
         for name, t in tensors.items()

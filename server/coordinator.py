@@ -5,16 +5,16 @@ The step contract (sample → task → gather → noise → ledger → update) i
 :func:`userdp.strategies.step.run_step`; the coordinator supplies its gather and keeps the
 checkpoints, the release journal and resume around it. Its workers are a
 :class:`~userdp.server.fleet.Fleet` (dispatch, events, retries, resyncs, broadcast). One step, as
-:meth:`Coordinator.run_step` performs it:
+:meth:`Coordinator.run_next_step` performs it:
 
 0. ``sync``: the fleet handles joins/acks, resyncs workers that missed a model version, and gives
    workers a moment to acknowledge the current version so the work spreads over all of them.
 1. ``sample``: the strategy samples the cohort (units) from the population (user ids only).
 2. ``plan``: the cohort is split into shard groups (:mod:`~userdp.server.planning`).
 3. ``gather``: the fleet batches the groups into one task per live, in-sync worker holding them;
-   partial clipped sums are accepted exactly once per task (and so per unit) by
-   :class:`~userdp.server.aggregation.StepGather`, and a failed task's groups are re-issued to
-   other holders. When the step cannot complete by its deadline it is ABORTED
+   the workers' task sums are accepted exactly once per task (and so per unit) by
+   :class:`~userdp.server.aggregation.StepGather` into the cohort's sum, and a failed task's
+   groups are re-issued to other holders. When the step cannot complete by its deadline it is ABORTED
    (:class:`~userdp.server.fleet.StepAborted`): no noise is drawn, nothing is released or
    charged, and the same step index is retried (the strategy's sampler decides the cohort; the
    built-in samplers draw the same one for a seed and step).
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from userdp.accounting.ledger import BudgetExceededError
 from userdp.proto.codec import task_proto as task_proto  # the simulator imports it from here
-from userdp.server.aggregation import GatheredSum, StepGather, template_of
+from userdp.server.aggregation import StepGather, template_of
 from userdp.server.checkpoint import restore_latest, save_checkpoint
 from userdp.server.fleet import Fleet, StepAborted
 from userdp.server.planning import plan_groups
@@ -65,9 +65,7 @@ from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import Event, WorkerRegistry, WorkerSession
 from userdp.server.release_journal import append_release_journal, read_release_journal
 from userdp.server.startup import WorkerProgress
-from userdp.strategies.base import ClipStatistics
-from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep
-from userdp.strategies.step import run_step as run_strategy_step
+from userdp.strategies.step import CohortSum, ExecutionOptions, PlannedStep, run_step
 from userdp.strategies.unit_stats import UnitStats
 
 log = logging.getLogger(__name__)
@@ -241,7 +239,7 @@ class Coordinator:
         retries = 0
         while self.step < steps:
             try:
-                report = self.run_step()
+                report = self.run_next_step()
                 self.reports.append(report)
                 retries = 0
                 if on_step is not None:
@@ -268,7 +266,9 @@ class Coordinator:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def run_step(self) -> StepReport:
+    def run_next_step(self) -> StepReport:
+        """Step :attr:`step` of the contract over the workers, then checkpoint and broadcast (the
+        module docstring); returns its report."""
         step = self.step
         times: dict[str, float] = {}
         started = [time.perf_counter()]
@@ -280,7 +280,7 @@ class Coordinator:
         self.fleet.sync()
         state: dict[str, Any] = {}
 
-        def gather(planned: PlannedStep) -> Gathered:
+        def gather(planned: PlannedStep) -> CohortSum:
             phase("plan")
             groups = plan_groups(step, list(planned.cohort.unit_ids), self.population.shard_of_unit)
             spec = planned.task
@@ -294,20 +294,20 @@ class Coordinator:
             )
             phase("gather")
             self.fleet.gather(collect, spec)
-            gathered = collect.result()
-            state.update(gathered=gathered, groups=len(groups))
+            cohort_sum = collect.result()
+            state.update(gather=collect, groups=len(groups))
             summed = {  # noise is added in at least fp32, even for bf16/fp16 parameters
                 name: t.to(torch.promote_types(self.params[name].dtype, torch.float32))
-                for name, t in gathered.sums.items()
+                for name, t in cohort_sum.sums.items()
             }
-            return Gathered(summed, ClipStatistics(gathered.stats.count, gathered.stats.clipped))
+            return CohortSum(summed, cohort_sum.stats)
 
         replay = self._charged_unreleased == step  # charged before a crash, never released
-        planned, _, _ = run_strategy_step(
+        planned, _, _ = run_step(
             self.strategy,
             step,
-            self.population,
             self.params,
+            self.population,
             gather,
             self.ledger,
             options=self.options,
@@ -330,7 +330,7 @@ class Coordinator:
         phase("done")
         times.pop("done")
         report = _report(
-            step, self.model_version, state["gathered"], state["groups"], planned.cohort, times
+            step, self.model_version, state["gather"], state["groups"], planned.cohort, times
         )
         log.info(
             "step %d: %d units, loss %.4f, %d attempts, %.3fs",
@@ -378,7 +378,7 @@ class Coordinator:
 def _report(
     step: int,
     version: int,
-    gathered: GatheredSum,
+    gather: StepGather,
     shard_groups: int,
     cohort: Any,
     times: dict[str, float],
@@ -386,11 +386,11 @@ def _report(
     return StepReport(
         step=step,
         model_version=version,
-        units=gathered.units,
+        units=gather.units_counted,
         expected_cohort_size=float(getattr(cohort, "expected_size", math.nan)),
-        stats=gathered.stats,
-        attempts=gathered.attempts,
-        failed_tasks=gathered.failed_tasks,
+        stats=gather.stats,
+        attempts=gather.attempts,
+        failed_tasks=gather.failed_tasks,
         shard_groups=shard_groups,
         seconds=dict(times),
     )

@@ -255,7 +255,7 @@ class Fleet:
         if isinstance(event, ResultReceived):
             if collect is None:
                 return
-            if event.partial is None:
+            if event.result is None:
                 if collect.fail(event.task_id, event.attempt, event.error or "bad result"):
                     log.warning(
                         "rejected %s attempt %d from %s: %s",
@@ -265,7 +265,7 @@ class Fleet:
                         event.error,
                     )
                 return
-            verdict = collect.offer(event.partial)
+            verdict = collect.offer(event.result)
             if not verdict.accepted:
                 level = logging.WARNING if verdict.reissue else logging.INFO
                 log.log(

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from userdp.proto import userdp_v1_pb2 as pb
-from userdp.server.aggregation import PartialSum
+from userdp.proto.results import TaskResult
 
 _CLOSE = object()
 """Put in a session's outbox by :meth:`WorkerSession.close`: the stream ends there."""
@@ -42,7 +42,7 @@ class ResultReceived:
     session: WorkerSession
     task_id: str
     attempt: int
-    partial: PartialSum | None
+    result: TaskResult | None
     error: str | None = None
 
 

@@ -7,7 +7,7 @@ worker's version is not the current one (a stale worker is resynced, never trust
 thread per session turns the worker's messages into events (:mod:`userdp.server.registry`) on
 one queue, which the step loop (:mod:`userdp.server.fleet`) consumes. Partial sums are
 reassembled here (:class:`~userdp.proto.tensors.TensorAssembler`, bounded by the model's size),
-decoded by :func:`~userdp.proto.codec.partial_from_result` and judged there.
+decoded by :func:`~userdp.proto.codec.result_from_proto` and judged there.
 
 Request bodies are decoded by :func:`tolerant_deserializer` (the server registers it,
 :mod:`userdp.server.grpc_server`): a body that is not a valid protobuf message reaches the handler
@@ -32,7 +32,7 @@ import grpc
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import PROTOCOL_VERSION
-from userdp.proto.codec import partial_from_result
+from userdp.proto.codec import result_from_proto
 from userdp.proto.tensors import TensorAssembler, TensorDecodeError
 from userdp.server.auth import Authorizer
 from userdp.server.publisher import ModelPublisher
@@ -318,6 +318,4 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             tensors = assembler.finish(expected_count=result.num_tensors)
         except TensorDecodeError as exc:
             return ResultReceived(session, *key, None, str(exc))
-        return ResultReceived(
-            session, *key, partial_from_result(result, session.worker_id, tensors)
-        )
+        return ResultReceived(session, *key, result_from_proto(result, session.worker_id, tensors))

@@ -24,8 +24,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from userdp.strategies.base import ClipStatistics, Cohort, NoisyStatistic, Release, StrategyError
+from userdp.strategies.base import Cohort, NoisyStatistic, Release, StrategyError
 from userdp.strategies.builtins import UserLevelSampling
+from userdp.strategies.unit_stats import UnitStats
 
 __all__ = ["AdaptiveClipping", "update_noise_multiplier"]
 
@@ -46,8 +47,8 @@ class AdaptiveClipping(UserLevelSampling):
     ``noise_multiplier`` is the accounted z of the whole step (sum AND count);
     ``count_stddev`` σ_b is the std of the noise on the clipped count; ``clip_lr`` is η_C.
     :meth:`privatize` releases the noisy fraction in ``Release.statistics`` and
-    :meth:`server_update` moves C from it (the workers' :class:`ClipStatistics` ``clipped`` =
-    units with norm > C).
+    :meth:`server_update` moves C from it (the cohort's :class:`UnitStats`: ``count`` units,
+    ``clipped`` of them with norm > C).
     """
 
     def __init__(
@@ -73,18 +74,18 @@ class AdaptiveClipping(UserLevelSampling):
         """(step, clip norm used, noisy unclipped fraction) per released step."""
 
     def add_noise(
-        self, step: int, summed: Mapping[str, Any], stats: ClipStatistics | None = None
+        self, step: int, summed: Mapping[str, Any], stats: UnitStats | None = None
     ) -> dict[str, Any]:
         """The sum's noise: σ_Δ·C (the count takes the rest of the step's budget)."""
         return self.noise.add(step, summed, std=self.update_noise_multiplier * self.clip_norm)
 
     def privatize(
-        self, step: int, summed: Mapping[str, Any], stats: ClipStatistics, cohort: Cohort
+        self, step: int, summed: Mapping[str, Any], stats: UnitStats, cohort: Cohort
     ) -> Release:
         """The noisy sum and the noisy unclipped fraction b̃ = (Σ(b_u − ½) + N(0, σ_b²))/M + ½
         (M the EXPECTED cohort); one unit moves b̃ by at most ½/M."""
         expected = cohort.expected_size
-        centered = (stats.units - stats.clipped) - 0.5 * stats.units
+        centered = (stats.count - stats.clipped) - 0.5 * stats.count
         noisy = self.noise.rng.noisy_scalar(centered, self.count_stddev)
         fraction = NoisyStatistic(noisy / expected + 0.5, sensitivity=0.5 / expected)
         return Release(

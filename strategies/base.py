@@ -14,7 +14,7 @@ in-process loop and the Flower adapter call it, and it calls the hooks in this o
     mechanism()                              # checked against the budget before any work
     sample_cohort(step, population) -> Cohort     (unit ids; never rows)
     configure_task(step, cohort)    -> TaskSpec   (what every worker task carries)
-    ... workers return partial sums of CLIPPED unit updates; the caller sums them ...
+    ... workers return task sums of CLIPPED unit updates; the caller sums them over the cohort
     privatize(step, summed, stats, cohort) -> Release   (fresh noise, never replayable)
       or, for a strategy with needs_unit_updates, every unit's own clipped update:
     privatize_units(step, updates, stats, cohort) -> Release
@@ -56,11 +56,11 @@ from userdp.strategies.population import (
     parse_example_unit_id,
 )
 from userdp.strategies.samplers import Sampler
+from userdp.strategies.unit_stats import UnitStats
 
 __all__ = [
     "UNITS",
     "Adjacency",
-    "ClipStatistics",
     "Cohort",
     "NoisyStatistic",
     "PopulationCounts",
@@ -71,6 +71,7 @@ __all__ = [
     "StrategyError",
     "TaskSpec",
     "Unit",
+    "UnitStats",
     "as_population",
     "example_unit_id",
     "parse_example_unit_id",
@@ -154,18 +155,6 @@ class TaskSpec:
                 f"local_steps={self.local_steps}, local_lr={self.local_lr}: local steps need "
                 "local_steps >= 1 and local_lr > 0 (or local_steps = 0 for one gradient)"
             )
-
-
-@dataclass(frozen=True)
-class ClipStatistics:
-    """Per-step counts the workers report next to the clipped sum (not released as such).
-
-    ``units``: units that contributed; ``clipped``: units whose update norm was > C (so
-    ``units − clipped`` had norm ≤ C). Adaptive clipping releases a NOISY version of the latter.
-    """
-
-    units: int
-    clipped: int
 
 
 @dataclass(frozen=True)
@@ -306,7 +295,7 @@ class Strategy(ABC):
     # ---- combining and privatizing --------------------------------------------------------------
 
     def add_noise(
-        self, step: int, summed: Mapping[str, Any], stats: ClipStatistics | None = None
+        self, step: int, summed: Mapping[str, Any], stats: UnitStats | None = None
     ) -> dict[str, Any]:
         """Return ``summed + σ·C·noise`` (iid: z; BLT: (C⁻¹z)_step), a new dict; ``summed`` is
         not modified. The noise generator is seeded from ``os.urandom``; calling this twice for
@@ -314,10 +303,11 @@ class Strategy(ABC):
         return self.noise.add(step, summed, std=self.noise_multiplier * self.clip_norm)
 
     def privatize(
-        self, step: int, summed: Mapping[str, Any], stats: ClipStatistics, cohort: Cohort
+        self, step: int, summed: Mapping[str, Any], stats: UnitStats, cohort: Cohort
     ) -> Release:
-        """Everything this step releases, noised. Default: :meth:`add_noise` on the sum and no
-        statistics. A strategy that releases a statistic next to the sum (adaptive clipping's
+        """Everything this step releases, noised; ``stats`` are the cohort's unit statistics, not
+        released as such (``count`` units, ``clipped`` of them with norm > C). Default:
+        :meth:`add_noise` on the sum and no statistics. A strategy that releases a statistic next to the sum (adaptive clipping's
         clipped count) returns it here, noised, and accounts for it in :meth:`mechanism`."""
         return Release(step, cohort, self.add_noise(step, summed, stats))
 
@@ -325,7 +315,7 @@ class Strategy(ABC):
         self,
         step: int,
         updates: Mapping[str, Mapping[str, Any]],
-        stats: ClipStatistics,
+        stats: UnitStats,
         cohort: Cohort,
     ) -> Release:
         """Everything this step releases, from every unit's own clipped update (``updates``:

@@ -1,14 +1,14 @@
 """Run a strategy's hooks in one process against a compute function: the reference step loop.
 
-The step is :func:`userdp.strategies.step.run_step`; this module only supplies its gather: the
-cohort's units dealt round-robin to ``workers`` calls of ``compute`` and summed with
-:func:`~userdp.strategies.tensors.sum_tensor_dicts`. No network, retries or checkpoints; tests, tutorials and ``userdp
-simulate --in-process`` use it.
+The step is :func:`userdp.strategies.step.run_step`; :func:`run_local_step` only supplies its
+gather: the cohort's units dealt round-robin to ``workers`` calls of ``compute`` and summed with
+:func:`~userdp.strategies.tensors.sum_tensor_dicts`. No network, retries or checkpoints; tests,
+tutorials and ``userdp simulate --in-process`` use it.
 
-``compute(task, unit_ids, params) -> (partial_sum, ClipStatistics)`` plays one worker: for each
-unit it computes the update at ``params``, clips it to ``task.clip_norm`` and returns the sum.
-For a strategy with ``needs_unit_updates`` every unit is its own call, so each partial sum is
-one unit's clipped update, and the step receives them all (``Gathered.units``).
+``compute(task, unit_ids, params) -> (task_sum, UnitStats)`` plays one worker: for each unit it
+computes the update at ``params``, clips it to ``task.clip_norm`` and returns the sum. For a
+strategy with ``needs_unit_updates`` every unit is its own call, so each task sum is one unit's
+clipped update, and the step receives them all (``CohortSum.unit_updates``).
 """
 
 from __future__ import annotations
@@ -17,16 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from userdp.strategies.base import ClipStatistics, Release, Strategy, TaskSpec, as_population
-from userdp.strategies.step import ExecutionOptions, Gathered, PlannedStep
-from userdp.strategies.step import run_step as run_one_step
+from userdp.strategies.base import Release, Strategy, TaskSpec, as_population
+from userdp.strategies.step import CohortSum, ExecutionOptions, PlannedStep, run_step
 from userdp.strategies.tensors import sum_tensor_dicts, zeros_like
+from userdp.strategies.unit_stats import UnitStats
 
-__all__ = ["StepRecord", "run_step", "run_steps"]
+__all__ = ["StepRecord", "run_local_step", "run_local_steps"]
 
-Compute = Callable[
-    [TaskSpec, Sequence[str], Mapping[str, Any]], tuple[dict[str, Any], ClipStatistics]
-]
+Compute = Callable[[TaskSpec, Sequence[str], Mapping[str, Any]], tuple[dict[str, Any], UnitStats]]
 
 
 @dataclass(frozen=True)
@@ -38,7 +36,7 @@ class StepRecord:
     clip_norm: float
 
 
-def run_step(
+def run_local_step(
     strategy: Strategy,
     step: int,
     params: dict[str, Any],
@@ -51,40 +49,40 @@ def run_step(
     on_release: Callable[[Release], None] | None = None,
     test_only_disable_noise: bool = False,
 ) -> StepRecord:
-    """One step; ``params`` is updated in place. ``ledger`` needs ``append(step, mechanism)``
+    """One step of :func:`~userdp.strategies.step.run_step` gathered from local ``compute`` calls;
+    ``params`` is updated in place. ``ledger`` needs ``append(step, mechanism)``
     (and ``check_budget(mechanism)`` when it has a budget).
 
     ``test_only_disable_noise`` skips the noise (NOT PRIVATE) so tests can compare with the
     coordinator's noiseless mode; no config key or CLI flag reaches it."""
 
-    def gather_units(planned: PlannedStep) -> Gathered:
-        updates, units_done, clipped = {}, 0, 0
+    def gather_units(planned: PlannedStep) -> CohortSum:
+        updates, stats = {}, UnitStats()
         for unit in planned.cohort.unit_ids:
-            updates[unit], stat = compute(planned.task, [unit], params)
-            units_done, clipped = units_done + stat.units, clipped + stat.clipped
-        partials = list(updates.values()) or [
+            updates[unit], unit_stats = compute(planned.task, [unit], params)
+            stats += unit_stats
+        task_sums = list(updates.values()) or [
             {name: zeros_like(value) for name, value in params.items()}
         ]
-        stats = ClipStatistics(units_done, clipped)
-        return Gathered(sum_tensor_dicts(partials), stats, units=updates)
+        return CohortSum(sum_tensor_dicts(task_sums), stats, unit_updates=updates)
 
-    def gather(planned: PlannedStep) -> Gathered:
+    def gather(planned: PlannedStep) -> CohortSum:
         units = list(planned.cohort.unit_ids)
-        partials, units_done, clipped = [], 0, 0
+        task_sums, stats = [], UnitStats()
         for share in (units[i::workers] for i in range(workers)):
             if share:
-                partial, stat = compute(planned.task, share, params)
-                units_done, clipped = units_done + stat.units, clipped + stat.clipped
+                task_sum, task_stats = compute(planned.task, share, params)
+                stats += task_stats
             else:
-                partial = {name: zeros_like(value) for name, value in params.items()}
-            partials.append(partial)
-        return Gathered(sum_tensor_dicts(partials), ClipStatistics(units_done, clipped))
+                task_sum = {name: zeros_like(value) for name, value in params.items()}
+            task_sums.append(task_sum)
+        return CohortSum(sum_tensor_dicts(task_sums), stats)
 
-    planned, gathered, _ = run_one_step(
+    planned, cohort_sum, _ = run_step(
         strategy,
         step,
-        population,
         params,
+        population,
         gather_units if strategy.needs_unit_updates else gather,
         ledger,
         options=options,
@@ -94,11 +92,11 @@ def run_step(
     )
     cohort = planned.cohort
     return StepRecord(
-        step, len(cohort), cohort.expected_size, gathered.stats.clipped, planned.task.clip_norm
+        step, len(cohort), cohort.expected_size, cohort_sum.stats.clipped, planned.task.clip_norm
     )
 
 
-def run_steps(
+def run_local_steps(
     strategy: Strategy,
     params: dict[str, Any],
     population: Any,
@@ -109,9 +107,9 @@ def run_steps(
     start: int = 0,
     workers: int = 2,
 ) -> list[StepRecord]:
-    """Steps ``start .. start + steps − 1`` of :func:`run_step`."""
+    """Steps ``start .. start + steps − 1`` of :func:`run_local_step`."""
     population = as_population(population)
     return [
-        run_step(strategy, s, params, population, compute, ledger=ledger, workers=workers)
+        run_local_step(strategy, s, params, population, compute, ledger=ledger, workers=workers)
         for s in range(start, start + steps)
     ]

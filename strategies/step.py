@@ -8,10 +8,12 @@ they pass in. The order is the privacy contract:
 
 1. the step's mechanism is checked against the ledger's budget before any work;
 2. the strategy samples the cohort (data-independent) and configures the task;
-3. the caller gathers the sum of CLIPPED unit updates, exactly once per unit (and every unit's
-   own update for a strategy with ``needs_unit_updates``, which only a caller that says
-   ``unit_updates=True`` gathers; the others refuse it before any work);
-4. the strategy privatizes it (fresh noise; a retried step draws new noise);
+3. the caller gathers the :class:`CohortSum`: the sum of CLIPPED unit updates over the cohort,
+   exactly once per unit (and every unit's own update for a strategy with
+   ``needs_unit_updates``, which only a caller that says ``unit_updates=True`` gathers; the
+   others refuse it before any work);
+4. the strategy privatizes it into a :class:`~userdp.strategies.base.Release` (fresh noise; a
+   retried step draws new noise);
 5. the ledger records the mechanism — fsync'd — BEFORE anything derived from the release leaves
    (a replayed step that was charged before a crash is not charged again);
 6. ``on_release`` observers see the release (an auditor sees exactly what is published);
@@ -31,20 +33,14 @@ from typing import Any
 
 from userdp.accounting.ledger import Ledger
 from userdp.accounting.mechanisms import Mechanism
-from userdp.strategies.base import (
-    ClipStatistics,
-    Cohort,
-    Release,
-    Strategy,
-    StrategyError,
-    TaskSpec,
-)
+from userdp.strategies.base import Cohort, Release, Strategy, StrategyError, TaskSpec
 from userdp.strategies.noise import noise_mode
+from userdp.strategies.unit_stats import UnitStats
 
 __all__ = [
     "EXACT_ENGINES",
+    "CohortSum",
     "ExecutionOptions",
-    "Gathered",
     "PlannedStep",
     "begin_step",
     "finish_step",
@@ -86,15 +82,16 @@ class ExecutionOptions:
 
 
 @dataclass(frozen=True)
-class Gathered:
-    """The clipped sum of one step's units, gathered exactly once, and the workers' counts.
+class CohortSum:
+    """Σ clip(g_u, C) over one step's cohort, every unit counted exactly once, and the units'
+    statistics (the sum of the workers' task sums).
 
-    ``units``: every unit's own clipped update (unit id → tensor dict), gathered only for a
-    strategy with ``needs_unit_updates``; None otherwise."""
+    ``unit_updates``: every unit's own clipped update (unit id → tensor dict), gathered only for
+    a strategy with ``needs_unit_updates``; None otherwise."""
 
     sums: Mapping[str, Any]
-    stats: ClipStatistics
-    units: Mapping[str, Mapping[str, Any]] | None = None
+    stats: UnitStats
+    unit_updates: Mapping[str, Mapping[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +125,7 @@ def begin_step(
 ) -> PlannedStep:
     """Steps 1–2: the budget check (skipped for a replay, ``charge=False``), the cohort and the
     task every worker of the step gets. ``unit_updates``: the caller's gather returns every
-    unit's own update (:attr:`Gathered.units`); a strategy that needs them is refused without."""
+    unit's own update (:attr:`CohortSum.unit_updates`); a strategy that needs them is refused without."""
     if strategy.needs_unit_updates and not unit_updates:
         raise StrategyError(
             f"{type(strategy).__name__} needs every user's own clipped update, which only the "
@@ -150,7 +147,7 @@ def begin_step(
 def finish_step(
     strategy: Strategy,
     planned: PlannedStep,
-    gathered: Gathered,
+    cohort_sum: CohortSum,
     params: dict[str, Any],
     ledger: Any = None,
     *,
@@ -159,7 +156,7 @@ def finish_step(
     on_release: Callable[[Release], None] | None = None,
     test_only_disable_noise: bool = False,
 ) -> Release:
-    """Steps 4–7 on the gathered clipped sum; ``params`` is updated in place.
+    """Steps 4–7 on the cohort's clipped sum; ``params`` is updated in place.
 
     ``charge=False`` for a step the ledger already holds (charged before a crash, never
     released). ``test_only_disable_noise`` (NOT PRIVATE) exists for tests that compare
@@ -168,16 +165,16 @@ def finish_step(
     _phase(on_phase, "noise")
     if test_only_disable_noise:
         log.warning("step %d: NOT PRIVATE: noise disabled (test-only mode)", step)
-        release = Release(step, cohort, dict(gathered.sums))
+        release = Release(step, cohort, dict(cohort_sum.sums))
     elif strategy.needs_unit_updates:
-        if gathered.units is None:
+        if cohort_sum.unit_updates is None:
             raise StrategyError(
                 f"step {step}: {type(strategy).__name__} needs every unit's update; the gather "
                 "returned only their sum"
             )
-        release = strategy.privatize_units(step, gathered.units, gathered.stats, cohort)
+        release = strategy.privatize_units(step, cohort_sum.unit_updates, cohort_sum.stats, cohort)
     else:
-        release = strategy.privatize(step, gathered.sums, gathered.stats, cohort)
+        release = strategy.privatize(step, cohort_sum.sums, cohort_sum.stats, cohort)
     _phase(on_phase, "ledger")
     if charge and ledger is not None:  # fsync'd; refuses a step over the budget
         if isinstance(ledger, Ledger):  # which noise the step drew, for the report
@@ -197,9 +194,9 @@ def finish_step(
 def run_step(
     strategy: Strategy,
     step: int,
-    population: Any,
     params: dict[str, Any],
-    gather: Callable[[PlannedStep], Gathered],
+    population: Any,
+    gather: Callable[[PlannedStep], CohortSum],
     ledger: Any = None,
     *,
     options: ExecutionOptions | None = None,
@@ -208,10 +205,11 @@ def run_step(
     on_release: Callable[[Release], None] | None = None,
     test_only_disable_noise: bool = False,
     unit_updates: bool = False,
-) -> tuple[PlannedStep, Gathered, Release]:
+) -> tuple[PlannedStep, CohortSum, Release]:
     """One whole step (the module docstring): :func:`begin_step`, ``gather(planned)``,
-    :func:`finish_step`. An exception from ``gather`` (an aborted step) leaves nothing drawn,
-    charged or released. ``unit_updates``: see :func:`begin_step`."""
+    :func:`finish_step`; ``params`` is updated in place. An exception from ``gather`` (an
+    aborted step) leaves nothing drawn, charged or released. ``unit_updates``: see
+    :func:`begin_step`."""
     planned = begin_step(
         strategy,
         step,
@@ -222,11 +220,11 @@ def run_step(
         on_phase=on_phase,
         unit_updates=unit_updates,
     )
-    gathered = gather(planned)
+    cohort_sum = gather(planned)
     release = finish_step(
         strategy,
         planned,
-        gathered,
+        cohort_sum,
         params,
         ledger,
         charge=charge,
@@ -234,4 +232,4 @@ def run_step(
         on_release=on_release,
         test_only_disable_noise=test_only_disable_noise,
     )
-    return planned, gathered, release
+    return planned, cohort_sum, release

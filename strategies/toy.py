@@ -1,9 +1,10 @@
 """Toy workers for tutorials and tests: per-user clipped mean estimation, and a Flower node
 partition of its users.
 
-``ToyMeanEstimation`` plays the worker compute of :mod:`userdp.strategies.inprocess` (and of the
-Flower ClientApp) without a model: each user holds points in R^d and a unit's update is the
-gradient of ½‖θ − x‖², clipped exactly as a real worker clips.
+``ToyMeanEstimation`` plays the worker compute of
+:func:`userdp.strategies.inprocess.run_local_step` (and of the Flower ClientApp) without a model:
+each user holds points in R^d and a unit's update is the gradient of ½‖θ − x‖², clipped exactly
+as a real worker clips.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from userdp.strategies.base import ClipStatistics, TaskSpec, parse_example_unit_id
+from userdp.strategies.base import TaskSpec, parse_example_unit_id
 from userdp.strategies.tensors import is_torch, to_numpy
+from userdp.strategies.unit_stats import UnitStats
 
 __all__ = ["PartitionedUsers", "ToyMeanEstimation"]
 
@@ -22,7 +24,7 @@ class ToyMeanEstimation:
     """A toy worker for tutorials and tests: users hold points in R^d and the loss is ½‖θ − x‖²,
     so a user unit's gradient is θ − (mean of its points) and an example unit's is θ − x.
 
-    Call it as the worker compute: ``(task, unit_ids, params) -> (clipped sum, ClipStatistics)``;
+    Call it as the worker compute: ``(task, unit_ids, params) -> (clipped sum, UnitStats)``;
     it clips each unit to ``task.clip_norm`` exactly as a real worker must.
     """
 
@@ -62,7 +64,7 @@ class ToyMeanEstimation:
             import torch
 
             total = torch.from_numpy(total).to(params["theta"].dtype)
-        return {"theta": total}, ClipStatistics(len(unit_ids), clipped)
+        return {"theta": total}, UnitStats(count=len(unit_ids), clipped=clipped)
 
 
 class PartitionedUsers:

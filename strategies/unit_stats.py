@@ -1,13 +1,12 @@
 """The statistics a task reports about its units next to its clipped sum, declared once.
 
-Every stage that carries them holds a :class:`UnitStats`: the worker's accumulator and result
-(:mod:`userdp.clients.clipping`, :mod:`userdp.clients.partial`), the coordinator's partial and
-gathered sums (:mod:`userdp.server.aggregation`) and its step report
+Every stage that carries them holds a :class:`UnitStats`: the worker's accumulator
+(:mod:`userdp.clients.clipping`), its task sum and the coordinator's task result
+(:mod:`userdp.proto.results`), the cohort's sum the strategy privatizes
+(:class:`userdp.strategies.step.CohortSum`) and the coordinator's step report
 (:mod:`userdp.server.coordinator`). On the wire they are fields of the ``Result`` message, mapped
 only by :mod:`userdp.proto.codec`. A new statistic is a field here, its field in ``Result`` and
 its two lines in the codec.
-
-The strategy sees only the counts of :class:`~userdp.strategies.base.ClipStatistics`.
 """
 
 from __future__ import annotations

@@ -38,10 +38,11 @@ from userdp.accounting.ledger import BudgetExceededError
 from userdp.accounting.mechanisms import Mechanism, UserWiseFilterMechanism
 from userdp.strategies import tensors as T
 from userdp.strategies.above_threshold import AboveThreshold
-from userdp.strategies.base import ClipStatistics, Cohort, Release, Strategy, StrategyError
+from userdp.strategies.base import Cohort, Release, Strategy, StrategyError
 from userdp.strategies.noise import NoiseMechanism
 from userdp.strategies.optimizers import ServerOptimizer
 from userdp.strategies.samplers import PoissonSampler
+from userdp.strategies.unit_stats import UnitStats
 
 __all__ = [
     "TrainingHalted",
@@ -201,7 +202,7 @@ class UserWiseFilter(Strategy):
         self,
         step: int,
         updates: Mapping[str, Mapping[str, Any]],
-        stats: ClipStatistics,
+        stats: UnitStats,
         cohort: Cohort,
     ) -> Release:
         """Concentration score → AboveThreshold → filter → N·(ĝ + ν) (module docstring); on

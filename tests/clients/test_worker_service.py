@@ -16,19 +16,19 @@ import pyarrow as pa
 import pytest
 import torch
 from userdp.clients.grpc_client import Backoff, WorkerClient
-from userdp.clients.partial import ClippedSum
 from userdp.clients.selection import select_examples
 from userdp.clients.shard_store import ShardStore
 from userdp.clients.worker_service import EngineCompute, _selection_rng
 from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.results import TaskSum
 from userdp.server.population import Population
+from userdp.shard_input import InputSource
+from userdp.shard_writer import ShardOptions, write_shards
 from userdp.strategies.base import Release
 from userdp.strategies.unit_stats import UnitStats
 
 from tests.server.harness import make_loopback
 from tests.server.standins import uls_strategy
-from userdp.shard_input import InputSource
-from userdp.shard_writer import ShardOptions, write_shards
 
 
 @dataclass
@@ -58,7 +58,7 @@ class TokenCountEngine:
             for name in sums:
                 sums[name] += unit_norm(unit.examples, clip_norm) / total**0.5
         tokens = sum(len(e) for u in units for e in u.examples)
-        return ClippedSum(sums=sums, stats=UnitStats(count=len(units), tokens=tokens))
+        return TaskSum(sums=sums, stats=UnitStats(count=len(units), tokens=tokens))
 
 
 @pytest.fixture(scope="module")

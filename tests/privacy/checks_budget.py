@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 from userdp.accounting import UlsMechanism, epsilon
 from userdp.accounting.ledger import BudgetExceededError, Ledger
-from userdp.strategies.base import ClipStatistics
 from userdp.strategies.builtins import UserLevelSampling
-from userdp.strategies.inprocess import run_step
+from userdp.strategies.inprocess import run_local_step
 from userdp.strategies.noise import GaussianNoise, NoiseRng
+from userdp.strategies.unit_stats import UnitStats
 
 from tests.server import toy
 from tests.server.harness import make_loopback
@@ -89,7 +89,7 @@ def check_inprocess_budget_stops_before_sampling(tmp_path: Path) -> None:
 
     def compute(task, unit_ids, params):
         computed.append(current["step"])
-        return {n: np.zeros_like(v) for n, v in params.items()}, ClipStatistics(len(unit_ids), 0)
+        return {n: np.zeros_like(v) for n, v in params.items()}, UnitStats(count=len(unit_ids))
 
     users = [f"user-{i}" for i in range(40)]
     params = {"w": np.zeros(4)}
@@ -99,7 +99,7 @@ def check_inprocess_budget_stops_before_sampling(tmp_path: Path) -> None:
         for step in range(ASKED):
             current["step"] = step
             try:
-                run_step(strategy, step, params, users, compute, ledger=ledger)
+                run_local_step(strategy, step, params, users, compute, ledger=ledger)
             except BudgetExceededError:
                 stopped_at = step
                 break

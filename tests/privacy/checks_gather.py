@@ -11,12 +11,8 @@ released sum is exactly Σ clip(unit) over the cohort, each unit once. They use 
 from __future__ import annotations
 
 import torch
-from userdp.server.aggregation import (
-    ExactlyOnceViolation,
-    PartialSum,
-    StepGather,
-    TensorSpec,
-)
+from userdp.proto.results import TaskResult, TaskSum
+from userdp.server.aggregation import ExactlyOnceViolation, StepGather, TensorSpec
 from userdp.server.planning import plan_groups
 from userdp.server.population import Population
 from userdp.strategies.unit_stats import UnitStats
@@ -48,15 +44,14 @@ def _partial(gather: StepGather, task_id: str, attempt: int, worker: str, scale:
     total = torch.zeros(DIM, dtype=torch.float32)
     for unit in units:
         total += _contribution(unit)
-    return PartialSum(
+    return TaskResult(
         task_id=task_id,
         attempt=attempt,
         step=STEP,
         model_version=7,
         worker_id=worker,
         unit_ids=units,
-        tensors={"w": total * scale},
-        stats=UnitStats(count=len(units)),
+        task_sum=TaskSum({"w": total * scale}, UnitStats(count=len(units))),
     )
 
 
@@ -67,7 +62,7 @@ def _new_gather(cohort: list[str], estimate_probes: int = 0) -> StepGather:
     return StepGather(STEP, 7, groups, template, CLIP, estimate_probes=estimate_probes)
 
 
-def _offer(gather: StepGather, partial: PartialSum, what: str):
+def _offer(gather: StepGather, partial: TaskResult, what: str):
     try:
         return gather.offer(partial)
     except ExactlyOnceViolation as exc:
@@ -84,9 +79,9 @@ def _assert_sum_is_each_unit_once(gather: StepGather, cohort: list[str], scenari
         expected += _contribution(unit).double()
     released = result.sums["w"]
     error = float(torch.linalg.vector_norm(released - expected))
-    assert result.units == len(cohort) and result.stats.count == len(cohort), (
-        f"{scenario}: {result.units} units counted for a cohort of {len(cohort)}: a unit was "
-        "counted twice (or dropped)"
+    assert gather.units_counted == len(cohort) and result.stats.count == len(cohort), (
+        f"{scenario}: {gather.units_counted} units counted for a cohort of {len(cohort)}: a unit "
+        "was counted twice (or dropped)"
     )
     assert error <= 1e-6, (
         f"{scenario}: released sum differs from Σ over the cohort of each unit once by "
@@ -146,11 +141,11 @@ def check_exactly_once_under_retries() -> None:
     _assert_sum_is_each_unit_once(gather, cohort, "late result before its re-issue")
 
 
-def _partial_of_norm(gather, task, attempt, worker, norm: float) -> PartialSum:
+def _partial_of_norm(gather, task, attempt, worker, norm: float) -> TaskResult:
     """The task's honest partial, rescaled to total norm ``norm``."""
     partial = _partial(gather, task, attempt, worker)
-    scale = norm / float(torch.linalg.vector_norm(partial.tensors["w"]))
-    partial.tensors = {"w": partial.tensors["w"] * scale}
+    scale = norm / float(torch.linalg.vector_norm(partial.task_sum.sums["w"]))
+    partial.task_sum.sums = {"w": partial.task_sum.sums["w"] * scale}
     return partial
 
 

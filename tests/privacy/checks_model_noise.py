@@ -15,8 +15,8 @@ import math
 
 import torch
 from userdp.clients.model import ModelShape, build_model, split_parameters
-from userdp.strategies.base import ClipStatistics
-from userdp.strategies.inprocess import run_step
+from userdp.strategies.inprocess import run_local_step
+from userdp.strategies.unit_stats import UnitStats
 
 from userdp.config import ModelConfig
 
@@ -55,13 +55,13 @@ def check_noise_on_every_trainable_tensor(lora_rank: int = 4) -> None:
 
     def compute(task, unit_ids, current):
         sums = {n: torch.full_like(current[n], per_unit[n] * len(unit_ids)) for n in current}
-        return sums, ClipStatistics(len(unit_ids), 0)
+        return sums, UnitStats(count=len(unit_ids))
 
     strategy = make_strategy("uls")
     pop = population()
     step, realized = step_with_cohort_gap(make_strategy("uls"), pop)
     before = {n: p.clone() for n, p in params.items()}
-    record = run_step(strategy, step, params, pop, compute)
+    record = run_local_step(strategy, step, params, pop, compute)
     assert record.units == realized
     expected = expected_cohort("uls")
     std = LR * SIGMA * CLIP / expected

@@ -1,7 +1,8 @@
 """Noise checks on the real strategies in the reference step loop (``strategies.inprocess``).
 
 Each ``check_*`` runs the real hooks (sample → sum → add_noise → server_update) through
-:func:`userdp.strategies.inprocess.run_step` and raises AssertionError when a DP property fails.
+:func:`userdp.strategies.inprocess.run_local_step` and raises AssertionError when a DP property
+fails.
 The expected values are computed from this module's constants (σ, C, q, N, G, lr), never read
 back from the code under test, so a bug cannot cancel itself out.
 
@@ -18,12 +19,12 @@ import math
 
 import numpy as np
 from userdp.strategies.adaptive_clipping import AdaptiveClipping
-from userdp.strategies.base import ClipStatistics
 from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
 from userdp.strategies.dpftrl import BltDpFtrl
-from userdp.strategies.inprocess import run_step
+from userdp.strategies.inprocess import run_local_step
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 from userdp.strategies.optimizers import Sgd
+from userdp.strategies.unit_stats import UnitStats
 
 from .stats import ALPHA, assert_gaussian_noise, assert_uncorrelated
 
@@ -68,7 +69,7 @@ def zero_params() -> dict[str, np.ndarray]:
 def zero_compute(task, unit_ids, params):
     """A worker whose every unit contributes zero (so the release is pure noise)."""
     sums = {name: np.zeros_like(np.asarray(value)) for name, value in params.items()}
-    return sums, ClipStatistics(len(unit_ids), 0)
+    return sums, UnitStats(count=len(unit_ids))
 
 
 def test_rng() -> GaussianNoise:
@@ -145,7 +146,7 @@ def released_update(strategy, step, pop, compute=zero_compute, params=None):
     """Run one real step; return (params before − params after) per tensor, and the cohort size."""
     params = params if params is not None else zero_params()
     before = {name: np.array(value, copy=True) for name, value in params.items()}
-    record = run_step(strategy, step, params, pop, compute)
+    record = run_local_step(strategy, step, params, pop, compute)
     return {name: before[name] - np.asarray(params[name]) for name in params}, record.units
 
 
@@ -265,7 +266,7 @@ def check_adaptive_clipping_noise() -> None:
     params = {"b": np.zeros(4)}
     count_noise = []
     for t in range(400):
-        record = run_step(strategy, t, params, pop, zero_compute)
+        record = run_local_step(strategy, t, params, pop, zero_compute)
         _, _, fraction = strategy.history[-1]
         # zero_compute clips nobody: the true centered count is units − units/2 = units/2
         count_noise.append((fraction - 0.5) * expected - record.units / 2)
@@ -298,7 +299,7 @@ def check_production_noise_is_secure_and_on_grid() -> None:
     gamma = 2.0 ** (math.floor(math.log2(SIGMA * CLIP)) - 8)
     rng = np.random.default_rng(4)
     summed = {name: rng.normal(size=shape) / 3.0 for name, shape in SHAPES.items()}
-    released = strategy.add_noise(0, summed, ClipStatistics(20, 0))
+    released = strategy.add_noise(0, summed, UnitStats(count=20))
     _assert_on_grid(released, gamma, "ULS step 0")
     noise = np.concatenate([(released[n] - summed[n]).ravel() for n in SHAPES])
     assert_gaussian_noise(noise, SIGMA * CLIP, "secure noise on the grid, ULS step 0")
@@ -312,16 +313,14 @@ def check_production_noise_is_secure_and_on_grid() -> None:
         optimizer=Sgd(LR),
     )
     for step in range(2):
-        _assert_on_grid(
-            blt.add_noise(step, summed, ClipStatistics(20, 0)), gamma, f"BLT step {step}"
-        )
+        _assert_on_grid(blt.add_noise(step, summed, UnitStats(count=20)), gamma, f"BLT step {step}")
     # adaptive clipping's noisy count, on the grid of its own std σ_b (read back from the
     # released fraction b̃ = noisy/E + ½, so up to float rounding of that division)
     count_gamma = 2.0 ** (math.floor(math.log2(COUNT_STDDEV)) - 8)
     strategy = adaptive_strategy(production_noise=True)
     params, pop = {"b": np.zeros(4)}, user_ids()
     for t in range(50):
-        run_step(strategy, t, params, pop, zero_compute)
+        run_local_step(strategy, t, params, pop, zero_compute)
         fraction = strategy.history[-1][2]
         cells = (fraction - 0.5) * Q * N_USERS / count_gamma
         assert abs(cells - round(cells)) <= 1e-6, (
@@ -334,10 +333,10 @@ def check_report_names_the_noise_generator() -> None:
     """The privacy facts a report is rendered from state the generator the strategy really uses:
     with ``privacy.secure_noise = false`` the facts say not secure and carry the caveat; by
     default they say secure, and the generator is secure."""
+    from userdp.run_components import make_strategy as strategy_from_config
     from userdp.strategies.noise import FAST_NOISE_CAVEAT
 
     from userdp.config import parse_config
-    from userdp.run_components import make_strategy as strategy_from_config
 
     for secure in (True, False):
         config = parse_config({"privacy": {"secure_noise": secure}})

@@ -23,7 +23,7 @@ from userdp.accounting.api import compose_epsilon
 from userdp.accounting.ledger import Ledger, group_phases, read_ledger
 from userdp.strategies.base import parse_example_unit_id
 from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
-from userdp.strategies.inprocess import run_steps
+from userdp.strategies.inprocess import run_local_steps
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 
 from .stats import Z, binomial_interval, chi2_interval
@@ -154,9 +154,9 @@ def _reference_epsilon(sigma: float, q: float, steps: int, delta: float) -> floa
 
 
 def _zero_compute(task, unit_ids, params):
-    from userdp.strategies.base import ClipStatistics
+    from userdp.strategies.unit_stats import UnitStats
 
-    return {n: np.zeros_like(v) for n, v in params.items()}, ClipStatistics(len(unit_ids), 0)
+    return {n: np.zeros_like(v) for n, v in params.items()}, UnitStats(count=len(unit_ids))
 
 
 def check_ledger_epsilon_matches_steps_run(tmp_path: Path, steps: int = LEDGER_STEPS) -> None:
@@ -173,7 +173,7 @@ def check_ledger_epsilon_matches_steps_run(tmp_path: Path, steps: int = LEDGER_S
     path = Path(tmp_path) / "ledger.jsonl"
     with Ledger.create(path, budget_epsilon=100.0, delta=DELTA) as ledger:
         params = {"w": np.zeros(8)}
-        run_steps(strategy, params, _users(400), _zero_compute, steps, ledger=ledger)
+        run_local_steps(strategy, params, _users(400), _zero_compute, steps, ledger=ledger)
         recorded = [int(r["step"]) for r in ledger.records]
         assert recorded == list(range(steps)), (
             f"ledger records steps {recorded[:3]}…{recorded[-3:]} ({len(recorded)}) after "
@@ -258,8 +258,9 @@ def check_config_calibration_matches_run(tmp_path: Path) -> None:
     must not exceed the config's ε."""
     import os
 
-    from userdp.config import parse_config
     from userdp.run_components import make_strategy, resolve_noise_multiplier
+
+    from userdp.config import parse_config
 
     config = parse_config(
         {
@@ -309,8 +310,9 @@ def check_sampler_seed_is_secret_unless_given(tmp_path) -> None:
     built from one config with the same ``output.seed`` draw from different secret seeds and
     different cohorts, and claim no given seed; an explicit ``strategy.sampler_seed`` is used
     and reported as a caveat (amplification by sampling assumes a secret sampler)."""
-    from userdp.config import parse_config
     from userdp.run_components import make_strategy
+
+    from userdp.config import parse_config
 
     def build(**strategy):
         config = parse_config(
@@ -377,7 +379,9 @@ def _report_of_run(
     from userdp.accounting.report import build_report
 
     with Ledger.create(path, budget_epsilon=1e6, delta=delta) as ledger:
-        run_steps(strategy, {"w": np.zeros(4)}, population, _zero_compute, steps, ledger=ledger)
+        run_local_steps(
+            strategy, {"w": np.zeros(4)}, population, _zero_compute, steps, ledger=ledger
+        )
     return build_report(path, delta, unit="user", sampling=sampling)
 
 

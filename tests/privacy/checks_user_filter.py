@@ -18,10 +18,10 @@ import numpy as np
 from dp_accounting.pld import PLDAccountant
 from scipy import integrate
 from scipy import stats as scipy_stats
-from userdp.strategies.base import ClipStatistics
-from userdp.strategies.inprocess import run_step
+from userdp.strategies.inprocess import run_local_step
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 from userdp.strategies.optimizers import Sgd
+from userdp.strategies.unit_stats import UnitStats
 from userdp.strategies.user_filter import UserWiseFilter
 
 from .stats import assert_gaussian_noise, binomial_interval
@@ -50,7 +50,7 @@ def make_strategy(seed: int = 20240607) -> UserWiseFilter:
 
 def zero_compute(task, unit_ids, params):
     sums = {name: np.zeros_like(np.asarray(value)) for name, value in params.items()}
-    return sums, ClipStatistics(len(unit_ids), 0)
+    return sums, UnitStats(count=len(unit_ids))
 
 
 def check_user_filter_noise_magnitude() -> None:
@@ -58,7 +58,7 @@ def check_user_filter_noise_magnitude() -> None:
     users = [f"u{i:03d}" for i in range(N_USERS)]
     params = {name: np.zeros(shape) for name, shape in SHAPES.items()}
     seen = []
-    run_step(make_strategy(), 0, params, users, zero_compute, on_release=seen.append)
+    run_local_step(make_strategy(), 0, params, users, zero_compute, on_release=seen.append)
     assert seen and seen[0].noisy_sum, "the concentrated step released nothing (halted)"
     values = np.concatenate([np.ravel(v) / N_USERS for v in seen[0].noisy_sum.values()])
     log_term = EPSILON + math.log(STEPS / DELTA)  # log(e^ε T/δ)

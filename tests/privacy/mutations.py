@@ -259,13 +259,13 @@ def mutation_duplicate_discard_disabled(monkeypatch):
             self.fail(task.task_id, task.attempt, problem)
             return Verdict(False, True, problem)
         self._contributed.update(task.unit_ids)
-        for name, value in partial.tensors.items():
+        for name, value in partial.task_sum.sums.items():
             self._sums[name].add_(aggregation._as_torch(value).to(torch.float64))
         task.live = False
         for group_id in task.groups:
             self._groups[group_id].done = True
-        self._gathered.units += len(task.unit_ids)
-        self._gathered.stats += partial.stats
+        self.units_counted += len(task.unit_ids)
+        self.stats += partial.task_sum.stats
         return Verdict(True, False, "accepted")
 
     monkeypatch.setattr(StepGather, "offer", offer)
@@ -527,7 +527,7 @@ def mutation_adaptive_count_without_noise(monkeypatch):
     from userdp.strategies.adaptive_clipping import AdaptiveClipping
 
     def privatize(self, step, summed, stats, cohort):
-        centered = (stats.units - stats.clipped) - 0.5 * stats.units
+        centered = (stats.count - stats.clipped) - 0.5 * stats.count
         exact = NoisyStatistic(centered / cohort.expected_size + 0.5, 0.5 / cohort.expected_size)
         return Release(
             step, cohort, self.add_noise(step, summed, stats), {"unclipped_fraction": exact}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from userdp.clients.partial import ClippedSum
 from userdp.proto import userdp_v1_pb2 as pb
-from userdp.proto.codec import partial_from_result, result_proto
+from userdp.proto.codec import result_from_proto, result_proto
+from userdp.proto.results import TaskSum
 from userdp.strategies.unit_stats import UnitStats
 
 
@@ -21,13 +21,14 @@ def test_result_statistics_round_trip():
         tokens=40,
     )
     task = pb.Task(task_id="3.1", attempt=2, step=3, model_version=9, unit_ids=["a", "b/0"])
-    result = result_proto(task, ClippedSum(sums={}, stats=stats, skipped_examples=5), 1.5)
-    partial = partial_from_result(result, "worker-1", {})
-    assert partial.stats == stats
-    assert (partial.task_id, partial.attempt, partial.step, partial.model_version) == (
+    result = result_proto(task, TaskSum(sums={}, stats=stats, skipped_examples=5), 1.5)
+    received = result_from_proto(result, "worker-1", {})
+    assert received.task_sum.stats == stats
+    assert (received.task_id, received.attempt, received.step, received.model_version) == (
         "3.1",
         2,
         3,
         9,
     )
-    assert partial.unit_ids == ("a", "b/0") and partial.compute_seconds == 1.5
+    assert received.unit_ids == ("a", "b/0") and received.compute_seconds == 1.5
+    assert received.worker_id == "worker-1"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from userdp.server.aggregation import ExactlyOnceViolation, PartialSum, StepGather, TensorSpec
+from userdp.proto.results import TaskResult, TaskSum
+from userdp.server.aggregation import ExactlyOnceViolation, StepGather, TensorSpec
 from userdp.server.planning import ShardGroup, assign_groups, choose_worker, plan_groups
 from userdp.strategies.unit_stats import UnitStats
 
@@ -25,11 +26,12 @@ def _partial(task_id, attempt, worker, units, value=0.1, **kw):
         model_version=4,
         worker_id=worker,
         unit_ids=units,
-        tensors={"w": torch.full((3,), value)},
+        sums={"w": torch.full((3,), value)},
         stats=UnitStats(count=len(units)),
     )
     fields.update(kw)
-    return PartialSum(**fields)
+    task_sum = TaskSum(fields.pop("sums"), fields.pop("stats"))
+    return TaskResult(**fields, task_sum=task_sum)
 
 
 def test_duplicates_closed_tasks_and_other_steps_are_discarded():
@@ -56,7 +58,8 @@ def test_duplicates_closed_tasks_and_other_steps_are_discarded():
     assert g.offer(_partial(third, 0, "w2", ("u3",), value=0.2)).accepted
     result = g.result()
     torch.testing.assert_close(result.sums["w"], torch.full((3,), 0.3, dtype=torch.float64))
-    assert result.units == 3 and result.attempts == 3 and result.failed_tasks == 1
+    assert g.units_counted == 3 and g.attempts == 3 and g.failed_tasks == 1
+    assert result.stats.count == 3
 
 
 def test_a_live_task_answered_with_another_step_label_is_rejected_and_reissued():
@@ -78,7 +81,7 @@ def test_a_live_task_answered_with_another_step_label_is_rejected_and_reissued()
     retry, attempt = g.issue("w2", ["7/a", "7/b"], 1.0)
     assert attempt == 1
     assert g.offer(_partial(retry, 1, "w2", ("u1", "u2", "u3"))).accepted
-    assert g.result().units == 3 and g.result().failed_tasks == 1
+    assert g.units_counted == 3 and g.failed_tasks == 1
 
 
 def test_batched_task_failure_returns_every_group_to_pending():
@@ -103,11 +106,11 @@ def test_batched_task_failure_returns_every_group_to_pending():
         (dict(unit_ids=("u1", "u3")), "unit ids"),
         (dict(stats=UnitStats(count=1)), "count"),
         (dict(model_version=3), "model version"),
-        (dict(tensors={"w": torch.zeros(4)}), "shape"),
-        (dict(tensors={"w": torch.zeros(3, dtype=torch.float64)}), "dtype"),
-        (dict(tensors={"w": torch.tensor([0.0, float("inf"), 0.0])}), "non-finite"),
-        (dict(tensors={"v": torch.zeros(3)}), "names"),
-        (dict(tensors={"w": torch.full((3,), 2.0)}), "not clipped"),
+        (dict(sums={"w": torch.zeros(4)}), "shape"),
+        (dict(sums={"w": torch.zeros(3, dtype=torch.float64)}), "dtype"),
+        (dict(sums={"w": torch.tensor([0.0, float("inf"), 0.0])}), "non-finite"),
+        (dict(sums={"v": torch.zeros(3)}), "names"),
+        (dict(sums={"w": torch.full((3,), 2.0)}), "not clipped"),
     ],
 )
 def test_bad_partials_are_rejected_and_go_back_to_pending(change, reason):

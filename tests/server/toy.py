@@ -84,7 +84,7 @@ class ToyCompute:
     def compute(self, task):
         import time
 
-        from userdp.clients.partial import ClippedSum
+        from userdp.proto.results import TaskSum
         from userdp.strategies.unit_stats import UnitStats
 
         if self.delay_s:
@@ -106,7 +106,7 @@ class ToyCompute:
             loss_sum=float(len(norms)),
             tokens=len(norms),
         )
-        return ClippedSum(sums=sums, stats=stats)
+        return TaskSum(sums=sums, stats=stats)
 
 
 def main(argv: list[str]) -> int:

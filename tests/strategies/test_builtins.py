@@ -25,7 +25,7 @@ from userdp.strategies import (
     parse_example_unit_id,
 )
 from userdp.strategies.adaptive_clipping import AdaptiveClipping, update_noise_multiplier
-from userdp.strategies.base import ClipStatistics, Cohort, Release
+from userdp.strategies.base import Cohort, Release, UnitStats
 from userdp.strategies.compute_budget import estimate_and_double
 from userdp.strategies.dpftrl import BltDpFtrl
 
@@ -192,7 +192,7 @@ def test_adaptive_clipping_tracks_the_target_quantile():
         cohort = s.sample_cohort(t, USERS)
         norms = rng.uniform(0.0, 2.0, size=len(cohort))  # median 1.0
         clipped = int((norms > s.clip_norm).sum())
-        stats = ClipStatistics(len(cohort), clipped)
+        stats = UnitStats(count=len(cohort), clipped=clipped)
         s.server_update(params, s.privatize(t, {"w": np.zeros(1)}, stats, cohort))
     assert s.clip_norm == pytest.approx(1.0, rel=0.1)
 
@@ -223,10 +223,10 @@ def test_estimate_and_double_rules():
 def test_a_blt_run_optimizes_its_correlation_once(monkeypatch, tmp_path, strategy, optimizer):
     """A config's setup calibrates σ on the run's mechanism and builds the strategy for that σ:
     C is optimized once, and the mechanism calibrated is the one the ledger will record."""
+    from userdp.run_components import strategy_from_config
     from userdp.strategies import dpftrl
 
     from userdp.config import parse_config
-    from userdp.run_components import strategy_from_config
 
     calls = []
     real = getattr(dpftrl, optimizer)
@@ -281,8 +281,9 @@ def test_the_normalizer_keys_the_caveat_names_fix_the_normalizer(strategy, key):
     """The report's advice ("set strategy.expected_cohort_size / expected_batch_size") can be
     followed: the key fixes the normalizer whatever the population, and the caveat that N (or
     the example counts) was treated as public goes away."""
-    from userdp.config import parse_config
     from userdp.run_components import make_strategy
+
+    from userdp.config import parse_config
 
     def build(extra):
         config = parse_config(

@@ -8,8 +8,8 @@ import torch
 from userdp.server.checkpoint import load_latest, save_checkpoint
 from userdp.strategies import Adam, UserLevelSampling
 from userdp.strategies.adaptive_clipping import AdaptiveClipping
-from userdp.strategies.base import ClipStatistics
 from userdp.strategies.dpftrl import BltDpFtrl
+from userdp.strategies.unit_stats import UnitStats
 
 USERS = tuple(f"u{i}" for i in range(200))
 
@@ -18,7 +18,7 @@ def _drive(strategy, steps, params):
     for t in range(steps):
         cohort = strategy.sample_cohort(t, USERS)
         summed = {k: torch.ones_like(v) for k, v in params.items()}
-        release = strategy.privatize(t, summed, ClipStatistics(len(cohort), 0), cohort)
+        release = strategy.privatize(t, summed, UnitStats(count=len(cohort)), cohort)
         strategy.server_update(params, release)
 
 

@@ -105,7 +105,7 @@ class DividesByRealizedCohort(WarmupUls):
 
 class CountReleasedWithoutNoise(AdaptiveClipping):
     def privatize(self, step, summed, stats, cohort):
-        exact = (stats.units - stats.clipped - 0.5 * stats.units) / cohort.expected_size + 0.5
+        exact = (stats.count - stats.clipped - 0.5 * stats.count) / cohort.expected_size + 0.5
         fraction = NoisyStatistic(exact, 0.5 / cohort.expected_size)
         return Release(step, cohort, self.add_noise(step, summed), {"unclipped_fraction": fraction})
 

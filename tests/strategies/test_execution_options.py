@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from userdp.strategies.base import ClipStatistics, Cohort, StrategyError
+from userdp.run_components import execution_options, make_strategy
+from userdp.strategies.base import Cohort, StrategyError
 from userdp.strategies.builtins import RandomizedClipping, UserLevelSampling
-from userdp.strategies.step import ExecutionOptions, Gathered, run_step
+from userdp.strategies.step import CohortSum, ExecutionOptions, run_step
+from userdp.strategies.unit_stats import UnitStats
 
 from userdp.config import parse_config
-from userdp.run_components import execution_options, make_strategy
 
 COHORT = Cohort(step=0, unit_ids=("u1",), expected_size=1.0)
 
@@ -34,10 +35,10 @@ def test_the_step_hands_the_options_to_the_gather() -> None:
 
     def gather(planned):
         seen.append(planned.task)
-        return Gathered({"w": np.zeros(1)}, ClipStatistics(len(planned.cohort), 0))
+        return CohortSum({"w": np.zeros(1)}, UnitStats(count=len(planned.cohort)))
 
     params = {"w": np.zeros(1)}
-    run_step(uls, 0, ["a", "b"], params, gather, options=ExecutionOptions(token_budget=77))
+    run_step(uls, 0, params, ["a", "b"], gather, options=ExecutionOptions(token_budget=77))
     assert seen[0].token_budget == 77 and seen[0].engine == "vectorized"
 
 

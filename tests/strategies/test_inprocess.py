@@ -9,7 +9,7 @@ from userdp.accounting import epsilon
 from userdp.strategies import ExampleLevelSampling, NoiseRng, Sgd, UserLevelSampling
 from userdp.strategies.blt import Blt
 from userdp.strategies.dpftrl import BltDpFtrl
-from userdp.strategies.inprocess import run_steps
+from userdp.strategies.inprocess import run_local_steps
 from userdp.strategies.noise import GaussianNoise
 
 from .helpers import ListLedger, MeanEstimationWorker, example_plugin
@@ -29,7 +29,7 @@ def test_example_plugin_runs_end_to_end_and_fills_the_ledger():
     params = {"theta": np.zeros_like(worker.center)}
     start = _error(params, worker)
     ledger = ListLedger()
-    records = run_steps(strategy, params, worker.population, worker, 40, ledger=ledger)
+    records = run_local_steps(strategy, params, worker.population, worker, 40, ledger=ledger)
     assert _error(params, worker) < 0.15 * start
     assert [step for step, _ in ledger.entries] == list(range(40))
     assert all(m == strategy.mechanism().to_dict() for _, m in ledger.entries)
@@ -50,7 +50,7 @@ def test_example_plugin_checkpoint_resume_matches_uninterrupted_sampling():
     worker = MeanEstimationWorker(n_users=50)
     kw = dict(sampling_prob=0.3, noise_multiplier=0.5, clip_norm=1.0, learning_rate=0.1)
     a = WarmupUls(**kw)
-    run_steps(a, {"theta": np.zeros(3)}, worker.population, worker, 3)
+    run_local_steps(a, {"theta": np.zeros(3)}, worker.population, worker, 3)
     b = WarmupUls(**kw)
     b.load_state_dict(a.state_dict())
     assert (
@@ -93,7 +93,7 @@ def test_builtins_learn_the_mean(kind):
     params = {"theta": torch.zeros(3, dtype=torch.float64)}
     start = _error(params, worker)
     ledger = ListLedger()
-    run_steps(strategy, params, worker.population, worker, 40, ledger=ledger)
+    run_local_steps(strategy, params, worker.population, worker, 40, ledger=ledger)
     assert isinstance(params["theta"], torch.Tensor)
     assert _error(params, worker) < 0.2 * start
     assert len(ledger.entries) == 40
