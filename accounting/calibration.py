@@ -22,12 +22,12 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from userdp.accounting import api
+from userdp.accounting.durable import atomic_write_json
 from userdp.accounting.mechanisms import (
     BallsInBinsMechanism,
     InvalidMechanismError,
@@ -412,10 +412,7 @@ def _cached(query: dict[str, Any], use_cache: bool, compute: Callable[[], Any]) 
     result = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"query": json.loads(canonical), "result": result}, f, sort_keys=True)
-        os.replace(tmp, path)
+        atomic_write_json(path, {"query": json.loads(canonical), "result": result}, sort_keys=True)
     except OSError:
         pass  # a read-only cache directory only costs speed
     return result

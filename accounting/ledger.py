@@ -24,7 +24,7 @@ from typing import Any
 
 from userdp.accounting.api import compose_epsilon
 from userdp.accounting.budget import BudgetCertificates
-from userdp.accounting.durable import fsync_dir, write_all
+from userdp.accounting.durable import fsync_path, truncate_durably, write_all
 from userdp.accounting.ledger_format import (
     NOISE_MODES,
     SCHEMA_VERSION,
@@ -130,7 +130,7 @@ class Ledger:
                 if path.exists() and path.stat().st_size == 0:
                     path.unlink()  # no header was written: leave no ledger at all
                 raise
-            fsync_dir(path.parent)
+            fsync_path(path.parent)
             return ledger
         except BaseException:
             release_lock(lock_fd)
@@ -161,10 +161,7 @@ class Ledger:
         try:
             header, records, tail_offset = read_and_verify(path, repair_truncated_tail)
             if tail_offset is not None:
-                with open(path, "r+b") as f:
-                    f.truncate(tail_offset)
-                    f.flush()
-                    os.fsync(f.fileno())
+                truncate_durably(path, tail_offset)
             if budget_epsilon is not None and (
                 budget_epsilon != header["budget_epsilon"] or delta != header["budget_delta"]
             ):

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from userdp.accounting.durable import truncate_durably
 from userdp.accounting.mechanisms import Mechanism, mechanism_from_dict
 
 SCHEMA_VERSION = 1
@@ -153,10 +154,7 @@ def repair_ledger(
             )
         if tail is None:
             return None
-        with open(path, "r+b") as f:
-            f.truncate(tail)
-            f.flush()
-            os.fsync(f.fileno())
+        truncate_durably(path, tail)
         return {
             "line": len(records) + 2,
             "bytes": len(partial),

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from userdp.accounting.api import ACCOUNTANT_VERSION, compose_epsilon
+from userdp.accounting.durable import atomic_write_text
 from userdp.accounting.facts import (
     DETERMINISTIC_NOISE_CAVEAT,
     FAST_NOISE_CAVEAT,
@@ -414,25 +414,12 @@ def _check_sampling_matches_mechanisms(sampling: str, mechanisms: list[dict[str,
 
 
 def write_report(report: PrivacyReport, run_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """Write privacy_report.json and privacy_report.md in ``run_dir`` atomically (temp + replace)."""
+    """Write privacy_report.json and privacy_report.md in ``run_dir``, each durably and atomically
+    (:func:`userdp.accounting.durable.atomic_write`)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     json_path = run_dir / "privacy_report.json"
     md_path = run_dir / "privacy_report.md"
-    _atomic_write(json_path, report.to_json())
-    _atomic_write(md_path, report.to_markdown())
+    atomic_write_text(json_path, report.to_json())
+    atomic_write_text(md_path, report.to_markdown())
     return json_path, md_path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

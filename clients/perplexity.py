@@ -23,12 +23,14 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+from userdp.accounting.durable import atomic_write
 from userdp.clients.batching import Unit, make_batch, pack_units, prepare_units, token_losses
 from userdp.clients.shard_store import ShardStore
 
@@ -138,8 +140,6 @@ def cache_path(cache_dir: Path, shard: str, key: Mapping[str, str]) -> Path:
 
 
 def _read_cache(path: Path, key: Mapping[str, str], rows: int) -> np.ndarray | None:
-    from safetensors import SafetensorError, safe_open
-
     if not path.is_file():
         return None
     try:
@@ -156,20 +156,13 @@ def _read_cache(path: Path, key: Mapping[str, str], rows: int) -> np.ndarray | N
 
 
 def _write_cache(path: Path, key: Mapping[str, str], scores: np.ndarray) -> None:
-    """Write atomically (a temporary file renamed), so concurrent workers or ranks scoring the
-    same shard never leave a torn file; a folder that cannot be written only costs a rescore."""
-    from safetensors.numpy import save_file
-
+    """Write durably and atomically (:func:`userdp.accounting.durable.atomic_write`), so
+    concurrent workers or ranks scoring the same shard never leave a torn file; a folder that
+    cannot be written only costs a rescore."""
+    tensors = {"perplexity": np.ascontiguousarray(scores)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({"perplexity": np.ascontiguousarray(scores)}, tmp, metadata=dict(key))
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        atomic_write(path, lambda temporary: save_file(tensors, temporary, metadata=dict(key)))
     except OSError as exc:
         log.warning(
             "cannot write the perplexity cache %s (%s): scores are kept in memory only; set "

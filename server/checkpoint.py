@@ -1,8 +1,8 @@
 """Coordinator checkpoints: safetensors for tensors + JSON for everything else, written atomically.
 
 A checkpoint is a directory ``ckpt-<step>`` holding ``tensors.safetensors`` and ``state.json``,
-written under a temporary name, fsync'd, then renamed; ``LATEST`` (also temp + rename + fsync)
-names the newest complete one. A crash at any point leaves either the old or the new checkpoint,
+written under a temporary name, fsync'd, then renamed; ``LATEST``, replaced durably and
+atomically (:func:`userdp.accounting.durable.atomic_write`), names the newest complete one. A crash at any point leaves either the old or the new checkpoint,
 never a mix. Nested state (``state_dict()`` of a model, optimizer or strategy: dicts, lists,
 numbers, strings, tensors, numpy arrays) is flattened: tensors go to safetensors under a path key
 and are replaced in the JSON tree by ``{"__tensor__": key}``. No pickle anywhere.
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from userdp.accounting.durable import fsync_dir
+from userdp.accounting.durable import atomic_write_text, fsync_path
 
 FORMAT = "userdp-coordinator-checkpoint"
 FORMAT_VERSION = 1
@@ -44,13 +44,6 @@ class Checkpoint:
     model_version: int
     ledger_entries: int
     state: dict[str, Any]
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def flatten_state(tree: Any, tensors: dict[str, torch.Tensor], prefix: str = "") -> Any:
@@ -123,23 +116,17 @@ def save_checkpoint(
     name = f"ckpt-{step:09d}"
     final = directory / name
     tmp = directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    latest_tmp = directory / f".{LATEST}.tmp"
     try:
         tmp.mkdir()
         save_file(tensors, str(tmp / "tensors.safetensors"))
-        with open(tmp / "tensors.safetensors", "rb+") as handle:
-            os.fsync(handle.fileno())
-        _write_synced(tmp / "state.json", json.dumps(meta, allow_nan=True))
-        fsync_dir(tmp)
+        fsync_path(tmp / "tensors.safetensors")
+        atomic_write_text(tmp / "state.json", json.dumps(meta, allow_nan=True))  # fsyncs tmp
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _write_synced(latest_tmp, name + "\n")
-        os.replace(latest_tmp, directory / LATEST)
-        fsync_dir(directory)
+        atomic_write_text(directory / LATEST, name + "\n")  # fsyncs directory: rename included
     except OSError as exc:  # disk full, I/O error: LATEST still names the previous checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
-        latest_tmp.unlink(missing_ok=True)
         raise OSError(
             exc.errno,
             f"{exc.strerror or exc} while writing checkpoint {name} (the previous checkpoint "
@@ -152,6 +139,8 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     for stale in directory.glob(".tmp-ckpt-*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in directory.glob(f".{LATEST}.*.tmp"):  # a crash's leftover pointer
+        stale.unlink(missing_ok=True)
     return final
 
 

@@ -1,0 +1,49 @@
+"""atomic_write: the target holds the old content or the new one, and no temporary is left."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from userdp.accounting.durable import (
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+)
+
+
+def test_each_form_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "report.json"
+    atomic_write_bytes(target, b"old")
+    atomic_write_text(target, "näive\n")
+    assert target.read_text(encoding="utf-8") == "näive\n"
+    atomic_write_json(target, {"b": 1, "a": [2]}, sort_keys=True)
+    assert target.read_text() == json.dumps({"a": [2], "b": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def test_a_failed_write_keeps_the_old_content_and_removes_its_temporary(tmp_path):
+    target = tmp_path / "LATEST"
+    atomic_write_text(target, "ckpt-1\n")
+
+    def torn(temporary):
+        temporary.write_text("ckpt-")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(target, torn)
+    assert target.read_text() == "ckpt-1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST"]
+
+
+def test_the_file_gets_the_permissions_open_gives(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "privacy_report.md", "report")
+        (tmp_path / "plain").write_text("plain")
+    finally:
+        os.umask(umask)
+    mode = (tmp_path / "privacy_report.md").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain").stat().st_mode & 0o777
