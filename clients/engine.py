@@ -74,7 +74,7 @@ class ClippingEngine:
     pad_id: token id written into padded positions (never a target).
     tensor_core_matmul: vectorized engines on a bf16 CUDA model: bf16 tensor-core GEMMs for the
         norms and book-keeping, norms inflated by 0.1% (``workers.tensor_core_matmul``;
-        :mod:`userdp.clients.norms`); default IEEE float32 GEMMs.
+        :mod:`userdp.clients.matmul_precision`); default IEEE float32 GEMMs.
     """
 
     def __init__(
@@ -98,7 +98,7 @@ class ClippingEngine:
         self.deepspeed_engine = deepspeed_engine
         self.tensor_core_matmul = bool(tensor_core_matmul)
         # the vectorized engines check their per-unit attribution against one plain batch
-        # gradient on their first all-finite micro-batch (clients/ghost.py verify_attribution)
+        # gradient on their first all-finite micro-batch (clients/attribution.py)
         self.attribution_verified = False
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         if not self.params:

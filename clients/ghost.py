@@ -65,8 +65,8 @@ Requirements on the model (checked; an unsupported model raises EngineError, use
 trainable parameter is used through a hooked module call, and every hooked call takes and
 returns tensors laid out [rows, length, …] (batch-first tokens).
 
-One idea — per-unit norms and sums without per-unit gradients — whose hooks, norm products and
-book-keeping depend on each other, hence one module over 400 lines.
+The attribution is checked against autograd on the first all-finite micro-batch
+(:mod:`userdp.clients.attribution`).
 """
 
 from __future__ import annotations
@@ -76,8 +76,12 @@ from collections.abc import Sequence
 
 import torch
 from torch.profiler import record_function
+from userdp.clients.attribution import (
+    direct_unit_squared_norms,
+    verify_attribution,
+    verify_unit_norms,
+)
 from userdp.clients.batching import (
-    EngineError,
     MicroBatch,
     PreparedUnit,
     make_batch,
@@ -96,15 +100,17 @@ from userdp.clients.capture import (
     rms_epsilon,
 )
 from userdp.clients.clipping import Accumulator, add_clipped_unit, unit_gradient
-from userdp.clients.norms import (
+from userdp.clients.matmul_precision import (
     TENSOR_CORE_NORM_MARGIN,
+    exact_matmul,
+    tensor_cores_active,
+)
+from userdp.clients.norms import (
     Factor,
     Padded,
     Workspace,
     batched_exact_squared_norms,
-    exact_matmul,
     materialize,
-    tensor_cores_active,
 )
 from userdp.clients.sketch import ProbeSource, sketched_squared_norms
 from userdp.clients.unit_gradients import (
@@ -233,7 +239,8 @@ def _micro_batch(
 ) -> bool:
     """Process one micro-batch into ``acc``; with ``verify``, first check the attribution (see
     :func:`verify_attribution`). Returns whether a verification ran and passed.
-    ``tensor_cores``: bf16 GEMMs for the norms and book-keeping (:mod:`userdp.clients.norms`),
+    ``tensor_cores``: bf16 GEMMs for the norms and book-keeping
+    (:mod:`userdp.clients.matmul_precision`),
     every norm inflated by ``TENSOR_CORE_NORM_MARGIN``. ``workspace``: the buffer for
     materialized per-unit gradients whose only use is their norm, reused across micro-batches."""
     # the token layout first: its host work and index copies then wait for nothing on the device
@@ -256,7 +263,7 @@ def _micro_batch(
             weighted, list(params.values()), retain_graph=True, allow_unused=True
         )
         if probes is None:  # exact norms: check single units too (see verify_attribution)
-            unit_checks = _direct_unit_squared_norms(losses, batch, layout, params)
+            unit_checks = direct_unit_squared_norms(losses, batch, layout, params)
     with record_function("userdp.output_backward"):
         grads = torch.autograd.grad(weighted, outputs, allow_unused=True)
     for call, grad in zip(capture.calls, grads, strict=True):
@@ -287,21 +294,6 @@ def _micro_batch(
             unit_checks,
             workspace,
         )
-
-
-def _direct_unit_squared_norms(
-    losses: torch.Tensor, batch: MicroBatch, layout: Layout, params: dict[str, torch.Tensor]
-) -> dict[int, float]:
-    """‖∇ loss_u‖² by autograd, for the first and the last unit of the micro-batch alone."""
-    out = {}
-    for j in sorted({0, len(layout.unit_rows) - 1}):
-        rows = layout.unit_rows[j].to(losses.device)
-        loss = (losses[rows] * batch.weights[rows]).sum()
-        parts = torch.autograd.grad(
-            loss, list(params.values()), retain_graph=True, allow_unused=True
-        )
-        out[j] = float(sum(p.double().pow(2).sum() for p in parts if p is not None))
-    return out
 
 
 def _clip_and_add(
@@ -363,7 +355,7 @@ def _clip_and_add(
                     device
                 )
 
-    if tensor_cores_active(device):  # covers the tensor cores' accumulation error (norms.py)
+    if tensor_cores_active(device):  # covers the tensor cores' accumulation error
         sq *= (1 + TENSOR_CORE_NORM_MARGIN) ** 2
     # clip factors, statistics: one device-to-host copy of the per-unit norms and losses
     token_loss = losses.detach().reshape(-1)[layout.positions].double()
@@ -400,58 +392,6 @@ def _clip_and_add(
         for name, per_unit in retained.items():
             acc.add(name, per_unit.clipped_sum(unit_factor, kept).reshape(params[name].shape))
     return verified
-
-
-def verify_attribution(
-    params: dict[str, torch.Tensor],
-    direct: Sequence[torch.Tensor | None],
-    weights: dict[str, list[tuple[Factor, torch.Tensor]]],
-    per_unit: dict[str, UnitGradients],
-) -> None:
-    """Σ_u (per-unit gradient as attributed by the hooks) must equal autograd's batch gradient
-    for every parameter; otherwise some use of a parameter escaped the hooks (e.g. a weight used
-    functionally outside its module) and per-unit norms would be wrong: refuse. ``per_unit``:
-    the per-unit gradients the clipped sum is formed from, where it has them."""
-    bad = []
-    for (name, param), expected in zip(params.items(), direct, strict=True):
-        want = torch.zeros(param.shape) if expected is None else expected.float().cpu()
-        if name in per_unit:
-            got = per_unit[name].total().reshape(param.shape).cpu()
-        elif name in weights:
-            got = materialize(weights[name], param.shape).cpu()
-        else:
-            got = torch.zeros(param.shape)
-        tol = 5e-2 if param.dtype in (torch.bfloat16, torch.float16) else 1e-3
-        if float((got - want).norm()) > tol * float(want.norm()) + 1e-6:
-            bad.append(name)
-    if bad:
-        raise EngineError(
-            f"the vectorized engines cannot attribute the gradients of {bad[:3]} per unit (a "
-            "parameter is used outside the module that owns it, or by an unsupported layer): "
-            "use strategy.engine = 'loop'"
-        )
-
-
-def verify_unit_norms(
-    params: dict[str, torch.Tensor],
-    direct: dict[int, float],
-    attributed: torch.Tensor,
-    tensor_cores: bool,
-) -> None:
-    """A single unit's squared norm as attributed (ghost/book-keeping, re-runs) must equal
-    autograd's for that unit alone. :func:`verify_attribution` checks only the SUM over units,
-    which a layer that mixes units' tokens (e.g. a reshape the hooks misread) leaves intact while
-    moving one user's gradient into another's clipped vector: refuse that too."""
-    low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params.values())
-    tol = (5e-2 if low_precision else 1e-3) + (4 * TENSOR_CORE_NORM_MARGIN if tensor_cores else 0)
-    for j, want in direct.items():
-        got = float(attributed[j])
-        if abs(got - want) > tol * max(got, want) + 1e-12:
-            raise EngineError(
-                f"the vectorized engines attribute a squared norm of {got:.6g} to one unit whose "
-                f"own gradient has {want:.6g}: some layer mixes units' tokens in a way the hooks "
-                "cannot follow; use strategy.engine = 'loop'"
-            )
 
 
 def vectorized_clipped_sum(

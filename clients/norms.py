@@ -17,147 +17,12 @@ weight (two for a tied embedding / LM head). L is dense [n, d0] or onehot (token
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-
-# ---- matrix products as exact as float32 ---------------------------------------------------------
-#
-# Clip factors are computed from these norms and the clipped sum is built from these products, so
-# their precision is part of the sensitivity argument.
-# - Default: IEEE float32 GEMMs (CUDA cores; TF32 and reduced-precision reductions switched off for
-#   the duration by :func:`exact_matmul`, whatever the caller's global settings say), so norms
-#   and sums carry float32 rounding only.
-# - ``tensor_cores=True`` (``workers.tensor_core_matmul``; bf16 operands on CUDA): bf16 GEMMs with
-#   float32 output. Each product of two 8-bit significands is exact in float32, and a float32
-#   operand that multiplies bf16 data (the book-keeping's c_t·R_t) is split into three bf16 parts
-#   hi + mid + lo within 2^-24 relative (:func:`split_bf16`). The tensor cores' float32
-#   ACCUMULATION is not IEEE, though: on an H100 it under-estimated a 50257-term sum of squares
-#   by 2.3e-4 relative (tests/clients/test_engine_gpu.py), so the engine inflates every norm by
-#   TENSOR_CORE_NORM_MARGIN in that mode. The margin is measured, not proven.
-
-TENSOR_CORE_NORM_MARGIN = 1e-3
-_TENSOR_CORES: contextvars.ContextVar[bool] = contextvars.ContextVar("tensor_cores", default=False)
-
-
-@contextlib.contextmanager
-def exact_matmul(tensor_cores: bool = False) -> Iterator[None]:
-    """float32 GEMMs in IEEE float32 (no TF32 on CUDA, no bf16/TF32 passes in oneDNN on CPU) and
-    bf16 GEMMs without reduced-precision split-K reductions, whatever the caller set, restored on
-    exit; ``tensor_cores`` lets bf16 operands use bf16 GEMMs (see the section comment).
-
-    Torch ≥ 2.9 has per-backend ``fp32_precision`` settings and refuses to READ its legacy flags
-    once both APIs were used, so the new API is used alone where it exists."""
-    token = _TENSOR_CORES.set(tensor_cores)
-    cuda = torch.backends.cuda.matmul
-    backends = [cuda, torch.backends.mkldnn.matmul]
-    new_api = all(hasattr(b, "fp32_precision") for b in backends)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy allow_tf32 flag warns in newer torch
-        saved = [b.fp32_precision for b in backends] if new_api else [cuda.allow_tf32]
-        saved_reduction = cuda.allow_bf16_reduced_precision_reduction
-        if new_api:
-            for backend in backends:
-                backend.fp32_precision = "ieee"
-        else:
-            cuda.allow_tf32 = False
-        cuda.allow_bf16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cuda.allow_bf16_reduced_precision_reduction = saved_reduction
-            if new_api:
-                for backend, value in zip(backends, saved, strict=True):
-                    backend.fp32_precision = value
-            else:
-                cuda.allow_tf32 = saved[0]
-        _TENSOR_CORES.reset(token)
-
-
-def tensor_cores_active(device: torch.device) -> bool:
-    """Tensor-core mode is on (:func:`exact_matmul`) and ``device`` is a GPU."""
-    return _TENSOR_CORES.get() and device.type == "cuda"
-
-
-def bf16_exact(*tensors: torch.Tensor) -> bool:
-    """Tensor-core mode is on and all operands are bf16 on CUDA: products run as bf16 GEMMs with
-    float32 output."""
-    return _TENSOR_CORES.get() and all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors)
-
-
-def _pad(x: torch.Tensor, dim: int, multiple: int = 8) -> torch.Tensor:
-    """``x`` with zeros appended along ``dim`` up to a multiple of ``multiple``."""
-    extra = -x.shape[dim] % multiple
-    if not extra:
-        return x
-    widths = [0, 0] * (x.dim() - dim % x.dim() - 1) + [0, extra]
-    return torch.nn.functional.pad(x, widths)
-
-
-def _align(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with its memory-contiguous (stride-1) matrix dimension zero-padded to a multiple of
-    8, keeping the orientation: a leading dimension that is not a multiple of 8 (GPT-2's
-    vocabulary, 50257) sends cuBLAS to kernels several times slower."""
-    if x.stride(-1) == 1:
-        return _pad(x, -1)
-    if x.stride(-2) == 1:
-        return _pad(x.transpose(-1, -2), -1).transpose(-1, -2)
-    return _pad(x.contiguous(), -1)
-
-
-def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (2-D or batched 3-D) in float32 (see the section comment).
-
-    bf16 operands are first aligned (:func:`_align`); zeros add nothing to the sums and the
-    padded rows/columns of the product are cut off."""
-    if bf16_exact(a, b):
-        m, n = a.shape[-2], b.shape[-1]
-        a, b = _align(a), _align(b)
-        if a.shape[-1] != b.shape[-2]:  # the inner dimension was padded on one side only
-            k = max(a.shape[-1], b.shape[-2])
-            a = _pad(a, -1, k) if a.shape[-1] < k else a
-            b = _pad(b, -2, k) if b.shape[-2] < k else b
-        op = torch.bmm if a.dim() == 3 else torch.mm
-        out = op(a, b, out_dtype=torch.float32)
-        return out[..., :m, :n]
-    dtype = _at_least_float32(a, b)
-    return torch.matmul(a.to(dtype), b.to(dtype))
-
-
-def _at_least_float32(*tensors: torch.Tensor) -> torch.dtype:
-    """float32, or float64 when an operand is float64 (the tests' references)."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def split_bf16(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``x`` [n, d] as three bf16 parts concatenated on the last axis [n, 3d]:
-    hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid); each subtraction is exact in
-    float32 and |x - hi - mid - lo| <= 2^-24 |x| (three 8-bit significands)."""
-    x = x.to(torch.float32)
-    hi = x.to(torch.bfloat16)
-    rest = x - hi.to(torch.float32)
-    mid = rest.to(torch.bfloat16)
-    lo = (rest - mid.to(torch.float32)).to(torch.bfloat16)
-    return torch.cat([hi, mid, lo], dim=-1)
-
-
-def left_times_scaled(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """Lᵀ R [d0, d1] float32 for dense ``left`` [n, d0] and float32 ``right`` [n, d1] (the
-    book-keeping product): in tensor-core mode with a bf16 ``left`` on CUDA, one bf16 GEMM
-    against the three-part split of ``right``; otherwise a float32 GEMM."""
-    if bf16_exact(left):
-        d1 = right.shape[1]
-        parts = mm32(left.T, split_bf16(right))
-        return parts[:, :d1] + parts[:, d1 : 2 * d1] + parts[:, 2 * d1 :]
-    dtype = _at_least_float32(left, right)
-    return left.to(dtype).T @ right.to(dtype)
+from userdp.clients.matmul_precision import bf16_exact, left_times_scaled, mm32
 
 
 @dataclass
@@ -527,8 +392,9 @@ def batched_hutchpp_squared_norms(
     The head is exact on span Q; the tail is a Hutchinson estimate of the residual with probes
     independent of Q, so E n̂ = ‖M‖², and n̂ = ‖M‖² whenever rank M ≤ k (Q spans M's column
     space). Four k-wide passes over the unit's rows and one QR per unit, against Hutchinson's
-    one pass. float32 (IEEE under :func:`exact_matmul`); units in chunks whose per-unit buffers
-    ([d0, k] bases, [T, d0] / [T, d1] rows) stay under ``MAX_BUFFER_ELEMENTS``."""
+    one pass. float32 (IEEE under :func:`~userdp.clients.matmul_precision.exact_matmul`); units
+    in chunks whose per-unit buffers ([d0, k] bases, [T, d0] / [T, d1] rows) stay under
+    ``MAX_BUFFER_ELEMENTS``."""
     n_units, width = padded.index.shape
     if not uses:
         return torch.zeros(n_units, dtype=torch.float64)

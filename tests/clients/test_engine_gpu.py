@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from scipy import stats
-from userdp.clients import norms
+from userdp.clients import matmul_precision
 from userdp.clients.engine import ClippingEngine, build_engine
 from userdp.clients.sketch import GaussianProbes
 
@@ -145,10 +145,12 @@ def test_bf16_products_are_float32_exact_on_the_tensor_cores():
     left = torch.randn(4096, 768, device=CUDA, generator=gen).to(torch.bfloat16)
     right = torch.randn(4096, 3072, device=CUDA, generator=gen).to(torch.bfloat16)
     scaled = right.float() * torch.rand(4096, 1, device=CUDA, generator=gen)  # c_t ⊙ R
-    with norms.exact_matmul(tensor_cores=True):
-        product = norms.mm32(left.T, right)
-        booked = norms.left_times_scaled(left, scaled)
-        batched = norms.mm32(left.view(4, 1024, 768).transpose(1, 2), right.view(4, 1024, 3072))
+    with matmul_precision.exact_matmul(tensor_cores=True):
+        product = matmul_precision.mm32(left.T, right)
+        booked = matmul_precision.left_times_scaled(left, scaled)
+        batched = matmul_precision.mm32(
+            left.view(4, 1024, 768).transpose(1, 2), right.view(4, 1024, 3072)
+        )
     assert product.dtype == booked.dtype == batched.dtype == torch.float32
     assert _relative_error(product, left.double().T @ right.double()) < 2e-5
     assert _relative_error(booked, left.double().T @ scaled.double()) < 2e-5
@@ -160,7 +162,9 @@ def test_bf16_products_are_float32_exact_on_the_tensor_cores():
     assert _relative_error(fp32, left.double().T @ scaled.double()) < 2e-5
     # the positive control: one bf16 rounding of the scaled factor is orders worse
     assert (
-        _relative_error(norms.mm32(left.T, scaled.bfloat16()), left.double().T @ scaled.double())
+        _relative_error(
+            matmul_precision.mm32(left.T, scaled.bfloat16()), left.double().T @ scaled.double()
+        )
         > 1e-4
     )
 
@@ -172,8 +176,8 @@ def test_float32_products_ignore_a_global_tf32_setting():
     want = a.double() @ b.double()
     torch.backends.cuda.matmul.allow_tf32 = True  # the fixture restores it
     assert _relative_error(a @ b, want) > 1e-5  # TF32 is really on outside the context
-    with norms.exact_matmul():
-        assert _relative_error(norms.mm32(a, b), want) < 2e-5
+    with matmul_precision.exact_matmul():
+        assert _relative_error(matmul_precision.mm32(a, b), want) < 2e-5
     assert torch.backends.cuda.matmul.allow_tf32
 
 
@@ -197,10 +201,10 @@ def test_bf16_products_with_unaligned_dimensions(tensor_cores):
         (rows, rows.transpose(1, 2)),  # K unaligned, inner on both sides (the ghost Gram)
         (row_major, right),  # K unaligned, inner on the left only; M and N unaligned too
     ]
-    bound = norms.TENSOR_CORE_NORM_MARGIN if tensor_cores else 1e-4
-    with norms.exact_matmul(tensor_cores=tensor_cores):
+    bound = matmul_precision.TENSOR_CORE_NORM_MARGIN if tensor_cores else 1e-4
+    with matmul_precision.exact_matmul(tensor_cores=tensor_cores):
         for left, right_side in cases:
-            got = norms.mm32(left, right_side)
+            got = matmul_precision.mm32(left, right_side)
             want = torch.matmul(left.double(), right_side.double())
             assert got.shape == want.shape and got.dtype == torch.float32
             assert _relative_error(got, want) < bound
@@ -224,4 +228,8 @@ def test_tensor_core_mode_matches_the_default_within_its_norm_margin():
     )
     assert diff <= 2e-3 * scale
     ratio = tc.stats.norm_sum / default.stats.norm_sum
-    assert 1 + 0.5 * norms.TENSOR_CORE_NORM_MARGIN < ratio < 1 + 2 * norms.TENSOR_CORE_NORM_MARGIN
+    assert (
+        1 + 0.5 * matmul_precision.TENSOR_CORE_NORM_MARGIN
+        < ratio
+        < 1 + 2 * matmul_precision.TENSOR_CORE_NORM_MARGIN
+    )

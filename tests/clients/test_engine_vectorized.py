@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from userdp.clients import ghost, norms, unit_gradients
+from userdp.clients import ghost, matmul_precision, norms, unit_gradients
 from userdp.clients.engine import ClippingEngine, EngineError, Unit
 from userdp.clients.norms import Factor, Padded, ghost_squared_norm, materialize
 
@@ -336,7 +336,7 @@ def test_exact_matmul_switches_tf32_off_and_restores_the_callers_setting():
     try:
         torch.set_float32_matmul_precision("medium")
         backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-        with norms.exact_matmul():
+        with matmul_precision.exact_matmul():
             assert backends.cuda.matmul.fp32_precision == "ieee"
             assert backends.mkldnn.matmul.fp32_precision == "ieee"
             assert not backends.cuda.matmul.allow_bf16_reduced_precision_reduction
@@ -352,7 +352,7 @@ def test_exact_matmul_switches_tf32_off_and_restores_the_callers_setting():
 
 def test_split_bf16_represents_float32_to_within_two_to_the_minus_24():
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(5)) * 1e3
-    parts = norms.split_bf16(x)
+    parts = matmul_precision.split_bf16(x)
     assert parts.dtype == torch.bfloat16 and parts.shape == (512, 192)
     rebuilt = parts[:, :64].double() + parts[:, 64:128].double() + parts[:, 128:].double()
     assert float(((rebuilt - x.double()).abs() / x.double().abs()).max()) <= 2.0**-24

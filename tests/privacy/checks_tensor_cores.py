@@ -6,7 +6,7 @@ accumulation is not IEEE: on an H100 it under-estimated a 50257-term sum of squa
 relative (``tests/clients/test_engine_gpu.py`` measures it). A norm that is low by r makes the
 clip factor C/n̂ high by r, so a clipped unit contributes C·(1 + r): more than the sensitivity
 the noise is calibrated to. The engine therefore inflates every norm by
-``TENSOR_CORE_NORM_MARGIN`` in that mode (:mod:`userdp.clients.norms`).
+``TENSOR_CORE_NORM_MARGIN`` in that mode (:mod:`userdp.clients.matmul_precision`).
 
 The GPU test of that margin is skipped without CUDA, so this check runs the engine's own code
 path on CPU under an emulation of the accumulation error: tensor-core mode is switched on for the
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from unittest import mock
 
-from userdp.clients import ghost, norms
+from userdp.clients import ghost, matmul_precision
 from userdp.clients.engine import ClippingEngine
 from userdp.clients.unit_gradients import UnitGradients
 
@@ -52,7 +52,9 @@ def _emulated_tensor_core_norms():
         return retained(self) * low
 
     return (
-        mock.patch.object(ghost, "tensor_cores_active", lambda device: norms._TENSOR_CORES.get()),
+        mock.patch.object(
+            ghost, "tensor_cores_active", lambda device: matmul_precision._TENSOR_CORES.get()
+        ),
         mock.patch.object(ghost, "batched_exact_squared_norms", exact_low),
         mock.patch.object(UnitGradients, "squared_norms", retained_low),
     )
