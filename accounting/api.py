@@ -23,6 +23,7 @@ anything else.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -43,7 +44,12 @@ from userdp.accounting.mechanisms import (
     UserWiseFilterMechanism,
     binomial_sensitivities,
 )
-from userdp.accounting.validation import probability
+from userdp.accounting.validation import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    probability,
+)
 
 __all__ = [
     "ACCOUNTANT_VERSION",
@@ -165,8 +171,8 @@ def compose_delta(
     els_backend: str = "fast",
 ) -> float:
     """δ(ε) of the composition of PLD phases (uls, els)."""
-    if not (isinstance(epsilon, int | float) and epsilon >= 0 and not math.isnan(epsilon)):
-        raise InvalidMechanismError(f"epsilon={epsilon!r} is out of range; expected a float >= 0")
+    if epsilon != math.inf:  # δ(∞) = 0 is a valid query
+        non_negative_float("epsilon", epsilon, InvalidMechanismError)
     pld = privacy_loss_distribution(
         phases, value_discretization_interval=value_discretization_interval, els_backend=els_backend
     )
@@ -317,8 +323,6 @@ def _whole_run_epsilon(
 
 def _accountant_module(name: str, kind: str) -> Any:
     """Import ``userdp.accounting.<name>`` lazily (it may be heavier, or not installed yet)."""
-    import importlib
-
     module = f"userdp.accounting.{name}"
     try:
         return importlib.import_module(module)
@@ -412,11 +416,7 @@ def _normalize_phases(phases: Sequence[tuple[Mechanism, int]]) -> list[tuple[Mec
 
 
 def _check_steps(steps: Any) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int | np.integer):
-        raise InvalidMechanismError(f"steps={steps!r} is not an integer; expected an integer >= 0")
-    if steps < 0:
-        raise InvalidMechanismError(f"steps={steps!r} is out of range; expected an integer >= 0")
-    return int(steps)
+    return non_negative_int("steps", steps, InvalidMechanismError)
 
 
 def _check_delta(delta: Any) -> float:
@@ -424,7 +424,7 @@ def _check_delta(delta: Any) -> float:
 
 
 def _check_vdi(vdi: Any) -> None:
-    if not isinstance(vdi, int | float) or not (0.0 < vdi <= 0.1):
+    if positive_float("value_discretization_interval", vdi, InvalidMechanismError) > 0.1:
         raise InvalidMechanismError(
             f"value_discretization_interval={vdi!r} is out of range; expected a float in (0, 0.1]"
         )

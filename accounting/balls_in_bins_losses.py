@@ -51,7 +51,7 @@ from userdp.accounting.correlation import (
     from_spec,
     min_sep_column,
 )
-from userdp.accounting.mechanisms import CorrelationSpec
+from userdp.accounting.correlation_spec import CorrelationSpec
 from userdp.accounting.validation import positive_int
 
 __all__ = [

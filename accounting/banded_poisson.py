@@ -33,7 +33,10 @@ import math
 from typing import Any
 
 import numpy as np
-from userdp.accounting.mechanisms import BandedPoissonMechanism, CorrelationSpec, UlsMechanism
+from userdp.accounting.api import epsilon as pld_epsilon
+from userdp.accounting.correlation import CorrelationError, from_spec
+from userdp.accounting.correlation_spec import CorrelationSpec
+from userdp.accounting.mechanisms import BandedPoissonMechanism, UlsMechanism
 
 __all__ = ["BandedPoissonError", "column_norm", "equivalent_dpsgd"]
 
@@ -47,8 +50,6 @@ def column_norm(correlation: CorrelationSpec | None, bands: int, steps: int) -> 
     (c_k = 0 for k ≥ bands)."""
     if correlation is None:
         return 1.0
-    from userdp.accounting.correlation import CorrelationError, from_spec
-
     try:
         coefs = np.asarray(from_spec(correlation).toeplitz_coefs(max(steps, bands)), float)
     except CorrelationError as exc:
@@ -74,8 +75,6 @@ def equivalent_dpsgd(mechanism: BandedPoissonMechanism, steps: int) -> tuple[Uls
 
 def epsilon(mechanism: BandedPoissonMechanism, steps: int, delta: float, **pld: Any) -> float:
     """ε(δ) after ``steps`` steps: dp_accounting's PLD of the equivalent DP-SGD run."""
-    from userdp.accounting.api import epsilon as pld_epsilon
-
     round_mechanism, rounds = equivalent_dpsgd(mechanism, steps)
     if rounds == 0:
         return 0.0

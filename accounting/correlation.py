@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from userdp.accounting.mechanisms import CorrelationSpec
+from userdp.accounting.correlation_spec import CorrelationSpec
 
 __all__ = [
     "BandedCorrelation",

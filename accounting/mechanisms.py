@@ -13,19 +13,19 @@ meaning, gets a new class and a new ``kind``.
 All mechanisms are stated in normalized units: the clip norm is 1 and ``noise_multiplier`` σ is
 the noise standard deviation divided by the clip norm. Adjacency is add-or-remove one *user*
 (``NeighboringRelation.ADD_OR_REMOVE_ONE`` in dp_accounting) unless a class says otherwise.
-One idea — the frozen step descriptions the ledger records — hence one module over 400 lines.
 """
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from userdp.accounting.correlation_spec import CorrelationSpec
+from userdp.accounting.errors import InvalidMechanismError
 from userdp.accounting.validation import positive_float, positive_int, probability
 
-__all__ = [
+__all__ = [  # CorrelationSpec and InvalidMechanismError: the types of these values' fields and errors
     "BIN_SEMANTICS",
     "DEFAULT_VALUE_DISCRETIZATION_INTERVAL",
     "ESTIMATORS",
@@ -50,10 +50,6 @@ DEFAULT_VALUE_DISCRETIZATION_INTERVAL = 1e-4
 ESTIMATORS: tuple[str, ...] = ("hutchinson", "hutch++")
 
 
-class InvalidMechanismError(ValueError):
-    """A mechanism parameter is out of range; the message names it, its value and what is allowed."""
-
-
 class NoDpEventError(ValueError):
     """The mechanism has no dp_accounting event (it is accounted another way)."""
 
@@ -62,17 +58,10 @@ class NoDpEventError(ValueError):
 # validation helpers (one line per message: parameter, bad value, allowed range)
 
 
-def _positive_float(name: str, value: Any) -> float:
-    return positive_float(name, value, InvalidMechanismError)
-
-
-def _probability(name: str, value: Any) -> float:
-    return probability(name, value, InvalidMechanismError, upper_open=False)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    """An integer >= 1; an integral float (2.0) is not an integer (:mod:`validation`)."""
-    return positive_int(name, value, InvalidMechanismError)
+def _check(mechanism: Any, name: str, check: Callable[..., Any], **options: Any) -> None:
+    """Replace field ``name`` of a frozen mechanism by ``check`` (:mod:`validation`) of it."""
+    value = check(name, getattr(mechanism, name), InvalidMechanismError, **options)
+    object.__setattr__(mechanism, name, value)
 
 
 def _correlation(value: Any) -> CorrelationSpec | None:
@@ -111,10 +100,8 @@ class UlsMechanism:
     sampling_prob: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
-        )
-        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
+        _check(self, "noise_multiplier", positive_float)
+        _check(self, "sampling_prob", probability, upper_open=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -137,11 +124,9 @@ class _PoissonExamplesStep:
     group_size: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
-        )
-        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
-        object.__setattr__(self, "group_size", _positive_int("group_size", self.group_size))
+        _check(self, "noise_multiplier", positive_float)
+        _check(self, "sampling_prob", probability, upper_open=False)
+        _check(self, "group_size", positive_int)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -182,61 +167,6 @@ class GroupPrivacyMechanism(_PoissonExamplesStep):
 
 
 @dataclass(frozen=True)
-class CorrelationSpec:
-    """A named noise-correlation matrix C (lower-triangular, non-negative), e.g. ``blt`` or ``banded``.
-
-    ``params`` is a sorted tuple of (name, value) pairs so the value is hashable and its JSON
-    form is canonical. ``None`` in place of a CorrelationSpec means the identity (plain DP-SGD).
-    """
-
-    name: str
-    params: tuple[tuple[str, Any], ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise InvalidMechanismError(
-                f"correlation.name={self.name!r} is not allowed; expected a non-empty string"
-            )
-        raw = self.params if isinstance(self.params, Mapping) else dict(self.params)
-        items = raw.items()
-        object.__setattr__(
-            self, "params", tuple(sorted((str(k), _json_value(v)) for k, v in items))
-        )
-
-    @classmethod
-    def of(cls, name: str, **params: Any) -> CorrelationSpec:
-        return cls(name=name, params=tuple(params.items()))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "params": {k: _json_out(v) for k, v in self.params}}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CorrelationSpec:
-        return cls(name=d["name"], params=tuple(dict(d.get("params", {})).items()))
-
-
-def _json_value(value: Any) -> Any:
-    """Freeze a JSON-like parameter value (lists become tuples) so the spec stays hashable."""
-    if isinstance(value, bool | str) or value is None:
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, list | tuple):
-        return tuple(_json_value(v) for v in value)
-    raise InvalidMechanismError(
-        f"correlation parameter value {value!r} is not allowed; expected numbers, strings or lists"
-    )
-
-
-def _json_out(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_json_out(v) for v in value]
-    return value
-
-
-@dataclass(frozen=True)
 class BallsInBinsMechanism:
     """Balls-in-bins sampling: each unit lands in exactly one of ``bins`` steps per epoch.
 
@@ -259,11 +189,9 @@ class BallsInBinsMechanism:
     correlation: CorrelationSpec | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
-        )
-        object.__setattr__(self, "bins", _positive_int("bins", self.bins))
-        object.__setattr__(self, "epochs", _positive_int("epochs", self.epochs))
+        _check(self, "noise_multiplier", positive_float)
+        _check(self, "bins", positive_int)
+        _check(self, "epochs", positive_int)
         _choice("bin_semantics", self.bin_semantics, BIN_SEMANTICS)
         object.__setattr__(self, "correlation", _correlation(self.correlation))
 
@@ -296,11 +224,9 @@ class RandomizedClippingMechanism:
     estimator: str = "hutchinson"
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
-        )
-        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
-        object.__setattr__(self, "probes", _positive_int("probes", self.probes))
+        _check(self, "noise_multiplier", positive_float)
+        _check(self, "sampling_prob", probability, upper_open=False)
+        _check(self, "probes", positive_int)
         _choice("estimator", self.estimator, ESTIMATORS)
 
     def to_dict(self) -> dict[str, Any]:
@@ -336,21 +262,17 @@ class UserWiseFilterMechanism:
     horizon: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
+        _check(self, "noise_multiplier", positive_float)
+        _check(self, "above_threshold_epsilon", positive_float)
+        filter_delta = probability(
+            "filter_delta", self.filter_delta, InvalidMechanismError, upper_open=False
         )
-        object.__setattr__(
-            self,
-            "above_threshold_epsilon",
-            _positive_float("above_threshold_epsilon", self.above_threshold_epsilon),
-        )
-        filter_delta = _probability("filter_delta", self.filter_delta)
         if filter_delta >= 1.0:
             raise InvalidMechanismError(
                 f"filter_delta={filter_delta!r} is out of range; expected a float in (0, 1)"
             )
         object.__setattr__(self, "filter_delta", filter_delta)
-        object.__setattr__(self, "horizon", _positive_int("horizon", self.horizon))
+        _check(self, "horizon", positive_int)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -383,11 +305,9 @@ class BandedPoissonMechanism:
     correlation: CorrelationSpec | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", _positive_float("noise_multiplier", self.noise_multiplier)
-        )
-        object.__setattr__(self, "sampling_prob", _probability("sampling_prob", self.sampling_prob))
-        object.__setattr__(self, "bands", _positive_int("bands", self.bands))
+        _check(self, "noise_multiplier", positive_float)
+        _check(self, "sampling_prob", probability, upper_open=False)
+        _check(self, "bands", positive_int)
         object.__setattr__(self, "correlation", _correlation(self.correlation))
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from userdp.accounting import api, balls_in_bins
 from userdp.accounting.calibration import certified_monte_carlo_epsilon
 from userdp.accounting.ledger_format import ledger_seed
 from userdp.accounting.mechanisms import BallsInBinsMechanism
@@ -86,8 +87,6 @@ def monte_carlo_epsilon(
 ) -> MonteCarloEpsilon:
     """The certified ε and the point estimate of ``steps`` steps of ``mechanism``, both on
     samples seeded by :func:`ledger_seed` (the certified value is cached on disk)."""
-    from userdp.accounting import api, balls_in_bins
-
     seed = ledger_seed(run_id, mechanism, steps)
     certified = certified_monte_carlo_epsilon(mechanism, steps, delta, seed=seed)
     estimate = api.epsilon(mechanism, steps, delta, seed=seed)

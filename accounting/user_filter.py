@@ -44,6 +44,7 @@ from userdp.accounting.mechanisms import (
     UlsMechanism,
     UserWiseFilterMechanism,
 )
+from userdp.accounting.validation import positive_float
 
 __all__ = [
     "CONCENTRATION_SCORE_SENSITIVITY",
@@ -74,7 +75,7 @@ class BudgetSplit:
 def split_budget(epsilon: float, delta: float) -> BudgetSplit:
     """Algorithm 3's split of (ε, δ): ε/2 to AboveThreshold, (ε/2, δ/2) to the Gaussian steps,
     δ/2 to the filter."""
-    _positive("epsilon", epsilon)
+    positive_float("epsilon", epsilon, InvalidMechanismError)
     if not 0.0 < delta < 1.0:
         raise InvalidMechanismError(f"delta={delta!r} is out of range; expected a float in (0, 1)")
     return BudgetSplit(epsilon / 2.0, epsilon / 2.0, delta / 2.0, delta / 2.0)
@@ -85,8 +86,8 @@ def filter_sensitivity(
 ) -> float:
     """Δ = √(8 log(e^ε T/δ))·τ/N: the filtered mean's sensitivity bound for a run of T steps at
     (ε, δ) over N users (Algorithm 3, line 14, without σ)."""
-    _positive("concentration_threshold", concentration_threshold)
-    _positive("epsilon", epsilon)
+    positive_float("concentration_threshold", concentration_threshold, InvalidMechanismError)
+    positive_float("epsilon", epsilon, InvalidMechanismError)
     if num_users < 1 or steps < 1 or not 0.0 < delta < 1.0:
         raise InvalidMechanismError(
             f"num_users={num_users!r}, steps={steps!r}, delta={delta!r}: expected N >= 1, "
@@ -105,7 +106,7 @@ def filter_noise_std(
     steps: int,
 ) -> float:
     """The std of the noise on the filtered mean: √(8τ² log(e^ε T/δ))·σ/N (Algorithm 3)."""
-    _positive("noise_multiplier", noise_multiplier)
+    positive_float("noise_multiplier", noise_multiplier, InvalidMechanismError)
     return noise_multiplier * filter_sensitivity(
         concentration_threshold, num_users, epsilon, delta, steps
     )
@@ -135,8 +136,3 @@ def epsilon(
         [(gaussian, steps)], value_discretization_interval=value_discretization_interval
     )
     return mechanism.above_threshold_epsilon + pld_ops.epsilon_for_delta(pld, gaussian_delta)
-
-
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise InvalidMechanismError(f"{name}={value!r} is out of range; expected a float > 0")

@@ -11,13 +11,28 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["non_negative_float", "positive_float", "positive_int", "probability"]
+__all__ = [
+    "non_negative_float",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "probability",
+]
 
 
 def positive_int(name: str, value: Any, error: type[Exception]) -> int:
     """An integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise error(f"{name}={value!r} is out of range; expected an integer >= 1")
+    return int(value)
+
+
+def non_negative_int(name: str, value: Any, error: type[Exception]) -> int:
+    """An integer >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise error(f"{name}={value!r} is not an integer; expected an integer >= 0")
+    if value < 0:
+        raise error(f"{name}={value!r} is out of range; expected an integer >= 0")
     return int(value)
 
 

@@ -26,7 +26,7 @@ from dp_accounting import pld as dp_pld
 from userdp.accounting import balls_in_bins as bb
 from userdp.accounting import monte_carlo as mc
 from userdp.accounting import randomized_clipping as rc
-from userdp.accounting.mechanisms import CorrelationSpec
+from userdp.accounting.correlation_spec import CorrelationSpec
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:

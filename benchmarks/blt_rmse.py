@@ -36,7 +36,8 @@ import time
 
 import numpy as np
 from userdp.accounting.calibration import calibrate_noise_multiplier
-from userdp.accounting.mechanisms import BandedPoissonMechanism, CorrelationSpec
+from userdp.accounting.correlation_spec import CorrelationSpec
+from userdp.accounting.mechanisms import BandedPoissonMechanism
 from userdp.strategies.blt import banded_inverse_coefs, mean_error, optimize_banded
 from userdp.strategies.blt_amplified import amplified_sigma, optimize_blt_amplified
 

@@ -42,7 +42,7 @@ from userdp.accounting.correlation import (
     min_sep_column,
     toeplitz_matrix,
 )
-from userdp.accounting.mechanisms import CorrelationSpec
+from userdp.accounting.correlation_spec import CorrelationSpec
 from userdp.strategies import tensors as T
 from userdp.strategies.noise import NoiseMechanism, NoiseRng
 

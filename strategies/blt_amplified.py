@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import optimize as sopt
-from userdp.accounting.balls_in_bins import gaussian_sigma
+from userdp.accounting.balls_in_bins_estimates import gaussian_sigma
 from userdp.accounting.balls_in_bins_losses import (
     ESTIMATE,
     DominatingPair,

@@ -29,6 +29,8 @@ import os
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from userdp.strategies import tensors as T
 
 __all__ = ["GRID_BITS", "SecureNormal", "add_on_grid", "grid_step"]
 
@@ -58,8 +60,6 @@ class SecureNormal:
     """
 
     def __init__(self, key: bytes | None = None) -> None:
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-
         key = os.urandom(32) if key is None else bytes(key)
         if len(key) != 32:
             raise ValueError(f"SecureNormal key must be 32 bytes, got {len(key)}")
@@ -103,8 +103,6 @@ class SecureNormal:
 
     def normal_like(self, x: Any) -> Any:
         """N(0, 1) draws shaped like ``x``: float64, on ``x``'s device for a tensor."""
-        from userdp.strategies import tensors as T
-
         if T.is_torch(x):
             return self.standard_normal(x.numel()).reshape(x.shape).to(x.device)
         shape = np.shape(x)
@@ -114,8 +112,6 @@ class SecureNormal:
 def add_on_grid(value: Any, std: float, z: Any) -> Any:
     """γ·round((value + std·z)/γ), computed in float64, returned in ``value``'s float dtype
     (float64 for integer inputs); ``z`` are unit-variance draws of ``value``'s shape."""
-    from userdp.strategies import tensors as T
-
     step = grid_step(std)
     if T.is_torch(value):
         import torch

@@ -15,7 +15,8 @@ from scipy import stats
 from userdp.accounting import balls_in_bins as bb
 from userdp.accounting import monte_carlo as mc
 from userdp.accounting.correlation import BltCorrelation
-from userdp.accounting.mechanisms import BallsInBinsMechanism, CorrelationSpec
+from userdp.accounting.correlation_spec import CorrelationSpec
+from userdp.accounting.mechanisms import BallsInBinsMechanism
 
 Z_TOL = 4.5  # two-sided false-alarm probability ~7e-6 per comparison if the code is right
 

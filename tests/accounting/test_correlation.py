@@ -15,7 +15,7 @@ from userdp.accounting.correlation import (
     from_spec,
     toeplitz_matrix,
 )
-from userdp.accounting.mechanisms import CorrelationSpec
+from userdp.accounting.correlation_spec import CorrelationSpec
 
 BLT = BltCorrelation((0.9, 0.5), (0.3, 0.2))
 BANDED = BandedCorrelation((2.0, 0.5, 0.25))
