@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from userdp.clients.batching import EngineError
 from userdp.clients.clipping import flat_views
+from userdp.clients.deepspeed_config import deepspeed_json_problem
+from userdp.clients.deepspeed_ops import build_startup_ops
 from userdp.proto.results import TaskSum
 from userdp.strategies.unit_stats import UnitStats
-
-from userdp.config import deepspeed_json_problem
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,6 @@ def wrap_with_deepspeed(
     setup builds it (:mod:`userdp.clients.deepspeed_ops`), and here it is loaded from that cache
     or built, healing a lock left by a killed build, before ``deepspeed.initialize`` would wait on
     it. ``on_phase`` hears the start-up phases (worker progress reports)."""
-    from userdp.clients.deepspeed_ops import build_startup_ops
-
     phase = on_phase or (lambda name: None)
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -39,14 +39,17 @@ from typing import Any
 import torch
 from userdp.clients.batching import EngineError, Unit, prepare_units
 from userdp.clients.clipping import Accumulator, loop_clipped_sum
+from userdp.clients.deepspeed_config import read_deepspeed_json
 from userdp.clients.distributed import (
     all_reduce_result,
     raise_if_any_rank_failed,
     split_units,
     world,
+    wrap_with_deepspeed,
 )
 from userdp.clients.fedavg import fedavg_clipped_sum
 from userdp.clients.ghost import vectorized_clipped_sum
+from userdp.clients.model import build_model, model_shape
 from userdp.clients.sketch import SKETCHES, GaussianProbes
 from userdp.proto.results import TaskSum
 
@@ -265,8 +268,6 @@ def build_engine(
     ``seed`` (default ``output.seed``, else 0) only makes research runs reproducible.
     ``on_phase`` hears the start-up phases (loading the model, building DeepSpeed ops,
     initializing DeepSpeed) for worker progress reports."""
-    from userdp.clients.model import build_model, model_shape
-
     shape = model_shape(manifest, config.data.seq_len)
     if seed is None:
         seed = config.output.seed if config.output.seed is not None else 0
@@ -278,10 +279,6 @@ def build_engine(
     module = build_model(config.model, shape, seed)
     ds_engine = None
     if use_deepspeed:
-        from userdp.clients.distributed import wrap_with_deepspeed
-
-        from userdp.config import read_deepspeed_json
-
         ds_engine = wrap_with_deepspeed(
             module,
             config.model.zero_stage,

@@ -34,6 +34,7 @@ from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.channels import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    WORKER_HEALTH_SERVICE,
     TlsFiles,
     bearer,
     channel_options,
@@ -111,7 +112,6 @@ class WorkerHealth:
         from concurrent import futures
 
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-        from userdp.proto.channels import WORKER_HEALTH_SERVICE
 
         self._pb = health_pb2
         self._name = WORKER_HEALTH_SERVICE

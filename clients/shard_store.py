@@ -31,6 +31,7 @@ from userdp.clients.shard_format import (
     shard_of_user,
     shard_schema,
 )
+from userdp.clients.tokenization import tokenizer_from_info
 
 
 @dataclass(frozen=True)
@@ -241,8 +242,6 @@ class ShardStore:
         contiguity, that each row's user id matches its index entry, and the user -> shard map."""
         manifest = self.manifest
         if manifest.tokenizer.path is not None:
-            from userdp.clients.tokenization import tokenizer_from_info
-
             tokenizer_from_info(manifest.tokenizer, self.directory)
         shard_position = {entry.name: i for i, entry in enumerate(manifest.shards)}
         users = examples = tokens = 0

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 import grpc
+from userdp.clients.grpc_client import worker_channel
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto import userdp_v1_pb2_grpc as pb_grpc
 from userdp.proto.channels import TlsFiles, bearer
@@ -47,8 +48,6 @@ class StartupReporter:
         tls: TlsFiles | None = None,
         interval_s: float = 5.0,
     ) -> None:
-        from userdp.clients.grpc_client import worker_channel
-
         self.worker_id = worker_id
         self.shards = list(shards)
         self.interval_s = interval_s

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 from userdp.clients.distributed import raise_if_any_rank_failed, world
+from userdp.clients.engine import Unit, build_engine
 from userdp.clients.model import load_parameters
 from userdp.clients.perplexity import ExamplePerplexities, example_perplexities
 from userdp.clients.selection import (
@@ -131,8 +132,6 @@ def build_compute(
     "lowest_ppl"`` it also scores every example of ``store`` with the model as just built, the
     run's initial model, before any update can reach it (cached in ``workers.cache_dir``,
     default ``cache/`` in the shard folder; :mod:`userdp.clients.perplexity`)."""
-    from userdp.clients.engine import Unit, build_engine
-
     engine = build_engine(config, store.manifest, on_phase=on_phase)
     perplexities = None
     if config.data.selection in PERPLEXITY_SELECTIONS:

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from scipy import stats
 from userdp.proto.results import TaskResult
 from userdp.proto.tensors import FLOAT_DTYPES, WireTensor
 from userdp.server.planning import ShardGroup
@@ -53,8 +54,6 @@ def contribution_bound(count: int, clip_norm: float, probes: int = 0) -> float:
     at all sends ‖Σ g_u‖, typically far above it."""
     bound = count * clip_norm
     if probes > 0 and count > 0:
-        from scipy import stats
-
         quantile = float(stats.chi2.ppf(ESTIMATE_ALPHA / count, probes))
         bound *= max(1.0, math.sqrt(probes / quantile))
     return bound * (1 + NORM_TOLERANCE) + 1e-6

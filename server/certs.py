@@ -9,7 +9,7 @@ same layout (the coordinator checks CA signature and that CN == worker id).
 
 :func:`read_coordinator_tls` reads the coordinator's files; when some are missing, its error gives
 the ``userdp certs dev-ca`` command that writes them, with ``--names`` listing ``coordinator`` and
-the workers' ids. The ``cryptography`` package is imported only to make certificates.
+the workers' ids.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import ipaddress
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from userdp.proto.channels import TlsFiles, read_tls_files
-
-if TYPE_CHECKING:
-    from cryptography import x509
-    from cryptography.hazmat.primitives.asymmetric import ec
 
 COORDINATOR_NAME = "coordinator"
 """The certificate name (CN) of the coordinator; workers' certificates are named by worker id."""
@@ -60,8 +59,6 @@ def read_coordinator_tls(tls_dir: str | Path, worker_ids: Sequence[str] | None =
 
 
 def _name(common_name: str) -> x509.Name:
-    from cryptography import x509
-    from cryptography.x509.oid import NameOID
 
     return x509.Name(
         [
@@ -72,7 +69,6 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    from cryptography.hazmat.primitives import serialization
 
     data = key.private_bytes(
         serialization.Encoding.PEM,
@@ -93,10 +89,6 @@ def _check_name(name: str) -> None:
 
 def make_dev_ca(out: str | Path, names: Sequence[str], days: int = 365) -> list[Path]:
     """Write a CA and one key/certificate pair per name into ``out``; return the written files."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID
 
     for name in names:
         _check_name(name)

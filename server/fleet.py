@@ -50,10 +50,10 @@ from userdp.server.registry import (
     WorkerSession,
 )
 from userdp.server.startup import StartupWait, WorkerProgress
+from userdp.strategies.base import TaskSpec
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the coordinator imports this module
     from userdp.server.coordinator import CoordinatorSettings
-    from userdp.strategies.base import TaskSpec
 
 log = logging.getLogger("userdp.server.coordinator")
 

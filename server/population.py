@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from userdp.strategies.errors import StrategyError
-from userdp.strategies.population import parse_example_unit_id
+from userdp.strategies.population import PopulationCounts, parse_example_unit_id
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,9 @@ class Population:
         return tuple(self.shard_of_user)
 
     @functools.cached_property
-    def population_counts(self) -> Any:
+    def population_counts(self) -> PopulationCounts:
         """The strategies' view (:class:`~userdp.strategies.base.PopulationCounts`): user ids in
         manifest order and, when known, example counts (converted once)."""
-        import numpy as np
-        from userdp.strategies.base import PopulationCounts
-
         counts = None
         if self.examples_of_user:
             counts = np.fromiter(
