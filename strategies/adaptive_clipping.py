@@ -45,22 +45,24 @@ class AdaptiveClipping(UserLevelSampling):
     """ULS (Poisson users) whose clip norm tracks the ``target_quantile`` of update norms.
 
     ``noise_multiplier`` is the accounted z of the whole step (sum AND count);
-    ``count_stddev`` σ_b is the std of the noise on the clipped count; ``clip_lr`` is η_C.
+    ``clip_norm`` is the initial C; ``count_stddev`` σ_b is the std of the noise on the clipped count; ``clip_lr`` is η_C.
     :meth:`privatize` releases the noisy fraction in ``Release.statistics`` and
     :meth:`server_update` moves C from it (the cohort's :class:`UnitStats`: ``count`` units,
     ``clipped`` of them with norm > C).
     """
 
+    samplings = ("poisson",)
+
     def __init__(
         self,
         *,
-        initial_clip_norm: float,
+        clip_norm: float,
         target_quantile: float = 0.5,
         clip_lr: float = 0.2,
         count_stddev: float,
         **uls: Any,
     ) -> None:
-        super().__init__(clip_norm=initial_clip_norm, **uls)
+        super().__init__(clip_norm=clip_norm, **uls)
         self._require_poisson()
         if not 0.0 < target_quantile < 1.0:
             raise StrategyError(
@@ -69,9 +71,14 @@ class AdaptiveClipping(UserLevelSampling):
         self.target_quantile = float(target_quantile)
         self.clip_lr = float(clip_lr)
         self.count_stddev = float(count_stddev)
-        self.update_noise_multiplier = update_noise_multiplier(self.noise_multiplier, count_stddev)
+        update_noise_multiplier(self.noise_multiplier, count_stddev)  # refuse a too-small σ_b now
         self.history: list[tuple[int, float, float]] = []
         """(step, clip norm used, noisy unclipped fraction) per released step."""
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """σ_Δ, the sum's share of the step's noise multiplier (Andrew et al., Thm. 1)."""
+        return update_noise_multiplier(self.noise_multiplier, self.count_stddev)
 
     def add_noise(
         self, step: int, summed: Mapping[str, Any], stats: UnitStats | None = None

@@ -209,6 +209,10 @@ class Strategy(ABC):
     clip_norm: float = 1.0
     fixed_cohort_size: float | None = None
     """The normalizer fixed in advance (the constructor's ``expected_cohort_size``), or None."""
+    samplings: tuple[str, ...] | None = None
+    """The ``strategy.sampling`` schemes (:class:`~userdp.accounting.facts.Sampling` values) the
+    strategy's mechanism is accounted for; None: any scheme of the sampler it is given. A config
+    naming another scheme is refused before the strategy is built."""
     needs_unit_updates: bool = False
     """True: the release depends on each unit's own clipped update, not only on their sum (e.g.
     a filter over pairwise distances). The step then gathers one update per unit and calls
@@ -254,6 +258,13 @@ class Strategy(ABC):
         self.noise = noise if noise is not None else GaussianNoise()
         self.optimizer = optimizer if optimizer is not None else Sgd(learning_rate=1.0)
         self.fixed_cohort_size = expected_cohort_size
+
+    def calibrate(self, noise_multiplier: float) -> None:
+        """Set σ to ``noise_multiplier``, calibrated on this strategy's own :meth:`mechanism` value
+        (the strategy is built once; its mechanism and noise must read ``self.noise_multiplier``,
+        which the caller checks by comparing :meth:`mechanism` with the calibrated value)."""
+        _check_positive("noise_multiplier", noise_multiplier)
+        self.noise_multiplier = float(noise_multiplier)
 
     # ---- sampling ------------------------------------------------------------------------------
 

@@ -72,6 +72,8 @@ class UserLevelSampling(Strategy):
     public (it differs by one user between neighbouring datasets).
     """
 
+    samplings = ("poisson", "padding", "shuffle", "balls-in-bins-epoch", "balls-in-bins-fixed")
+
     def __init__(
         self,
         *,
@@ -189,6 +191,8 @@ class RandomizedClipping(UserLevelSampling):
     gradient is clipped by the estimate; the realized sensitivity can exceed C with small
     probability, which the envelope accountant covers."""
 
+    samplings = ("poisson",)
+
     def __init__(self, *, probes: int, estimator: str = "hutchinson", **uls: Any) -> None:
         super().__init__(**uls)
         self._require_poisson()
@@ -223,6 +227,8 @@ class ExampleLevelSampling(Strategy):
     divides by the expected batch B = p|D_sub| (or ``expected_batch_size`` when given, which
     keeps the normalizer independent of the data's example counts).
     """
+
+    samplings = ("poisson",)
 
     def __init__(
         self,

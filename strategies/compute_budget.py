@@ -15,7 +15,7 @@ update is σ(M)·L(G)/M (eq. 6). Two decision rules:
 ``norm_of_group_size(G)`` (e.g. median over 128 users at the pre-trained θ, see
 :func:`median_user_norm`) and ``noise_multiplier_of_cohort(M)`` (e.g. a closure over
 ``userdp.accounting.calibrate_noise_multiplier`` for fixed ε, δ, T, N); ``userdp plan`` builds
-both from a config (:mod:`userdp.compute_plan`).
+both from a config (:mod:`userdp.plan.budget`).
 
 For ELS the same paper takes G_ELS ≈ the median number of examples per user, rounded to a power
 of two (:func:`els_group_size`); :func:`els_heuristic` adds the ELS sampling rate with the same

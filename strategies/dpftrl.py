@@ -54,6 +54,8 @@ class BltDpFtrl(Strategy):
     ``epochs`` participations, ``buffers`` buffers) or a banded C (``banded_coefs`` given, or
     ``bands`` ≤ bins optimized the same way)."""
 
+    samplings = ("balls-in-bins-fixed", "cyclic-poisson")
+
     def __init__(
         self,
         *,

@@ -116,6 +116,7 @@ class UserWiseFilter(Strategy):
     """
 
     needs_unit_updates = True
+    samplings = ("poisson",)
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ from userdp.accounting.report import build_report, write_report
 
 from userdp.cli import main
 from userdp.config import parse_config
-from userdp.run_outputs import config_toml, write_release_state
+from userdp.run.outputs import config_toml, write_release_state
 
 ULS = UlsMechanism(noise_multiplier=2.0, sampling_prob=0.05)
 

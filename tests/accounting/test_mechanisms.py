@@ -148,7 +148,7 @@ def test_accounting_never_imports_torch() -> None:
     import sys
 
     code = (
-        "import sys, userdp.accounting, userdp.accounting.cli\n"
+        "import sys, userdp.accounting, userdp.cli.account\n"
         "assert 'torch' not in sys.modules, 'userdp.accounting imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

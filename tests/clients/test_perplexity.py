@@ -20,8 +20,8 @@ from userdp.clients.perplexity import example_perplexities, model_sha256, score_
 from userdp.clients.shard_store import ShardStore
 
 from userdp.config import ConfigError, parse_config
-from userdp.shard_input import InputSource
-from userdp.shard_writer import ShardOptions, write_shards
+from userdp.shards.input import InputSource
+from userdp.shards.writer import ShardOptions, write_shards
 
 SEQ_LEN = 24
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,"
@@ -305,7 +305,7 @@ def _task(units: list[str], selection: str, step: int = 0):
 def test_worker_selects_by_the_initial_models_perplexity_after_updates(files, tmp_path) -> None:
     from userdp.clients.worker_service import build_compute
 
-    from userdp.in_process import LocalTensor
+    from userdp.run.in_process import LocalTensor
 
     initial = _model(files["model"])
     with ShardStore(files["shards"]) as store:
@@ -361,7 +361,7 @@ def test_config_check_exits_2_naming_the_key(files, tmp_path, capsys) -> None:
 
 
 def test_in_process_run_with_highest_ppl_selection_notes_the_public_model(files, tmp_path):
-    from userdp.simulation import run
+    from userdp.run.launch import run
 
     config = _config(files, tmp_path)
     result = run(config, tmp_path / "run", mode="in-process", quiet=True)

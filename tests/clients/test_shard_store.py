@@ -26,8 +26,8 @@ from userdp.clients.shard_format import (
 from userdp.clients.shard_store import ShardStore
 from userdp.clients.tokenization import ByteTokenizer
 
-from userdp.shard_input import InputSource
-from userdp.shard_writer import ShardOptions, write_shards
+from userdp.shards.input import InputSource
+from userdp.shards.writer import ShardOptions, write_shards
 
 
 def _table(num_users: int = 23, seed: int = 0) -> pa.Table:

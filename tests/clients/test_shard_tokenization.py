@@ -9,9 +9,9 @@ import pytest
 from userdp.clients.shard_format import ShardIntegrityError
 from userdp.clients.tokenization import ByteTokenizer, load_tokenizer
 
-from userdp.shard_input import InputSource
-from userdp.shard_writer import ShardOptions, write_shards
-from userdp.tokenization import parse_tokenizer_spec
+from userdp.shards.input import InputSource
+from userdp.shards.tokenization import parse_tokenizer_spec
+from userdp.shards.writer import ShardOptions, write_shards
 
 TEXTS = ["hello world", "naïve café ✓", "日本語のテキスト", "a"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from userdp.run_components import demo_shards
+from userdp.run.components import demo_shards
 
 ERROR_PREFIX = "userdp worker: error: "
 

@@ -22,13 +22,13 @@ from userdp.clients.worker_service import EngineCompute, _selection_rng
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.results import TaskSum
 from userdp.server.population import Population
-from userdp.shard_input import InputSource
-from userdp.shard_writer import ShardOptions, write_shards
 from userdp.strategies.base import Release
 from userdp.strategies.unit_stats import UnitStats
 
 from tests.server.harness import make_loopback
 from tests.server.standins import uls_strategy
+from userdp.shards.input import InputSource
+from userdp.shards.writer import ShardOptions, write_shards
 
 
 @dataclass

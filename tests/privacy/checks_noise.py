@@ -231,7 +231,7 @@ COUNT_STDDEV = 2.0  # adaptive clipping's σ_b; 2σ_b = 4 > z = 2
 def adaptive_strategy(production_noise: bool = False) -> AdaptiveClipping:
     return AdaptiveClipping(
         noise_multiplier=SIGMA,
-        initial_clip_norm=CLIP,
+        clip_norm=CLIP,
         count_stddev=COUNT_STDDEV,
         target_quantile=0.5,
         clip_lr=0.0,  # C stays at CLIP, so every step's expected std is the same
@@ -333,14 +333,14 @@ def check_report_names_the_noise_generator() -> None:
     """The privacy facts a report is rendered from state the generator the strategy really uses:
     with ``privacy.secure_noise = false`` the facts say not secure and carry the caveat; by
     default they say secure, and the generator is secure."""
-    from userdp.run_components import make_strategy as strategy_from_config
     from userdp.strategies.noise import FAST_NOISE_CAVEAT
 
     from userdp.config import parse_config
+    from userdp.run.registry import build_strategy
 
     for secure in (True, False):
         config = parse_config({"privacy": {"secure_noise": secure}})
-        strategy = strategy_from_config(config, N_USERS, SIGMA)
+        strategy = build_strategy(config, N_USERS, SIGMA)
         facts = strategy.facts()
         assert strategy.noise.rng.secure is secure, (
             f"privacy.secure_noise = {secure} built a generator with secure = "

@@ -14,7 +14,7 @@ records the tail probe matrix of every norm sketch the engine computes. Then:
 - the mechanism the strategy hands the ledger names exactly that many probes;
 - its ε (userdp's accountant for the mechanism) equals the randomized-clipping accountant's ε at
   the engine's tail count;
-- the run's σ calibration (``resolve_noise_multiplier``) is handed a mechanism with that count
+- the run's σ calibration (``strategy_from_config``) is handed a mechanism with that count
   (the calibration itself is tested against the accountant in tests/accounting).
 """
 
@@ -32,7 +32,8 @@ from userdp.clients.model import ModelShape, build_model
 from userdp.proto.codec import task_from_proto, task_proto
 
 from userdp.config import ModelConfig, parse_config
-from userdp.run_components import make_strategy, resolve_noise_multiplier
+from userdp.run.components import strategy_from_config
+from userdp.run.registry import build_strategy
 
 PROBES = 6
 Q = 0.05
@@ -90,7 +91,7 @@ def _engine_tail_probes(strategy) -> set[int]:
 
 def check_accountant_gets_the_engines_tail_probes(estimator: str) -> None:
     config = _config(estimator)
-    strategy = make_strategy(config, USERS, 1.0)
+    strategy = build_strategy(config, USERS, 1.0)
     tails = _engine_tail_probes(strategy)
     assert len(tails) == 1, (
         f"{estimator}: the engine sketched norms with tail probe counts {sorted(tails)}; "
@@ -121,7 +122,7 @@ def check_accountant_gets_the_engines_tail_probes(estimator: str) -> None:
         return 1.0
 
     with mock.patch.object(calibration, "calibrate_noise_multiplier", calibrate):
-        resolve_noise_multiplier(config, USERS, DELTA)
+        strategy_from_config(config, USERS)
     assert [getattr(m, "probes", None) for m in told] == [tail], (
         f"{estimator}: σ is calibrated for the mechanism(s) {[m.to_dict() for m in told]}, but "
         f"the engine's norm estimate has {tail} tail probes: calibration was given the wrong "

@@ -252,15 +252,15 @@ CAL_USERS = 300
 
 
 def check_config_calibration_matches_run(tmp_path: Path) -> None:
-    """A run from a config (``userdp.run_components``): σ is calibrated to the config's (ε, δ)
+    """A run from a config (``userdp.run.components``): σ is calibrated to the config's (ε, δ)
     over its T steps; the strategy built from the config must report (σ, q) to the ledger,
     sample at the config's q, and the run's ε — recomputed by dp_accounting for (σ, q, T) —
     must not exceed the config's ε."""
     import os
 
-    from userdp.run_components import make_strategy, resolve_noise_multiplier
-
     from userdp.config import parse_config
+    from userdp.run.components import strategy_from_config
+    from userdp.run.registry import build_strategy
 
     config = parse_config(
         {
@@ -271,7 +271,7 @@ def check_config_calibration_matches_run(tmp_path: Path) -> None:
     )
 
     def reported(sigma: float) -> None:
-        mechanism = make_strategy(config, CAL_USERS, sigma).mechanism().to_dict()
+        mechanism = build_strategy(config, CAL_USERS, sigma).mechanism().to_dict()
         configured = {"kind": "uls", "noise_multiplier": sigma, "sampling_prob": CAL_Q}
         assert mechanism == configured, (
             f"the strategy built from the config reports {mechanism} to the ledger but the "
@@ -282,14 +282,14 @@ def check_config_calibration_matches_run(tmp_path: Path) -> None:
     saved = os.environ.get("USERDP_CACHE_DIR")
     os.environ["USERDP_CACHE_DIR"] = str(Path(tmp_path) / "cache")  # hermetic: no stale cache
     try:
-        sigma = resolve_noise_multiplier(config, CAL_USERS, DELTA)
+        sigma = strategy_from_config(config, CAL_USERS)[0].noise_multiplier
     finally:
         if saved is None:
             os.environ.pop("USERDP_CACHE_DIR", None)
         else:
             os.environ["USERDP_CACHE_DIR"] = saved
     reported(sigma)
-    strategy = make_strategy(config, CAL_USERS, sigma)
+    strategy = build_strategy(config, CAL_USERS, sigma)
     run_epsilon = _reference_epsilon(sigma, CAL_Q, CAL_STEPS, DELTA)
     assert run_epsilon <= CAL_EPSILON * (1 + 1e-6), (
         f"σ = {sigma:.6g} was calibrated for the config's ε = {CAL_EPSILON} over {CAL_STEPS} "
@@ -310,9 +310,8 @@ def check_sampler_seed_is_secret_unless_given(tmp_path) -> None:
     built from one config with the same ``output.seed`` draw from different secret seeds and
     different cohorts, and claim no given seed; an explicit ``strategy.sampler_seed`` is used
     and reported as a caveat (amplification by sampling assumes a secret sampler)."""
-    from userdp.run_components import make_strategy
-
     from userdp.config import parse_config
+    from userdp.run import components
 
     def build(**strategy):
         config = parse_config(
@@ -322,7 +321,7 @@ def check_sampler_seed_is_secret_unless_given(tmp_path) -> None:
                 "output": {"seed": SEED},
             }
         )
-        return make_strategy(config, 400, 1.0)
+        return components.strategy_from_config(config, 400)[0]
 
     users = [f"u{i}" for i in range(400)]
     first, second = build(), build()

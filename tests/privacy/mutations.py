@@ -549,16 +549,16 @@ def mutation_resume_replays_released_step(monkeypatch):
 def mutation_sampler_seeded_by_output_seed(monkeypatch):
     """One key seeds both model init and the secret sampler: output.seed becomes the sampler's
     seed (a reproducible init then gives away the cohorts)."""
-    from userdp import run_components
+    from userdp.run import components
 
-    original = run_components.make_strategy
+    original = components.build_strategy
 
-    def make_strategy(config, num_users, noise_multiplier):
+    def build_strategy(config, num_users, noise_multiplier, delta=None):
         update = {"sampler_seed": config.output.seed}
         config = config.model_copy(update={"strategy": config.strategy.model_copy(update=update)})
-        return original(config, num_users, noise_multiplier)
+        return original(config, num_users, noise_multiplier, delta)
 
-    monkeypatch.setattr(run_components, "make_strategy", make_strategy)
+    monkeypatch.setattr(components, "build_strategy", build_strategy)
 
 
 @pytest.fixture

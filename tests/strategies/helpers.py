@@ -8,14 +8,14 @@ import numpy as np
 from userdp.strategies.noise import NoiseMechanism
 from userdp.strategies.toy import ToyMeanEstimation
 
-from userdp.plugins import plugin_class
+from userdp.run.registry import strategy_class
 
 EXAMPLE_PLUGIN_DIR = Path(__file__).resolve().parents[2] / "examples" / "plugin"
 
 
 def example_plugin() -> type:
     """``WarmupUls`` of examples/plugin/warmup_uls.py, imported as a config names it."""
-    return plugin_class("warmup_uls:WarmupUls", str(EXAMPLE_PLUGIN_DIR))
+    return strategy_class("warmup_uls:WarmupUls", str(EXAMPLE_PLUGIN_DIR))
 
 
 class ZeroNoise(NoiseMechanism):

@@ -178,7 +178,7 @@ def test_adaptive_clipping_noise_split_is_one_gaussian_of_multiplier_z():
 def test_adaptive_clipping_tracks_the_target_quantile():
     rng = np.random.default_rng(0)
     s = AdaptiveClipping(
-        initial_clip_norm=0.1,
+        clip_norm=0.1,
         target_quantile=0.5,
         clip_lr=0.2,
         count_stddev=2.0,
@@ -223,10 +223,10 @@ def test_estimate_and_double_rules():
 def test_a_blt_run_optimizes_its_correlation_once(monkeypatch, tmp_path, strategy, optimizer):
     """A config's setup calibrates σ on the run's mechanism and builds the strategy for that σ:
     C is optimized once, and the mechanism calibrated is the one the ledger will record."""
-    from userdp.run_components import strategy_from_config
     from userdp.strategies import dpftrl
 
     from userdp.config import parse_config
+    from userdp.run.components import strategy_from_config
 
     calls = []
     real = getattr(dpftrl, optimizer)
@@ -281,15 +281,14 @@ def test_the_normalizer_keys_the_caveat_names_fix_the_normalizer(strategy, key):
     """The report's advice ("set strategy.expected_cohort_size / expected_batch_size") can be
     followed: the key fixes the normalizer whatever the population, and the caveat that N (or
     the example counts) was treated as public goes away."""
-    from userdp.run_components import make_strategy
-
     from userdp.config import parse_config
+    from userdp.run.registry import build_strategy
 
     def build(extra):
         config = parse_config(
             {"strategy": {**strategy, "sampling_prob": 0.25, "steps": 8, **extra}}
         )
-        return make_strategy(config, 40, 1.5)
+        return build_strategy(config, 40, 1.5)
 
     population = {f"u{i}": 1 + i % 3 for i in range(40)}
     default, fixed = build({}), build({key: 7.5})

@@ -54,11 +54,11 @@ def test_blt_and_adaptive_state_survive_checkpoint(tmp_path):
     restored.add_noise(3, {"w": torch.zeros(5)})  # continues the stream at step 3
 
     adaptive = AdaptiveClipping(
-        initial_clip_norm=0.5, count_stddev=3.0, noise_multiplier=1.0, sampling_prob=0.2
+        clip_norm=0.5, count_stddev=3.0, noise_multiplier=1.0, sampling_prob=0.2
     )
     _drive(adaptive, 2, {"w": torch.zeros(3)})
     again = AdaptiveClipping(
-        initial_clip_norm=0.5, count_stddev=3.0, noise_multiplier=1.0, sampling_prob=0.2
+        clip_norm=0.5, count_stddev=3.0, noise_multiplier=1.0, sampling_prob=0.2
     )
     again.load_state_dict(_round_trip(tmp_path / "b", adaptive.state_dict()))
     assert again.clip_norm == adaptive.clip_norm and len(again.history) == 2

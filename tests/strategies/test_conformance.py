@@ -52,7 +52,7 @@ BUILTINS = {
         noise_multiplier=SIGMA, clip_norm=CLIP, sampling_prob=Q, local_steps=2, local_lr=0.1
     ),
     "adaptive-clipping": lambda: AdaptiveClipping(
-        noise_multiplier=SIGMA, initial_clip_norm=CLIP, sampling_prob=Q, count_stddev=1.0
+        noise_multiplier=SIGMA, clip_norm=CLIP, sampling_prob=Q, count_stddev=1.0
     ),
     "randomized-clipping": lambda: RandomizedClipping(
         noise_multiplier=SIGMA, clip_norm=CLIP, sampling_prob=Q, probes=16
@@ -185,7 +185,7 @@ BUGS = {
     "noise": [
         _warmup(NoiseNotScaledByClip),
         lambda: CountReleasedWithoutNoise(
-            noise_multiplier=SIGMA, initial_clip_norm=CLIP, sampling_prob=Q, count_stddev=1.0
+            noise_multiplier=SIGMA, clip_norm=CLIP, sampling_prob=Q, count_stddev=1.0
         ),
         lambda: BltNoiseNotCorrelated(
             noise_multiplier=SIGMA, clip_norm=CLIP, bins=20, epochs=2, banded_coefs=[1.0, 0.5]

@@ -78,7 +78,7 @@ def test_config_check_refuses_cyclic_poisson_without_its_pieces(tmp_path, capsys
 
 
 def test_simulate_in_process_reports_the_banded_poisson_epsilon(tmp_path):
-    from userdp.simulation import run
+    from userdp.run.launch import run
 
     config = parse_config(
         {

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from userdp.run_components import execution_options, make_strategy
 from userdp.strategies.base import Cohort, StrategyError
 from userdp.strategies.builtins import RandomizedClipping, UserLevelSampling
 from userdp.strategies.step import CohortSum, ExecutionOptions, run_step
 from userdp.strategies.unit_stats import UnitStats
 
 from userdp.config import parse_config
+from userdp.run.components import execution_options
+from userdp.run.registry import build_strategy
 
 COHORT = Cohort(step=0, unit_ids=("u1",), expected_size=1.0)
 
@@ -59,8 +60,8 @@ def test_randomized_clipping_keeps_its_engine() -> None:
 def test_config_refuses_the_randomized_engine_without_its_accountant() -> None:
     config = parse_config({"strategy": {"name": "uls", "engine": "randomized"}})
     with pytest.raises(ValueError, match="randomized-clipping"):
-        make_strategy(config, 100, 1.0)
+        build_strategy(config, 100, 1.0)
     config = parse_config({"strategy": {"name": "randomized-clipping", "engine": "randomized"}})
-    strategy = make_strategy(config, 100, 1.0)
+    strategy = build_strategy(config, 100, 1.0)
     spec = execution_options(config).apply(strategy.configure_task(0, COHORT))
     assert spec.engine == "randomized"

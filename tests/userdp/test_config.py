@@ -50,7 +50,10 @@ def test_full_sections_parse(tmp_path) -> None:
             "strategy.clipnorm: unknown key (did you mean 'clip_norm'?",
         ),
         ("[strategy]\nxyzzy = 1.0\n", "strategy.xyzzy: unknown key (check the spelling"),
-        ("[strategy]\nexpected_batch_size = 10.0\n", "strategy.expected_batch_size is set, but strategy.name = 'uls'"),
+        (
+            "[strategy]\nexpected_batch_size = 10.0\n",
+            "strategy.expected_batch_size is set, but strategy.name = 'uls'",
+        ),
         ("[data]\nseq_len = 100000000\n", "data.seq_len = 100,000,000 is more than 8192"),
         ("[nonsense]\nx = 1\n", "nonsense: unknown key"),
         ("[strategy]\nname = 'magic'\n", "strategy.name must be a built-in strategy"),

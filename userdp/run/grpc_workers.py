@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from userdp.server.runtime import start_coordinator
 from userdp.server.startup import WorkerStartupError
 
 from userdp.run.loop import RunLoop, shut_down
@@ -170,20 +169,3 @@ def serve_workers(loop: RunLoop, running: Any, spawn: bool) -> tuple[dict[str, t
     if errors:
         raise errors[0]
     return setup.trainable, stopped
-
-
-def start_coordinator_for(loop: RunLoop) -> Any:
-    """The coordinator of the ``grpc`` and ``external`` modes, serving ``loop``'s components
-    (:func:`userdp.server.runtime.start_coordinator`), not yet waiting for workers."""
-    setup = loop.setup
-    return start_coordinator(
-        loop.run_config,
-        strategy=setup.strategy,
-        ledger=loop.ledger,
-        params=setup.trainable,
-        frozen=setup.frozen,
-        population=setup.population,
-        checkpoint_dir=loop.out / "checkpoints",
-        options=setup.options,
-        test_only_disable_noise=loop.no_noise,
-    )

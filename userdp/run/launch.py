@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
+from userdp.server.runtime import start_coordinator
 from userdp.strategies.inprocess import run_local_step
 
 from userdp.config import Config
-from userdp.run.grpc_workers import serve_workers, start_coordinator_for
+from userdp.run.grpc_workers import serve_workers
 from userdp.run.in_process import run_in_process
 from userdp.run.loop import RunLoop, RunResult
 
@@ -67,3 +69,20 @@ def run(
     except Exception:
         loop.abandon()
         raise
+
+
+def start_coordinator_for(loop: RunLoop) -> Any:
+    """The coordinator of the ``grpc`` and ``external`` modes, serving ``loop``'s components
+    (:func:`userdp.server.runtime.start_coordinator`), not yet waiting for workers."""
+    setup = loop.setup
+    return start_coordinator(
+        loop.run_config,
+        strategy=setup.strategy,
+        ledger=loop.ledger,
+        params=setup.trainable,
+        frozen=setup.frozen,
+        population=setup.population,
+        checkpoint_dir=loop.out / "checkpoints",
+        options=setup.options,
+        test_only_disable_noise=loop.no_noise,
+    )
