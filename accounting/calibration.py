@@ -34,6 +34,7 @@ from userdp.accounting.mechanisms import (
     Mechanism,
     mechanism_from_dict,
 )
+from userdp.accounting.validation import positive_float
 
 __all__ = [
     "CalibrationError",
@@ -80,7 +81,7 @@ def calibrate_noise_multiplier(
     """
     if isinstance(template, Mapping):
         template = mechanism_from_dict({"noise_multiplier": 1.0, **template})
-    _check_target("target_epsilon", target_epsilon)
+    positive_float("target_epsilon", target_epsilon, InvalidMechanismError)
     api._check_delta(delta)
     steps = api._check_steps(steps)
     if not (0.0 < rtol < 0.5):
@@ -299,7 +300,7 @@ def max_steps(
     For balls-in-bins the count is a whole number of epochs times ``bins`` (a partial epoch
     is accounted as the whole epoch), capped at ``bins × epochs`` of the mechanism.
     """
-    _check_target("epsilon", epsilon)
+    positive_float("epsilon", epsilon, InvalidMechanismError)
     api._check_delta(delta)
     query = {
         "op": "max_steps",
@@ -416,15 +417,3 @@ def _cached(query: dict[str, Any], use_cache: bool, compute: Callable[[], Any]) 
     except OSError:
         pass  # a read-only cache directory only costs speed
     return result
-
-
-def _check_target(name: str, value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise InvalidMechanismError(
-            f"{name}={value!r} is out of range; expected a finite float > 0"
-        )

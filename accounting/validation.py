@@ -1,4 +1,5 @@
-"""Input checks shared by the mechanisms, the accountants and the samplers.
+"""Input checks shared by the config, the mechanisms, the accountants, the samplers and the
+strategies.
 
 Each check returns the value converted (``int`` or ``float``) or raises ``error`` — the calling
 module's own exception class — with a one-line message: the parameter, its bad value and what is
@@ -12,12 +13,31 @@ import numbers
 from typing import Any
 
 __all__ = [
+    "in_interval",
+    "interval_text",
     "non_negative_float",
     "non_negative_int",
     "positive_float",
     "positive_int",
     "probability",
 ]
+
+
+def interval_text(lo: float, hi: float, *, lo_open: bool = True, hi_open: bool = True) -> str:
+    """``(lo, hi]`` and the like, as error messages state an allowed range."""
+    shown_hi = "inf" if math.isinf(hi) else f"{hi:g}"
+    return f"{'(' if lo_open else '['}{lo:g}, {shown_hi}{')' if hi_open else ']'}"
+
+
+def in_interval(
+    value: Any, lo: float, hi: float, *, lo_open: bool = True, hi_open: bool = True
+) -> bool:
+    """``value`` is a real number (never a bool, never NaN) inside the interval."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        return False
+    above = value > lo if lo_open else value >= lo
+    below = value < hi if hi_open else value <= hi
+    return above and below
 
 
 def positive_int(name: str, value: Any, error: type[Exception]) -> int:
@@ -56,10 +76,7 @@ def non_negative_float(name: str, value: Any, error: type[Exception]) -> float:
 
 def probability(name: str, value: Any, error: type[Exception], *, upper_open: bool) -> float:
     """A real number in (0, 1) (``upper_open``, e.g. δ) or in (0, 1] (e.g. a sampling rate)."""
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
-    if ok:
-        ok = 0.0 < value < 1.0 if upper_open else 0.0 < value <= 1.0
-    if not ok:
-        allowed = "(0, 1)" if upper_open else "(0, 1]"
+    if not in_interval(value, 0.0, 1.0, hi_open=upper_open):
+        allowed = interval_text(0.0, 1.0, hi_open=upper_open)
         raise error(f"{name}={value!r} is out of range; expected a float in {allowed}")
     return float(value)

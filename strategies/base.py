@@ -33,7 +33,6 @@ id is ``"<user id>/<example index>"``, the form ``userdp.server.population.Popul
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import Any
 
 from userdp.accounting.facts import Adjacency, PrivacyFacts, Sampling, Unit
 from userdp.accounting.mechanisms import Mechanism
+from userdp.accounting.validation import positive_float
 from userdp.strategies.errors import StrategyError
 from userdp.strategies.noise import (
     DETERMINISTIC_NOISE_CAVEAT,
@@ -83,11 +83,6 @@ UNITS: tuple[str, ...] = tuple(u.value for u in Unit)
 def _check_unit(unit: str) -> None:
     if unit not in UNITS:
         raise StrategyError(f"unit={unit!r} is not allowed; expected one of {UNITS}")
-
-
-def _check_positive(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise StrategyError(f"{name}={value!r} is out of range; expected > 0")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +143,7 @@ class TaskSpec:
     local_batch_size: int = 0
 
     def __post_init__(self) -> None:
-        _check_positive("clip_norm", self.clip_norm)
+        positive_float("clip_norm", self.clip_norm, StrategyError)
         _check_unit(self.unit)
         if self.local_steps < 0 or (self.local_steps > 0 and not self.local_lr > 0):
             raise StrategyError(
@@ -244,8 +239,8 @@ class Strategy(ABC):
         expected_cohort_size: float | None = None,
     ) -> None:
         _check_unit(unit)
-        _check_positive("clip_norm", clip_norm)
-        _check_positive("noise_multiplier", noise_multiplier)
+        positive_float("clip_norm", clip_norm, StrategyError)
+        positive_float("noise_multiplier", noise_multiplier, StrategyError)
         if not isinstance(sampler, Sampler):
             raise StrategyError(
                 f"sampler={type(sampler).__name__} is not a userdp.strategies.samplers.Sampler"
@@ -263,7 +258,7 @@ class Strategy(ABC):
         """Set σ to ``noise_multiplier``, calibrated on this strategy's own :meth:`mechanism` value
         (the strategy is built once; its mechanism and noise must read ``self.noise_multiplier``,
         which the caller checks by comparing :meth:`mechanism` with the calibrated value)."""
-        _check_positive("noise_multiplier", noise_multiplier)
+        positive_float("noise_multiplier", noise_multiplier, StrategyError)
         self.noise_multiplier = float(noise_multiplier)
 
     # ---- sampling ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
+from userdp.accounting.validation import in_interval, interval_text
 from userdp.clients.deepspeed_config import ZERO3_REFUSAL
 from userdp.run.registry import BUILTIN_STRATEGIES
 
@@ -19,15 +20,10 @@ class ConfigError(ValueError):
 
 def _interval(lo: float, hi: float, lo_open: bool = True, hi_open: bool = True):
     """A validator for a real number in an interval; its message states the interval."""
-    left = "(" if lo_open else "["
-    right = ")" if hi_open else "]"
-    shown_hi = "inf" if math.isinf(hi) else f"{hi:g}"
-    text = f"{left}{lo:g}, {shown_hi}{right}"
+    text = interval_text(lo, hi, lo_open=lo_open, hi_open=hi_open)
 
     def check(value: float) -> float:
-        ok_lo = value > lo if lo_open else value >= lo
-        ok_hi = value < hi if hi_open else value <= hi
-        if not (ok_lo and ok_hi) or math.isnan(value):
+        if not in_interval(value, lo, hi, lo_open=lo_open, hi_open=hi_open):
             raise ValueError(f"must be in {text}, got {value:g}")
         return value
 
@@ -44,7 +40,7 @@ def _at_least(lo: int):
     """A validator for an integer ≥ ``lo``; its message states the bound as the others do."""
 
     def check(value: int) -> int:
-        if value < lo:
+        if not in_interval(value, lo, math.inf, lo_open=False):
             raise ValueError(f"must be an integer >= {lo}, got {value}")
         return value
 
