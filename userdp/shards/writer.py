@@ -10,8 +10,8 @@ partition, not an in-memory group-by):
 2. **group**: per shard, load its buckets one at a time, sort each by (user hash, user id, input
    order), and append them to the shard file while building the per-user index.
 
-Everything is written into a hidden temporary directory next to ``--out`` and renamed into place
-at the end; on any error the temporary directories are removed, so ``--out`` is either complete
+Everything is written into a hidden temporary directory next to ``--out``, fsync'd and renamed
+into place at the end; on any error the temporary directories are removed, so ``--out`` is either complete
 or absent. Format: :mod:`userdp.clients.shard_format` and docs/data.md.
 """
 
@@ -33,6 +33,7 @@ import pyarrow.ipc as ipc
 from tqdm import tqdm
 
 from userdp import __version__
+from userdp.accounting.durable import fsync_path
 from userdp.clients.shard_format import (
     INDEX_SCHEMA,
     SCHEMA_VERSION,
@@ -140,9 +141,13 @@ def write_shards(source: InputSource, out_dir: str | Path, options: ShardOptions
             user_shards=user_shards,
         )
         write_manifest(manifest, partial)
+        for written in partial.rglob("*"):  # durable before the folder becomes visible
+            fsync_path(written)
+        fsync_path(partial)
         if out.exists():
             out.rmdir()
         os.rename(partial, out)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
