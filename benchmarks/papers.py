@@ -13,7 +13,7 @@ Language Models with User-Level Differential Privacy" (arXiv:2407.07737), §4 an
   drawn afresh each step.
 * Each method runs through the production path: the config is bound by the strategy registry, σ
   is calibrated on the strategy's mechanism to (ε, δ) over T steps, and every step is the step
-  contract (:func:`userdp.strategies.inprocess.run_local_step`): sample, clip per unit, noise,
+  contract (:func:`userdp.strategies.local_step.run_local_step`): sample, clip per unit, noise,
   normalize by the expected cohort, SGD update at the server learning rate.
 * Tuning (the paper's "best setting"): a learning-rate × clip-norm grid; each cell is the mean
   over seeds, and a method's entry is its best cell (selected on the same seeds for every method).
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 from userdp.strategies.base import TaskSpec
-from userdp.strategies.inprocess import run_local_steps
+from userdp.strategies.local_step import run_local_steps
 from userdp.strategies.population import parse_example_unit_id
 from userdp.strategies.unit_stats import UnitStats
 

@@ -1,7 +1,7 @@
 """The step contract, written once: sample → task → gather → privatize → ledger → update.
 
 The coordinator (:mod:`userdp.server.coordinator`), the in-process loop
-(:mod:`userdp.strategies.inprocess`), the Flower adapter (:mod:`userdp.run.flower`) and
+(:mod:`userdp.strategies.local_step`), the Flower adapter (:mod:`userdp.run.flower`) and
 ``userdp audit`` all run a step through this module; they differ only in how the clipped
 partial sums are gathered (gRPC tasks with retries, a local function, Flower messages), which
 they pass in. The order is the privacy contract:

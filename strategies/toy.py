@@ -2,7 +2,7 @@
 partition of its users.
 
 ``ToyMeanEstimation`` plays the worker compute of
-:func:`userdp.strategies.inprocess.run_local_step` (and of the Flower ClientApp) without a model:
+:func:`userdp.strategies.local_step.run_local_step` (and of the Flower ClientApp) without a model:
 each user holds points in R^d and a unit's update is the gradient of ½‖θ − x‖², clipped exactly
 as a real worker clips.
 """

@@ -7,7 +7,7 @@ that relies on that refusal alone ends with the same ledger and the same release
 is why the checks below count the work itself:
 
 - :func:`check_inprocess_budget_stops_before_sampling`: the reference step loop
-  (:mod:`userdp.strategies.inprocess`) under a budget that admits exactly two steps;
+  (:mod:`userdp.strategies.local_step`) under a budget that admits exactly two steps;
 - :func:`check_coordinator_budget_stops_before_tasks`: the real coordinator over loopback gRPC
   with a worker, under the same budget.
 
@@ -23,7 +23,7 @@ import numpy as np
 from userdp.accounting import UlsMechanism, epsilon
 from userdp.accounting.ledger import BudgetExceededError, Ledger
 from userdp.strategies.builtins import UserLevelSampling
-from userdp.strategies.inprocess import run_local_step
+from userdp.strategies.local_step import run_local_step
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 from userdp.strategies.unit_stats import UnitStats
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 from userdp.clients.model import ModelShape, build_model, split_parameters
-from userdp.strategies.inprocess import run_local_step
+from userdp.strategies.local_step import run_local_step
 from userdp.strategies.unit_stats import UnitStats
 
 from userdp.config import ModelConfig

@@ -1,7 +1,7 @@
-"""Noise checks on the real strategies in the reference step loop (``strategies.inprocess``).
+"""Noise checks on the real strategies in the reference step loop (``strategies.local_step``).
 
 Each ``check_*`` runs the real hooks (sample → sum → add_noise → server_update) through
-:func:`userdp.strategies.inprocess.run_local_step` and raises AssertionError when a DP property
+:func:`userdp.strategies.local_step.run_local_step` and raises AssertionError when a DP property
 fails.
 The expected values are computed from this module's constants (σ, C, q, N, G, lr), never read
 back from the code under test, so a bug cannot cancel itself out.
@@ -21,7 +21,7 @@ import numpy as np
 from userdp.strategies.adaptive_clipping import AdaptiveClipping
 from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
 from userdp.strategies.dpftrl import BltDpFtrl
-from userdp.strategies.inprocess import run_local_step
+from userdp.strategies.local_step import run_local_step
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 from userdp.strategies.optimizers import Sgd
 from userdp.strategies.unit_stats import UnitStats

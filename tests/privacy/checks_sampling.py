@@ -23,7 +23,7 @@ from userdp.accounting.api import compose_epsilon
 from userdp.accounting.ledger import Ledger, group_phases, read_ledger
 from userdp.strategies.base import parse_example_unit_id
 from userdp.strategies.builtins import ExampleLevelSampling, UserLevelSampling
-from userdp.strategies.inprocess import run_local_steps
+from userdp.strategies.local_step import run_local_steps
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 
 from .stats import Z, binomial_interval, chi2_interval

@@ -18,7 +18,7 @@ import numpy as np
 from dp_accounting.pld import PLDAccountant
 from scipy import integrate
 from scipy import stats as scipy_stats
-from userdp.strategies.inprocess import run_local_step
+from userdp.strategies.local_step import run_local_step
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 from userdp.strategies.optimizers import Sgd
 from userdp.strategies.unit_stats import UnitStats

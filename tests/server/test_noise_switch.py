@@ -43,7 +43,7 @@ ALLOWED = {
     "test_only_disable_noise": {
         Path("server/coordinator.py"),
         Path("server/runtime.py"),
-        Path("strategies/inprocess.py"),
+        Path("strategies/local_step.py"),
         Path("strategies/step.py"),
         Path("userdp/run/launch.py"),
         Path("userdp/run/loop.py"),

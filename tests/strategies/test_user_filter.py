@@ -16,7 +16,7 @@ from scipy import stats
 from userdp.accounting.ledger import Ledger
 from userdp.strategies import AboveThreshold, NoiseRng, Sgd, TrainingHalted, UserWiseFilter
 from userdp.strategies.base import StrategyError
-from userdp.strategies.inprocess import run_local_step
+from userdp.strategies.local_step import run_local_step
 from userdp.strategies.noise import GaussianNoise
 from userdp.strategies.step import CohortSum, run_step
 from userdp.strategies.unit_stats import UnitStats

@@ -46,7 +46,7 @@ from userdp.accounting.api import epsilon as accountant_epsilon
 from userdp.accounting.durable import atomic_write_text
 from userdp.clients.clipping import Accumulator, add_clipped_unit
 from userdp.server.population import Population
-from userdp.strategies.inprocess import run_local_step
+from userdp.strategies.local_step import run_local_step
 from userdp.strategies.unit_stats import UnitStats
 
 from userdp.config import Config

@@ -18,7 +18,7 @@ Semantics, stated plainly:
   rounds are skipped.
 
 The ClientApp wraps ``compute(task, unit_ids, params) -> (task_sum, UnitStats)``, the
-same worker contract as :func:`userdp.strategies.inprocess.run_local_step`.
+same worker contract as :func:`userdp.strategies.local_step.run_local_step`.
 """
 
 from __future__ import annotations

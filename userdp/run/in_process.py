@@ -1,6 +1,6 @@
 """The ``in-process`` transport of :func:`userdp.run.launch.run` (``simulate --in-process``).
 
-The same strategy hooks (:func:`userdp.strategies.inprocess.run_local_step`) and the same worker
+The same strategy hooks (:func:`userdp.strategies.local_step.run_local_step`) and the same worker
 compute (:class:`userdp.clients.worker_service.EngineCompute`, fed the wire ``Task`` the coordinator
 would send) in one process, without gRPC or retries. It checkpoints like the coordinator (every
 ``coordinator.checkpoint_every`` steps and on exit, same format) and resumes from the checkpoint
@@ -82,7 +82,7 @@ def run_in_process(
     """Run ``loop``'s steps in this process; returns the trained parameters and why it stopped
     ("finished", "budget" or "interrupted").
 
-    ``run_local_step`` is :func:`userdp.strategies.inprocess.run_local_step`, with any run-wide
+    ``run_local_step`` is :func:`userdp.strategies.local_step.run_local_step`, with any run-wide
     keyword arguments already bound by the caller."""
     setup, config = loop.setup, loop.run_config
     params = setup.trainable

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from userdp.server.runtime import start_coordinator
-from userdp.strategies.inprocess import run_local_step
+from userdp.strategies.local_step import run_local_step
 
 from userdp.config import Config
 from userdp.run.grpc_workers import serve_workers

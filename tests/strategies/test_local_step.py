@@ -9,7 +9,7 @@ from userdp.accounting import epsilon
 from userdp.strategies import ExampleLevelSampling, NoiseRng, Sgd, UserLevelSampling
 from userdp.strategies.blt import Blt
 from userdp.strategies.dpftrl import BltDpFtrl
-from userdp.strategies.inprocess import run_local_steps
+from userdp.strategies.local_step import run_local_steps
 from userdp.strategies.noise import GaussianNoise
 
 from .helpers import ListLedger, MeanEstimationWorker, example_plugin
