@@ -16,8 +16,25 @@ FOLDERS = {
     "clients": "userdp/clients",
     "strategies": "userdp/strategies",
     "accounting": "userdp/accounting",
-    "userdp/testing": "userdp/testing",
 }
+
+
+def _sources(folder: str):
+    """Every module under a root folder, its subpackages included."""
+    root = REPO_ROOT / folder
+    for source in sorted(root.rglob("*.py")):
+        if "__pycache__" not in source.parts:
+            yield source.relative_to(root)
+
+
+def _packages() -> list[str]:
+    """Every package the wheel must import: each folder holding an ``__init__.py``."""
+    names = []
+    for folder, target in FOLDERS.items():
+        for source in _sources(folder):
+            if source.name == "__init__.py":
+                names.append(".".join(Path(target, source.parent).parts))
+    return sorted(set(names))
 
 
 def _build_wheel(out: Path) -> Path:
@@ -45,8 +62,8 @@ def test_wheel_contains_every_module_and_imports_from_it(tmp_path: Path) -> None
     wheel = _build_wheel(tmp_path / "dist")
     names = set(zipfile.ZipFile(wheel).namelist())
     for folder, target in FOLDERS.items():
-        for source in (REPO_ROOT / folder).glob("*.py"):
-            assert f"{target}/{source.name}" in names, f"{folder}/{source.name} missing from wheel"
+        for source in _sources(folder):
+            assert f"{target}/{source.as_posix()}" in names, f"{folder}/{source} missing from wheel"
     for proto in (REPO_ROOT / "proto").glob("*.proto"):
         assert f"userdp/proto/{proto.name}" in names
 
@@ -66,7 +83,8 @@ def test_wheel_contains_every_module_and_imports_from_it(tmp_path: Path) -> None
         check=True,
         capture_output=True,
     )
-    modules = ["userdp"] + [target.replace("/", ".") for target in FOLDERS.values()][1:]
+    modules = _packages()
+    assert {"userdp.run", "userdp.cli", "userdp.config", "userdp.testing"} <= set(modules)
     probe = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"
