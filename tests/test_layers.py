@@ -158,3 +158,19 @@ def test_the_graph_sees_known_edges() -> None:
     assert ("userdp.accounting.mechanisms", False) in edges["userdp.strategies.builtins"]
     assert any(in_function for _, in_function in edges["userdp.cli.simulate"])
     assert layer("userdp.accounting.ledger") < layer("userdp.strategies.base") < layer("userdp.cli")
+
+
+def test_every_folder_of_modules_is_a_package_the_wheel_lists() -> None:
+    """A folder of modules without ``__init__.py`` (a namespace package) or missing from
+    pyproject's package list would import from a checkout and be absent from the wheel."""
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    missing = []
+    for package, folder in setup["package-dir"].items():
+        for init_dir in {p.parent for p in (REPO / folder).rglob("*.py")}:
+            if "__pycache__" in init_dir.parts:
+                continue
+            name = ".".join((package, *init_dir.relative_to(REPO / folder).parts))
+            if not (init_dir / "__init__.py").is_file() or name not in listed:
+                missing.append(name)
+    assert not missing, f"module folders that are not listed packages with __init__.py: {missing}"
