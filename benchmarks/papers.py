@@ -1,7 +1,7 @@
 """The source papers' findings, reproduced with userdp's own strategies, samplers and accountants.
 
 Claim reproduced here: the synthetic mean estimation of Charles et al., "Fine-Tuning Large
-Language Models with User-Level Differential Privacy" (arXiv:2407.07737), §4 and Fig. 3.
+Language Models with User-Level Differential Privacy", §4 and Fig. 3.
 
 * Data: μ ~ N(0, I_d), d = 32; N = 256 users, user means μ_u ~ N(μ, σ₁²I) with σ₁ = 1; K = 16
   points per user, x_{u,j} ~ N(μ_u, σ₂²I) (σ₂: the within-user spread).
@@ -321,7 +321,7 @@ def main() -> None:
                 done[key] = best_cell(setting, method, tune_seeds, eval_seeds, grid)
             rows.append({"axis": axis, "value": value, "method": method.label, **done[key]})
     record = {
-        "claim": "Charles et al., arXiv:2407.07737, §4 (synthetic mean estimation)",
+        "claim": "Charles et al., Fine-Tuning LLMs with User-Level DP, §4 (synthetic mean estimation)",
         "machine": platform.platform(),
         "setup": {
             "d": DIM,
