@@ -25,6 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,8 +110,6 @@ class WorkerHealth:
     only while the worker is connected and holds the coordinator's model (readiness)."""
 
     def __init__(self, port: int, host: str = "0.0.0.0") -> None:
-        from concurrent import futures
-
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         self._pb = health_pb2

@@ -11,6 +11,7 @@ replaced by that broadcast, so the init seed only matters for reproducible resea
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,8 +127,6 @@ def lora_targets(model: torch.nn.Module, model_config: Any) -> list[str] | str:
                 f"{type(model).__name__}; its module names include {leaves[:24]}"
             )
         return list(given)
-    import re
-
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)

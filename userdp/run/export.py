@@ -20,6 +20,8 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from userdp.accounting.durable import fsync_path
 from userdp.clients.shard_format import TOKENIZER_DIR, TokenizerInfo
 from userdp.clients.tokenization import BYTE_OFFSET
 
@@ -90,4 +92,9 @@ def export_model(model: Any, run_dir: Path, info: TokenizerInfo, shard_dir: Path
         plain = copy.deepcopy(model).merge_and_unload()
     plain.save_pretrained(target, safe_serialization=True)
     hf_tokenizer(info, shard_dir).save_pretrained(target)
+    for folder in [f for f in (target, Path(run_dir) / "adapter") if f.is_dir()]:
+        for written in folder.rglob("*"):  # the library writes by name: make its files durable
+            fsync_path(written)
+        fsync_path(folder)
+    fsync_path(Path(run_dir))
     return target
