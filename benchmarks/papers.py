@@ -60,7 +60,7 @@ SWEEPS = {
     "budget": (16, 64, 256),
     "sigma_2": (0.25, 1.0, 4.0),
 }
-LEARNING_RATES = (0.05, 0.2, 1.0)
+LEARNING_RATES = (0.01, 0.02, 0.05, 0.2, 1.0)
 CLIP_NORMS = (1.0, 2.0, 4.0, 8.0)
 
 
@@ -235,7 +235,18 @@ def findings(rows: list[dict]) -> list[dict]:
 
 
 def markdown(record: dict) -> str:
+    setup = record["setup"]
     lines = [
+        f"# {record['claim']}",
+        "",
+        f"- Machine: {record['machine']}; {record['seconds']:.0f} s for the whole sweep.",
+        f"- d = {setup['d']}, N = {setup['N']}, K = {setup['K']}, T = {setup['T']}, "
+        f"δ = {setup['delta']:g}, σ₁ = {setup['sigma_1']:g}; defaults {setup['defaults']}.",
+        f"- Best lr × C cell picked on {len(setup['tune_seeds'])} tuning seeds over "
+        f"{len(setup['grid'])} cells; the figures are that cell on {len(setup['eval_seeds'])} other "
+        "seeds (mean ± standard error). σ is calibrated by userdp's accountant for each method.",
+        "- Anchor: ELS (G = 16) in the same run; `vs ELS` < 1 means lower error than ELS.",
+        "",
         "| sweep | value | method | best lr | best C | σ | ‖θ_T − μ‖² (mean ± s.e.) | vs ELS |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -277,7 +288,8 @@ def plot(record: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(axes_names), figsize=(5 * len(axes_names), 4))
     for ax, axis in zip(axes, axes_names, strict=True):
         rows = [r for r in record["rows"] if r["axis"] == axis]
-        for method in sorted({r["method"] for r in rows}):
+        labels = {r["method"] for r in rows}
+        for method in sorted(labels, key=lambda m: (m[:3], int(m.split("=")[1]))):
             mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["value"])
             ax.errorbar(
                 [r["value"] for r in mine],
@@ -306,7 +318,15 @@ def main() -> None:
     parser.add_argument("--tune-seeds", type=int, default=5, help="seeds that pick the lr × C cell")
     parser.add_argument("--quick", action="store_true", help="end points of each sweep, 1 seed")
     parser.add_argument("--out", type=Path, required=True, help="prefix of .json/.md/.png")
+    parser.add_argument(
+        "--render", action="store_true", help="rewrite .md and .png from the existing .json"
+    )
     args = parser.parse_args()
+    if args.render:
+        record = json.loads(Path(f"{args.out}.json").read_text())
+        Path(f"{args.out}.md").write_text(markdown(record) + "\n")
+        plot(record, Path(f"{args.out}.png"))
+        return
     tune_seeds = list(range(1 if args.quick else args.tune_seeds))
     eval_seeds = list(range(1000, 1000 + (1 if args.quick else args.seeds)))
     grid = [(lr, clip) for lr in LEARNING_RATES for clip in CLIP_NORMS]
