@@ -164,7 +164,7 @@ def test_report_names_the_noise_generator(ledger_path, secure, row):
 
 
 def test_clipping_summary_says_what_clip_fractions_mean() -> None:
-    from userdp.run.outputs import clipping_summary
+    from userdp.run.report import clipping_summary
 
     every = clipping_summary([{"clip_fraction": 1.0}] * 3, 0.5)
     assert every.startswith(

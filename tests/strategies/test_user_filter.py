@@ -371,7 +371,7 @@ def _sim_config(tmp_path, tau: float):
 
 def test_simulate_in_process_trains_and_the_report_names_the_mechanism(tmp_path):
     from userdp.run.launch import run
-    from userdp.run.outputs import read_metrics
+    from userdp.run.report import read_metrics
 
     # τ = 2C: every pair of clipped gradients is within τ, so AboveThreshold passes (the score
     # N is N/5 = 7.2 above its threshold, with Laplace scales 0.4 and 0.8) and all are kept.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 
-from userdp.run.outputs import render_plots
+from userdp.run.report import render_plots
 
 
 def _write_metrics(path, rows) -> None:

@@ -17,7 +17,8 @@ from userdp.config import load_config, parse_config
 from userdp.run.components import prepare_run, split_users
 from userdp.run.grpc_workers import _worker_assignments
 from userdp.run.launch import run
-from userdp.run.outputs import config_toml, read_metrics
+from userdp.run.outputs import config_toml
+from userdp.run.report import read_metrics
 
 REPORT_KEYS = {
     "epsilon",
@@ -238,7 +239,7 @@ def test_cli_rejects_config_and_demo_together(tmp_path) -> None:
 
 
 def test_report_says_what_epsilon_does_not_cover(grpc_run) -> None:
-    from userdp.run.outputs import EVAL_CAVEAT, METRICS_CAVEAT
+    from userdp.run.report import EVAL_CAVEAT, METRICS_CAVEAT
 
     _, result = grpc_run
     report = json.loads((result.run_dir / "privacy_report.json").read_text())
@@ -360,7 +361,7 @@ def test_the_secret_sampler_seed_is_only_in_checkpoints(tmp_path) -> None:
 def test_the_report_states_the_initial_model_seed_policy(grpc_run, tmp_path) -> None:
     """Runs are compared by their reports: the report says whether the initial model was seeded
     (output.seed) and, when not, that another run starts from another model."""
-    from userdp.run.outputs import initial_model_note, render_report
+    from userdp.run.report import initial_model_note, render_report
 
     config, result = grpc_run
     report = json.loads((result.run_dir / "privacy_report.json").read_text())

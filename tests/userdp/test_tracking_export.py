@@ -141,7 +141,7 @@ def test_a_tokenizer_trained_on_the_users_text_is_a_report_caveat(tmp_path: Path
     from userdp.accounting.mechanisms import UlsMechanism
 
     from userdp import cli
-    from userdp.run.outputs import TRAINED_TOKENIZER_CAVEAT, render_report
+    from userdp.run.report import TRAINED_TOKENIZER_CAVEAT, render_report
 
     rows = [{"user": f"u{i % 7}", "text": f"{t} number {i}"} for i, t in enumerate(TEXTS * 8)]
     source = tmp_path / "in.jsonl"

@@ -81,7 +81,8 @@ def _write_outputs(setup, out: Path, params) -> None:
     ``privacy_report.{json,md}`` recomputed from the ledger."""
     from userdp.clients.model import build_model, load_parameters, model_shape
     from userdp.run.loop import resolved_config
-    from userdp.run.outputs import export_release, render_report, write_config, write_facts
+    from userdp.run.outputs import export_release, write_config, write_facts
+    from userdp.run.report import render_report
 
     run_config = resolved_config(setup.config, setup, out, "external")
     write_config(run_config, out)

@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     args.log_dir = Path(run_dir) / "logs"
     _logging(args.quiet)
     if config.output.seed is None:
-        from userdp.run.outputs import initial_model_note
+        from userdp.run.report import initial_model_note
 
         print(f"userdp: {initial_model_note(None)}", file=sys.stderr)
     if args.command == "train":
@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from userdp.config import load_config
-    from userdp.run.outputs import render_plots, render_report
+    from userdp.run.report import render_plots, render_report
 
     run_dir = Path(args.run_dir)
     config_path = run_dir / "config.toml"

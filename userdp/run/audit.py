@@ -42,16 +42,16 @@ from typing import Any
 import numpy as np
 import torch
 from scipy import stats
+
 from userdp.accounting.api import epsilon as accountant_epsilon
 from userdp.accounting.durable import atomic_write_text
 from userdp.clients.clipping import Accumulator, add_clipped_unit
-from userdp.server.population import Population
-from userdp.strategies.local_step import run_local_step
-from userdp.strategies.unit_stats import UnitStats
-
 from userdp.config import Config
 from userdp.run.components import prepare_run
 from userdp.run.in_process import InProcessWorker
+from userdp.server.population import Population
+from userdp.strategies.local_step import run_local_step
+from userdp.strategies.unit_stats import UnitStats
 
 GUESS_COUNTS = (10, 20, 50, 100, 200, 500)
 UNREACHABLE_CLIP_NORM = 1e30

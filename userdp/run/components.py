@@ -25,21 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from userdp.accounting import calibration
 from userdp.accounting.ledger import Ledger
 from userdp.accounting.mechanisms import Mechanism
 from userdp.clients.model import build_model, model_shape, split_parameters
 from userdp.clients.shard_format import Manifest, file_sha256
 from userdp.clients.shard_store import ShardStore
-from userdp.server.population import Population
-from userdp.strategies.base import Strategy
-from userdp.strategies.step import ExecutionOptions
-
 from userdp.config import Config
 from userdp.run.registry import build_strategy, default_delta
+from userdp.server.population import Population
 from userdp.shards.demo import demo_corpus
 from userdp.shards.input import InputSource
 from userdp.shards.writer import ShardOptions, write_shards
+from userdp.strategies.base import Strategy
+from userdp.strategies.step import ExecutionOptions
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from userdp.clients.batching import Unit, make_batch, pack_units, prepare_units, token_losses
 
 

@@ -42,6 +42,9 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
+
+from userdp.config import Config, load_config
+from userdp.run.components import strategy_from_config
 from userdp.strategies.base import (
     PopulationCounts,
     Strategy,
@@ -52,9 +55,6 @@ from userdp.strategies.base import (
 from userdp.strategies.step import CohortSum, ExecutionOptions, PlannedStep, begin_step, finish_step
 from userdp.strategies.tensors import sum_tensor_dicts
 from userdp.strategies.unit_stats import UnitStats
-
-from userdp.config import Config, load_config
-from userdp.run.components import strategy_from_config
 
 __all__ = ["UserDpFlowerStrategy", "make_client_app"]
 

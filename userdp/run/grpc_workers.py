@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from userdp.server.startup import WorkerStartupError
 
 from userdp.run.loop import RunLoop, shut_down
+from userdp.server.startup import WorkerStartupError
 
 log = logging.getLogger(__name__)
 

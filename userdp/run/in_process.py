@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from userdp.accounting.ledger import BudgetExceededError
 from userdp.clients.shard_store import ShardStore
 from userdp.clients.worker_service import build_compute
+from userdp.config import Config
 from userdp.proto.codec import task_proto
+from userdp.run.components import RunSetup
+from userdp.run.loop import RunLoop
 from userdp.server.checkpoint import restore_latest, save_checkpoint
 from userdp.server.coordinator import continue_after_lost_steps
 from userdp.strategies.unit_stats import UnitStats
-
-from userdp.config import Config
-from userdp.run.components import RunSetup
-from userdp.run.loop import RunLoop
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,12 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from userdp.server.runtime import start_coordinator
-from userdp.strategies.local_step import run_local_step
-
 from userdp.config import Config
 from userdp.run.grpc_workers import serve_workers
 from userdp.run.in_process import run_in_process
 from userdp.run.loop import RunLoop, RunResult
+from userdp.server.runtime import start_coordinator
+from userdp.strategies.local_step import run_local_step
 
 __all__ = ["MODES", "RunResult", "run"]
 

@@ -31,25 +31,18 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+
 from userdp.clients.model import build_model, load_parameters, model_shape
 from userdp.clients.shard_store import ShardStore
 from userdp.clients.tokenization import load_tokenizer
-from userdp.server.startup import progress_logger, summarize
-
 from userdp.config import Config
 from userdp.run.components import RunSetup, open_ledger, prepare_run
 from userdp.run.evaluation import Evaluator, eval_examples
-from userdp.run.outputs import (
-    MetricsLog,
-    export_release,
-    read_metrics,
-    render_plots,
-    render_report,
-    write_config,
-    write_facts,
-)
+from userdp.run.outputs import MetricsLog, export_release, write_config, write_facts
+from userdp.run.report import read_metrics, render_plots, render_report
 from userdp.run.samples import generate_samples, sample_prompts, write_samples
 from userdp.run.tracking import Trackers
+from userdp.server.startup import progress_logger, summarize
 
 __all__ = ["RunLoop", "RunResult", "resolved_config", "shut_down"]
 

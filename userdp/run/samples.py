@@ -18,17 +18,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from userdp.accounting.durable import atomic_write_text
 
+from userdp.accounting.durable import atomic_write_text
 from userdp.config import Config
 
 PROMPT_TOKENS = 16
 """Tokens of a held-out user's first example used as its prompt."""
-HELD_OUT_CAVEAT = (
-    "Prompts taken from held-out users are their text verbatim, and those users are not covered "
-    "by ε (they never contribute to training): keep samples.jsonl inside the trust boundary, or "
-    "set output.sample_prompts to public prompts."
-)
 
 
 def sample_prompts(
@@ -94,32 +89,3 @@ def write_samples(rows: Sequence[dict[str, Any]], run_dir: Path) -> Path:
     path = Path(run_dir) / "samples.jsonl"
     atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     return path
-
-
-def samples_appendix(rows: Sequence[dict[str, Any]]) -> str:
-    """The report's appendix (markdown) for ``rows``. Continuations of configured prompts are
-    shown; those of held-out users' prompts are only counted (their prompts are private text:
-    they stay in ``samples.jsonl``), so the report stays publishable."""
-    if not rows:
-        return ""
-    lines = ["", "## Appendix: generation samples", ""]
-    held_out = [row for row in rows if row["source"].startswith("held-out user")]
-    if held_out:
-        lines += [
-            f"{len(held_out)} continuation(s) of held-out users' first tokens are in "
-            f"samples.jsonl, not here. {HELD_OUT_CAVEAT}",
-            "",
-        ]
-    for row in rows:
-        if row in held_out:
-            continue
-        lines += [
-            f"- {row['source']} (greedy):",
-            f"  - prompt: `{_inline(row['prompt'])}`",
-            f"  - continuation: `{_inline(row['continuation'])}`",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def _inline(text: str) -> str:
-    return text.replace("`", "'").replace("\n", "\\n")
