@@ -1,24 +1,12 @@
-"""``userdp simulate`` and ``userdp train``: one run from a config to a model and a privacy report.
+"""The run loop of ``userdp simulate`` and ``userdp train``: one run from a config to a model
+and a privacy report, whichever transport drives its steps (:mod:`userdp.run.launch` picks it).
 
-Three ways to reach the workers, one run loop (:class:`RunLoop`) and one set of outputs
-(:mod:`userdp.run.outputs`):
-
-- ``grpc`` (``simulate``): the real coordinator serves the ``userdp.v1`` protocol on loopback and
-  ``workers.count`` worker PROCESSES (``userdp worker``) hold the shards (``workers.replicas``
-  copies of each) and compute with the DeepSpeed engine (:mod:`userdp.run.grpc_workers`).
-- ``in-process`` (``simulate --in-process``): the same strategy hooks and the same worker compute
-  in one process, without gRPC or retries: fast research loops; it checkpoints and resumes like
-  the coordinator (:mod:`userdp.run.in_process`).
-- ``external`` (``train``): the coordinator serves ``coordinator.host:port`` and waits for an
-  already running deployment's workers to connect (:mod:`userdp.run.grpc_workers`).
-
-Before step 1: σ is calibrated to the target (:mod:`userdp.run.components`), and the held-out
-users' loss is measured on the initial model (the no-fine-tuning baseline). Ctrl-C (or SIGTERM)
-stops cleanly: a checkpoint is saved and the same command resumes; the ledger, not the step
-counter, says what was spent.
-
-This module is where the test-only noise switch of :func:`run` is bound into the coordinator and
-the in-process step; the transport modules never see it.
+:class:`RunLoop` owns the run's setup (:mod:`userdp.run.components`: σ calibrated to the target
+before step 1), the held-out users' loss on the initial model (the no-fine-tuning baseline), the
+progress bar, the metrics, the evaluations and the outputs (:mod:`userdp.run.outputs`,
+:mod:`userdp.run.report`). A transport calls :meth:`RunLoop.on_step` after each step and
+:meth:`RunLoop.finish` at the end. Ctrl-C (or SIGTERM) stops cleanly: a checkpoint is saved and
+the same command resumes; the ledger, not the step counter, says what was spent.
 """
 
 from __future__ import annotations

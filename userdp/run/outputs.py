@@ -1,4 +1,5 @@
-"""What a run leaves in its folder, and how ``userdp report`` re-renders it.
+"""What a run leaves in its folder (``userdp report`` re-renders the report and plots from it:
+:mod:`userdp.run.report`).
 
 ::
 
