@@ -7,6 +7,9 @@ progress bar, the metrics, the evaluations and the outputs (:mod:`userdp.run.out
 :mod:`userdp.run.report`). A transport calls :meth:`RunLoop.on_step` after each step and
 :meth:`RunLoop.finish` at the end. Ctrl-C (or SIGTERM) stops cleanly: a checkpoint is saved and
 the same command resumes; the ledger, not the step counter, says what was spent.
+
+``test_only_disable_noise`` (NOT PRIVATE) is carried for :mod:`userdp.run.launch`, which binds it
+into the coordinator or the in-process step; no config key or CLI flag reaches it.
 """
 
 from __future__ import annotations
