@@ -179,6 +179,15 @@ def test_a_plugin_gets_set_keys_it_takes_and_is_refused_ones_it_does_not(tmp_pat
         build_strategy(refused, USERS, 1.0)
 
 
-def test_the_documented_argument_list_is_what_the_registry_makes() -> None:
-    config = parse_config({})
-    assert set(CONFIG_ARGUMENTS) == set(registry._config_arguments(config, USERS, 1.0, 1e-6))
+@pytest.mark.parametrize("sampling", ["poisson", "padding", "balls-in-bins-fixed"])
+def test_every_documented_argument_is_made_from_a_config(sampling) -> None:
+    """Each name in CONFIG_ARGUMENTS is made (or left to the constructor's default) for a config
+    of each scheme; the balls-in-bins schemes get bins and epochs instead of q."""
+    config = parse_config({"strategy": {"sampling": sampling, "steps": 45}})
+    made = registry.strategy_arguments(registry.strategy_class("uls"), config, USERS, 1.0, 1e-6)
+    assert set(made) <= set(CONFIG_ARGUMENTS)
+    if sampling == "balls-in-bins-fixed":
+        assert "sampling_prob" not in made and (made["bins"], made["epochs"]) == (20, 3)
+    else:
+        assert made["sampling_prob"] == 0.05 and "bins" not in made
+    assert ("cohort_cap" in made) == (sampling == "padding")

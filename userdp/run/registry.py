@@ -35,7 +35,7 @@ from userdp.accounting.mechanisms import Mechanism
 from userdp.strategies.base import Strategy
 from userdp.strategies.noise import NoiseRng
 from userdp.strategies.optimizers import ServerOptimizer, make_optimizer
-from userdp.strategies.samplers import bins_for, make_sampler, padding_cap
+from userdp.strategies.samplers import Sampler, bins_for, make_sampler, padding_cap
 
 if TYPE_CHECKING:
     from userdp.config import Config, StrategyConfig
@@ -136,85 +136,81 @@ def strategy_class(name: str, plugin_path: str | None = None) -> type[Strategy]:
     return cls
 
 
-def _config_arguments(
-    config: Config, num_users: int, noise_multiplier: float, delta: float
-) -> dict[str, Callable[[], Any]]:
-    """Each argument a constructor may name, made only when named (``optimizer`` imports torch)."""
-    s = config.strategy
-    q = s.sampling_prob
+@dataclasses.dataclass(frozen=True)
+class _Binding:
+    """What a constructor argument is made from: the config, N, σ and δ."""
 
-    def bins() -> Any:
+    config: Config
+    num_users: int
+    noise_multiplier: float
+    delta: float
+
+    @property
+    def bins(self) -> Any:
+        s = self.config.strategy
         if s.sampling == "cyclic-poisson":
             return s.bands
-        return bins_for(q) if s.sampling in BALLS_IN_BINS else _OMIT
+        return bins_for(s.sampling_prob) if s.sampling in BALLS_IN_BINS else _OMIT
 
-    def epochs() -> Any:
-        b = bins()
-        return _OMIT if b is _OMIT else max(1, math.ceil(s.steps / b))
+    @property
+    def epochs(self) -> Any:
+        bins = self.bins
+        return _OMIT if bins is _OMIT else max(1, math.ceil(self.config.strategy.steps / bins))
 
-    def expected_cohort() -> float:
-        return s.expected_cohort_size or q * num_users
-
-    return {
-        "noise_multiplier": lambda: noise_multiplier,
-        "clip_norm": lambda: s.clip_norm,
-        "sampling_prob": lambda: _OMIT if s.sampling in BALLS_IN_BINS else q,
-        "sampling": lambda: s.sampling,
-        "group_size": lambda: s.group_size,
-        "steps": lambda: s.steps,
-        "num_users": lambda: num_users,
-        "seed": lambda: s.sampler_seed,  # None: a secret seed (os.urandom), never output.seed
-        "optimizer": lambda: server_optimizer(config),
-        "sampler": lambda: make_sampler(
+    def sampler(self) -> Sampler:
+        """The sampler the built-ins build for this config."""
+        s = self.config.strategy
+        bins = self.bins
+        return make_sampler(
             s.sampling,
-            sampling_prob=q,
-            bins=bins_for(q) if bins() is _OMIT else bins(),
-            cohort_cap=padding_cap(q, num_users),
+            sampling_prob=s.sampling_prob,
+            bins=bins_for(s.sampling_prob) if bins is _OMIT else bins,
+            cohort_cap=padding_cap(s.sampling_prob, self.num_users),
             seed=s.sampler_seed,
-        ),
-        "bins": bins,
-        "epochs": epochs,
-        "cohort_cap": lambda: padding_cap(q, num_users) if s.sampling == "padding" else _OMIT,
-        "bands": lambda: s.bands,
-        "expected_cohort_size": lambda: s.expected_cohort_size,
-        "expected_batch_size": lambda: s.expected_batch_size,
-        "count_stddev": lambda: max(expected_cohort() / 20.0, 1e-3),  # Andrew et al.: ≈ M/20
-        "probes": lambda: s.probes,
-        "estimator": lambda: s.estimator,
-        "local_steps": lambda: s.local_steps,
-        "local_lr": lambda: s.local_lr,
-        "concentration_threshold": lambda: s.concentration_threshold,
-        "epsilon": lambda: config.privacy.epsilon,
-        "delta": lambda: delta,
-    }
+        )
+
+    def count_stddev(self) -> float:
+        """σ_b of adaptive clipping's noisy count: Andrew et al. suggest ≈ M/20."""
+        s = self.config.strategy
+        expected = s.expected_cohort_size or s.sampling_prob * self.num_users
+        return max(expected / 20.0, 1e-3)
 
 
-CONFIG_ARGUMENTS: tuple[str, ...] = (
-    "noise_multiplier",
-    "clip_norm",
-    "sampling_prob",
-    "sampling",
-    "group_size",
-    "steps",
-    "num_users",
-    "seed",
-    "optimizer",
-    "sampler",
-    "bins",
-    "epochs",
-    "cohort_cap",
-    "bands",
-    "expected_cohort_size",
-    "expected_batch_size",
-    "count_stddev",
-    "probes",
-    "estimator",
-    "local_steps",
-    "local_lr",
-    "concentration_threshold",
-    "epsilon",
-    "delta",
-)
+_ARGUMENTS: dict[str, Callable[[_Binding], Any]] = {
+    "noise_multiplier": lambda b: b.noise_multiplier,
+    "clip_norm": lambda b: b.config.strategy.clip_norm,
+    "sampling_prob": lambda b: (
+        _OMIT if b.config.strategy.sampling in BALLS_IN_BINS else b.config.strategy.sampling_prob
+    ),
+    "sampling": lambda b: b.config.strategy.sampling,
+    "group_size": lambda b: b.config.strategy.group_size,
+    "steps": lambda b: b.config.strategy.steps,
+    "num_users": lambda b: b.num_users,
+    "seed": lambda b: b.config.strategy.sampler_seed,  # None: a secret seed, never output.seed
+    "optimizer": lambda b: server_optimizer(b.config),  # imports torch: made only when named
+    "sampler": _Binding.sampler,
+    "bins": lambda b: b.bins,
+    "epochs": lambda b: b.epochs,
+    "cohort_cap": lambda b: (
+        padding_cap(b.config.strategy.sampling_prob, b.num_users)
+        if b.config.strategy.sampling == "padding"
+        else _OMIT
+    ),
+    "bands": lambda b: b.config.strategy.bands,
+    "expected_cohort_size": lambda b: b.config.strategy.expected_cohort_size,
+    "expected_batch_size": lambda b: b.config.strategy.expected_batch_size,
+    "count_stddev": _Binding.count_stddev,
+    "probes": lambda b: b.config.strategy.probes,
+    "estimator": lambda b: b.config.strategy.estimator,
+    "local_steps": lambda b: b.config.strategy.local_steps,
+    "local_lr": lambda b: b.config.strategy.local_lr,
+    "concentration_threshold": lambda b: b.config.strategy.concentration_threshold,
+    "epsilon": lambda b: b.config.privacy.epsilon,
+    "delta": lambda b: b.delta,
+}
+"""How each argument a constructor may name is made, only when it is named."""
+
+CONFIG_ARGUMENTS: tuple[str, ...] = tuple(_ARGUMENTS)
 """The constructor arguments userdp makes from the config (module docstring)."""
 
 
@@ -276,8 +272,8 @@ def strategy_arguments(
             "(userdp calibrates it to the privacy target)"
         )
     check_strategy_keys(cls, s)
-    made = _config_arguments(config, num_users, noise_multiplier, delta)
-    kwargs = {key: make() for key, make in made.items() if key in accepted}
+    binding = _Binding(config, num_users, noise_multiplier, delta)
+    kwargs = {key: make(binding) for key, make in _ARGUMENTS.items() if key in accepted}
     kwargs = {key: value for key, value in kwargs.items() if value is not _OMIT}
     params: Mapping[str, Any] = s.params
     clash = sorted(set(params) & set(kwargs))
