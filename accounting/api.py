@@ -18,38 +18,38 @@ Dispatch (all add-or-remove-one-user adjacency, pessimistic estimates):
 uls, els and randomized-clipping steps compose with each other across phases as PLDs; group
 privacy, balls-in-bins and user-wise-filter are whole-run accountants and cannot be composed with
 anything else.
+
+The PLD accountants (uls, els, randomized-clipping composition, group privacy) live in
+:mod:`userdp.accounting.pld_accountant` and are imported on first use, like the whole-run
+accountants: a balls-in-bins query does not load dp_accounting.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 from collections.abc import Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
-from userdp.accounting import fast_pld, pld_ops
+from userdp.accounting.errors import NotComposableError
 from userdp.accounting.mechanisms import (
+    COMPOSABLE_KINDS,
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    PLD_KINDS,
     BallsInBinsMechanism,
     BandedPoissonMechanism,
-    ElsMechanism,
     GroupPrivacyMechanism,
     InvalidMechanismError,
     Mechanism,
     RandomizedClippingMechanism,
     UlsMechanism,
     UserWiseFilterMechanism,
-    binomial_sensitivities,
 )
-from userdp.accounting.validation import (
-    non_negative_float,
-    non_negative_int,
-    positive_float,
-    probability,
-)
+from userdp.accounting.validation import non_negative_float, non_negative_int, probability
+
+if TYPE_CHECKING:
+    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 __all__ = [
     "ACCOUNTANT_VERSION",
@@ -64,19 +64,11 @@ __all__ = [
 ]
 
 # Bump when any accountant's numbers may change (it keys the on-disk calibration cache).
-ACCOUNTANT_VERSION = "1"
-ELS_BACKENDS = ("fast", "dp_accounting")
-PLD_KINDS = (UlsMechanism.kind, ElsMechanism.kind)
-# Kinds whose per-step PLDs compose with each other across phases.
-COMPOSABLE_KINDS = (*PLD_KINDS, RandomizedClippingMechanism.kind)
+ACCOUNTANT_VERSION = "2"
 
 
 class AccountantUnavailableError(ValueError):
     """The accountant module for a mechanism kind is missing from this install."""
-
-
-class NotComposableError(ValueError):
-    """The phases mix mechanisms whose accountants cannot be composed (e.g. Monte Carlo with PLD)."""
 
 
 def epsilon(
@@ -134,16 +126,9 @@ def compose_epsilon(
             f"phases={kinds} cannot be composed: {blocking[0]!r} is accounted as a whole run "
             "and does not compose with other phases; account one phase at a time"
         )
-    rc_steps = sum(c for m, c in phases if isinstance(m, RandomizedClippingMechanism))
-    pld = privacy_loss_distribution(
-        phases,
-        value_discretization_interval=value_discretization_interval,
-        els_backend=els_backend,
-        # As randomized_clipping.epsilon does: the envelope's cut-off tail (charged as infinite
-        # loss) gets at most 0.1·δ over all of its steps.
-        rc_tail_mass=0.1 * delta / max(rc_steps, 1),
+    return _pld_accountant(phases).epsilon(
+        phases, delta, value_discretization_interval, els_backend
     )
-    return pld_ops.epsilon_for_delta(pld, delta)
 
 
 def delta(
@@ -185,81 +170,17 @@ def privacy_loss_distribution(
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     els_backend: str = "fast",
     rc_tail_mass: float = 1e-12,
-) -> pld_lib.PrivacyLossDistribution:
+) -> PrivacyLossDistribution:
     """The composed dp_accounting PLD of ``phases`` (uls, els, randomized-clipping), in
     PLDAccountant's order. ``rc_tail_mass``: the randomized-clipping envelope mass above its
     grid, per step, charged as infinite privacy loss (valid for any value; smaller is tighter
     only while it stays well below δ/steps)."""
     phases = _normalize_phases(phases)
-    if els_backend not in ELS_BACKENDS:
-        raise InvalidMechanismError(
-            f"els_backend={els_backend!r} is not allowed; expected one of {ELS_BACKENDS}"
-        )
-    _check_vdi(value_discretization_interval)
-    composed = pld_lib.identity(value_discretization_interval)
-    for mechanism, count in phases:
-        if mechanism.kind not in COMPOSABLE_KINDS:
-            raise NotComposableError(
-                f"mechanism kind {mechanism.kind!r} has no PLD; only {COMPOSABLE_KINDS} compose"
-            )
-        if isinstance(mechanism, RandomizedClippingMechanism):
-            step = _randomized_clipping_pld(mechanism, value_discretization_interval, rc_tail_mass)
-            composed = composed.compose(step.self_compose(count))
-            continue
-        step = single_step_pld(mechanism, value_discretization_interval, els_backend)
-        if isinstance(mechanism, ElsMechanism) and els_backend == "fast":
-            composed = composed.compose(pld_ops.self_compose(step, count))
-        elif isinstance(mechanism, UlsMechanism):
-            # PLDAccountant's arithmetic bit for bit, with faster truncation bounds.
-            composed = composed.compose(pld_ops.self_compose(step, count, bit_exact=True))
-        else:
-            composed = composed.compose(step.self_compose(count))
-    return composed
-
-
-@functools.lru_cache(maxsize=4)  # PLDs can be tens of MB; max_steps reuses one
-def single_step_pld(
-    mechanism: Mechanism, value_discretization_interval: float, els_backend: str = "fast"
-) -> pld_lib.PrivacyLossDistribution:
-    """The pessimistic PLD of ONE step of a uls/els mechanism (cached; PLDs are immutable)."""
-    if isinstance(mechanism, UlsMechanism):
-        # Exactly PLDAccountant's construction for PoissonSampledDpEvent(GaussianDpEvent).
-        return pld_lib.from_gaussian_mechanism(
-            standard_deviation=mechanism.noise_multiplier,
-            value_discretization_interval=value_discretization_interval,
-            sampling_prob=mechanism.sampling_prob,
-        )
-    if isinstance(mechanism, ElsMechanism):
-        sensitivities, probs = binomial_sensitivities(mechanism.group_size, mechanism.sampling_prob)
-        if els_backend == "dp_accounting":
-            return pld_lib.from_mixture_gaussian_mechanism(
-                standard_deviation=mechanism.noise_multiplier,
-                sensitivities=sensitivities,
-                sampling_probs=probs,
-                value_discretization_interval=value_discretization_interval,
-            )
-        return fast_pld.mixture_gaussian_pld(
-            mechanism.noise_multiplier,
-            sensitivities,
-            probs,
-            value_discretization_interval=value_discretization_interval,
-        )
-    raise NotComposableError(f"mechanism kind {mechanism.kind!r} has no single-step PLD")
-
-
-@functools.lru_cache(maxsize=2)
-def _randomized_clipping_pld(
-    mechanism: RandomizedClippingMechanism, value_discretization_interval: float, tail_mass: float
-) -> pld_lib.PrivacyLossDistribution:
-    randomized_clipping = _accountant_module("randomized_clipping", mechanism.kind)
-    # Hutchinson and Hutch++ share the Z_cons envelope with k = the tail probes (see the module)
-    randomized_clipping._check_estimator(mechanism.estimator)
-    return randomized_clipping.privacy_loss_distribution(
-        mechanism.noise_multiplier,
-        mechanism.sampling_prob,
-        mechanism.probes,
-        tail_mass=tail_mass,
+    return _pld_accountant(phases).privacy_loss_distribution(
+        phases,
         value_discretization_interval=value_discretization_interval,
+        els_backend=els_backend,
+        rc_tail_mass=rc_tail_mass,
     )
 
 
@@ -275,7 +196,9 @@ def _whole_run_epsilon(
     monte_carlo: dict[str, Any],
 ) -> float:
     if isinstance(mechanism, GroupPrivacyMechanism):
-        return group_privacy_epsilon(mechanism, steps, delta, value_discretization_interval)
+        return _pld_accountant([(mechanism, steps)]).group_privacy_epsilon(
+            mechanism, steps, delta, value_discretization_interval
+        )
     if isinstance(mechanism, BallsInBinsMechanism):
         balls_in_bins = _accountant_module("balls_in_bins", mechanism.kind)
         epochs = balls_in_bins_epochs(mechanism, steps)
@@ -322,16 +245,23 @@ def _whole_run_epsilon(
 
 
 def _accountant_module(name: str, kind: str) -> Any:
-    """Import ``userdp.accounting.<name>`` lazily (it may be heavier, or not installed yet)."""
-    module = f"userdp.accounting.{name}"
+    """Import ``userdp.accounting.<name>`` lazily (it may be heavier, or not installed yet); a
+    missing accountant module of this package, its own or one it imports, is named in one
+    error."""
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(f"userdp.accounting.{name}")
     except ModuleNotFoundError as exc:
-        if exc.name != module:
+        if not (exc.name or "").startswith("userdp.accounting."):
             raise
         raise AccountantUnavailableError(
-            f"mechanism kind {kind!r} needs {module}, which is not available in this install"
+            f"mechanism kind {kind!r} needs {exc.name}, which is not available in this install"
         ) from None
+
+
+def _pld_accountant(phases: Sequence[tuple[Mechanism, int]] = ()) -> ModuleType:
+    """:mod:`userdp.accounting.pld_accountant`, imported on first use."""
+    kinds = "+".join(sorted({m.kind for m, _ in phases})) or UlsMechanism.kind
+    return _accountant_module("pld_accountant", kinds)
 
 
 def balls_in_bins_epochs(mechanism: BallsInBinsMechanism, steps: int) -> int:
@@ -343,49 +273,6 @@ def balls_in_bins_epochs(mechanism: BallsInBinsMechanism, steps: int) -> int:
             f"epochs={mechanism.epochs}; expected 0 <= steps <= {total}"
         )
     return max(1, math.ceil(steps / mechanism.bins))
-
-
-def group_privacy_epsilon(
-    mechanism: GroupPrivacyMechanism,
-    steps: int,
-    delta: float,
-    value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
-) -> float:
-    """COMPARISON ONLY. User-level ε from example-level DP-SGD by black-box group privacy.
-
-    Example level: T-fold Poisson-subsampled Gaussian (q = p, σ), PLD → δ₀(ε₀). A group of G
-    examples gets (G·ε₀, δ₀(ε₀)·(e^{Gε₀} − 1)/(e^{ε₀} − 1)) (Vadhan 2017, Lemma 2.2). Returns
-    the smallest G·ε₀ over a grid of ε₀ whose group δ is ≤ ``delta``, or ∞ if none is ("the
-    black-box accountant diverged", Fig. 1 of "Fine-Tuning Large Language Models with User-Level Differential Privacy"). Each grid point is itself a
-    valid guarantee, so the grid only costs tightness.
-    """
-    example = UlsMechanism(mechanism.noise_multiplier, mechanism.sampling_prob)
-    pld = privacy_loss_distribution(
-        [(example, steps)], value_discretization_interval=value_discretization_interval
-    )
-    group = mechanism.group_size
-    eps_low = float(pld.get_epsilon_for_delta(delta))  # group factor ≥ 1, so ε₀ ≥ this
-    if group == 1 or not math.isfinite(eps_low):
-        return eps_low
-    span = max(eps_low, 1.0)
-    eps0 = np.unique(
-        np.concatenate(
-            [
-                eps_low + np.linspace(0.0, span, 4001),
-                eps_low + np.geomspace(1e-6, 50.0 * span, 2001),
-            ]
-        )
-    )
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        delta0 = np.asarray(pld.get_delta_for_epsilon(eps0), dtype=float)
-        log_factor = (
-            group * eps0 + np.log1p(-np.exp(-group * eps0)) - eps0 - np.log1p(-np.exp(-eps0))
-        )
-        log_group_delta = np.log(delta0) + log_factor
-    feasible = np.nan_to_num(log_group_delta, nan=np.inf) <= math.log(delta)
-    if not feasible.any():
-        return math.inf
-    return float(group * eps0[feasible].min())
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,10 +308,3 @@ def _check_steps(steps: Any) -> int:
 
 def _check_delta(delta: Any) -> float:
     return probability("delta", delta, InvalidMechanismError, upper_open=True)
-
-
-def _check_vdi(vdi: Any) -> None:
-    if positive_float("value_discretization_interval", vdi, InvalidMechanismError) > 0.1:
-        raise InvalidMechanismError(
-            f"value_discretization_interval={vdi!r} is out of range; expected a float in (0, 0.1]"
-        )

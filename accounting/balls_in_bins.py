@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from scipy import optimize
 from userdp.accounting import monte_carlo as mc
 from userdp.accounting.balls_in_bins_estimates import (
     _TINY,
@@ -162,7 +161,7 @@ def calibrate_noise_multiplier(
         if excess(lo) > 0.0:
             break
         lo -= math.log(4.0)
-    sigma = math.exp(optimize.brentq(excess, lo, hi, xtol=math.log1p(rtol) / 2))
+    sigma = math.exp(mc.brentq(excess, lo, hi, xtol=math.log1p(rtol) / 2))
     sigma *= 1.0 + rtol / 2  # the private side of the root's bracket
     if excess(math.log(sigma)) > 0.0:
         sigma = math.exp(hi)

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from scipy import optimize, stats
 from userdp.accounting import monte_carlo as mc
 from userdp.accounting.balls_in_bins_losses import (
     ESTIMATE,
@@ -278,9 +277,14 @@ def gaussian_delta(epsilon: float, sensitivity: float, sigma: float) -> float:
     """Exact δ(ε) of the Gaussian mechanism: Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2), μ = Δ/σ."""
     mu = sensitivity / sigma
     return float(
-        stats.norm.cdf(-epsilon / mu + mu / 2)
-        - math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2)
+        _normal_cdf(-epsilon / mu + mu / 2)
+        - math.exp(epsilon) * _normal_cdf(-epsilon / mu - mu / 2)
     )
+
+
+def _normal_cdf(x: float) -> float:
+    """Φ(x) = erfc(−x/√2)/2 (accurate in both tails, unlike 1 − Φ(−x))."""
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
 def gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
@@ -290,7 +294,7 @@ def gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
         return gaussian_delta(epsilon, sensitivity, math.exp(log_sigma)) - delta
 
     lo, hi = math.log(sensitivity) - 10.0, math.log(sensitivity) + 10.0
-    return math.exp(optimize.brentq(f, lo, hi, xtol=1e-12))
+    return math.exp(mc.brentq(f, lo, hi, xtol=1e-12))
 
 
 def _draws(name: str, value: Any, compositions: int) -> int:

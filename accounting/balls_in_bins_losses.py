@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.linalg.blas import strmm as _strmm
 from threadpoolctl import threadpool_limits
 from userdp.accounting import monte_carlo as mc
 from userdp.accounting.composed_losses import ComposedLosses, GroupedHistogram
@@ -238,7 +237,10 @@ class LossSampler:
         if not 0 <= index < n_chunks:
             raise IndexError(index)
         size = min(self.chunk, self.num_samples - index * self.chunk)
-        rng = np.random.default_rng(_child(self.seed, index))
+        # SFC64: a small-state generator that passes the same statistical batteries as numpy's
+        # default PCG64 and feeds the float32 ziggurat about 1.3x faster (the draws dominate a
+        # chunk's cost); the normals' law, tails included, is the ziggurat's either way.
+        rng = np.random.Generator(np.random.SFC64(_child(self.seed, index)))
         k = rng.integers(0, self.bins, size=(1, size))
         g = rng.standard_normal((1, size, self.bins), dtype=np.float32)
         return k, g
@@ -308,9 +310,13 @@ class LossSampler:
         else a dense product."""
         if self.lower is None:
             return np.matmul(g, (self.factor / np.float32(sigma)).astype(np.float32))
+        # Imported here: scipy.linalg costs about 0.5 CPU-s of imports, and only correlated noise
+        # (fixed bins) needs it.
+        from scipy.linalg.blas import strmm
+
         lower = np.asfortranarray(self.lower / sigma, dtype=np.float32)
         # g's transpose is a Fortran-ordered b × rows matrix: Wᵀ = L·gᵀ, written over g.
-        return _strmm(1.0, lower, g.T, side=0, lower=1, overwrite_b=1).T
+        return strmm(1.0, lower, g.T, side=0, lower=1, overwrite_b=1).T
 
     def _diagonal_lse(
         self, index: int, k: np.ndarray, g: np.ndarray, sigma: float

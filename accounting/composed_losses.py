@@ -52,6 +52,7 @@ import math
 from collections.abc import Iterable
 
 import numpy as np
+from userdp.accounting.monte_carlo import tail_epsilon
 
 __all__ = ["ComposedLosses", "GroupedHistogram", "composed_losses"]
 
@@ -183,6 +184,11 @@ class ComposedLosses:
         support above ε (K < 1 there)."""
         cells = self._last - int(np.searchsorted(self._sums, epsilon, side="right")) + 1
         return self.roundoff * max(cells, 0)
+
+    def epsilon(self, delta: float) -> float:
+        """The smallest ε ≥ 0 with δ̂(ε) ≤ ``delta`` (exact: :func:`~userdp.accounting.
+        monte_carlo.tail_epsilon` on the composed grid)."""
+        return tail_epsilon(self._tail_sums, self._tail, self._tail_weighted, delta)
 
     def point(self, epsilon: float) -> float:
         """δ̂(ε) for ε ≥ 0."""

@@ -27,6 +27,7 @@ from userdp.accounting.validation import positive_float, positive_int, probabili
 
 __all__ = [  # CorrelationSpec and InvalidMechanismError: the types of these values' fields and errors
     "BIN_SEMANTICS",
+    "COMPOSABLE_KINDS",
     "DEFAULT_VALUE_DISCRETIZATION_INTERVAL",
     "ESTIMATORS",
     "BallsInBinsMechanism",
@@ -37,6 +38,7 @@ __all__ = [  # CorrelationSpec and InvalidMechanismError: the types of these val
     "InvalidMechanismError",
     "Mechanism",
     "NoDpEventError",
+    "PLD_KINDS",
     "RandomizedClippingMechanism",
     "UlsMechanism",
     "UserWiseFilterMechanism",
@@ -342,6 +344,11 @@ MECHANISM_CLASSES: dict[str, type] = {
         UserWiseFilterMechanism,
     )
 }
+
+PLD_KINDS = (UlsMechanism.kind, ElsMechanism.kind)
+"""Kinds accounted step by step as PLDs."""
+COMPOSABLE_KINDS = (*PLD_KINDS, RandomizedClippingMechanism.kind)
+"""Kinds whose per-step PLDs compose with each other across phases."""
 
 
 def mechanism_from_dict(d: Mapping[str, Any]) -> Mechanism:

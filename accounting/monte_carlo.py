@@ -15,12 +15,14 @@ the samples.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
-from scipy import optimize
 
 __all__ = [
+    "brentq",
     "delta_terms",
+    "tail_epsilon",
     "SampledLosses",
     "delta_from_losses",
     "epsilon_from_estimates",
@@ -31,6 +33,44 @@ __all__ = [
     "evr_min_samples",
     "evr_samples",
 ]
+
+
+def brentq(f: Callable[[float], float], a: float, b: float, **options: float) -> float:
+    """scipy's Brent root finder on [a, b], imported on first use: ``scipy.optimize`` costs about
+    0.7 CPU-s of imports on a 2-core machine, and an ε query (:func:`epsilon_from_estimates`,
+    solved in closed form) needs none of it."""
+    from scipy.optimize import brentq as scipy_brentq
+
+    return float(scipy_brentq(f, a, b, **options))
+
+
+def tail_epsilon(points: np.ndarray, tail: np.ndarray, weighted: np.ndarray, delta: float) -> float:
+    """The smallest ε ≥ 0 with δ̂(ε) ≤ ``delta``, exactly, for the δ̂ of a discrete law of losses:
+
+        δ̂(ε) = Σ_{s>ε} p(s)(1 − e^{ε−s}) = tail[i] − e^ε·weighted[i],   i = #{points ≤ ε},
+
+    where ``points`` are the positive support points in ascending order and ``tail[i]``,
+    ``weighted[i]`` the sums of p(s) and p(s)e^{−s} over points[i:] (a trailing 0 each). δ̂ is
+    continuous and non-increasing, and 0 at the last point; a bisection over the points finds the
+    first k with δ̂(points[k]) ≤ δ, and on (points[k−1], points[k]] the index is k, so
+    ε = log((tail[k] − δ)/weighted[k]) there."""
+
+    def value(eps: float) -> float:
+        i = int(np.searchsorted(points, eps, side="right"))
+        return float(tail[i] - math.exp(eps) * weighted[i])
+
+    if points.size == 0 or value(0.0) <= delta:
+        return 0.0
+    lo, hi = 0, points.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if value(float(points[mid])) <= delta:
+            hi = mid
+        else:
+            lo = mid + 1
+    low = float(points[lo - 1]) if lo else 0.0
+    eps = math.log((float(tail[lo]) - delta) / float(weighted[lo]))
+    return min(max(eps, low), float(points[lo]))
 
 
 def delta_terms(losses: np.ndarray, epsilon: float) -> np.ndarray:
@@ -66,6 +106,14 @@ class SampledLosses:
         """δ̂(ε) (the mean alone: the ε search calls this many times)."""
         return float(delta_terms(self.losses, epsilon).sum()) / self.num_samples
 
+    def epsilon(self, delta: float) -> float:
+        """The smallest ε ≥ 0 with δ̂(ε) ≤ ``delta`` (exact: :func:`tail_epsilon`)."""
+        points = np.sort(self.losses[self.losses > 0.0])
+        mass = 1.0 / self.num_samples
+        tail = np.append(mass * np.arange(points.size, 0, -1, dtype=np.float64), 0.0)
+        weighted = np.append(np.cumsum(np.exp(-points)[::-1])[::-1] * mass, 0.0)
+        return tail_epsilon(points, tail, weighted, delta)
+
     def roundoff_bound(self, epsilon: float) -> float:
         """0: a sample mean has no transform round-off to bound (the composed estimator's
         counterpart is not 0)."""
@@ -77,19 +125,11 @@ class SampledLosses:
 
 
 def epsilon_from_estimates(estimates: list, delta: float) -> float:
-    """The smallest ε ≥ 0 with max over ``estimates`` of δ̂(ε) ≤ ``delta`` (each δ̂ is continuous
-    and non-increasing in ε, so this is a root find on the same samples); ``estimates`` are
-    :class:`SampledLosses` or :class:`~userdp.accounting.composed_losses.ComposedLosses`."""
-
-    def excess(eps: float) -> float:
-        return max(e.point(eps) for e in estimates) - delta
-
-    if excess(0.0) <= 0.0:
-        return 0.0
-    hi = max(e.max_loss() for e in estimates)
-    if excess(hi) > 0.0:  # cannot happen: δ̂(max Y) = 0 < δ
-        return math.inf
-    return float(optimize.brentq(excess, 0.0, hi, xtol=1e-10, rtol=1e-12))
+    """The smallest ε ≥ 0 with max over ``estimates`` of δ̂(ε) ≤ ``delta``: each δ̂ is
+    non-increasing in ε, so it is the largest of the estimates' own smallest ε, each found
+    exactly on the same samples; ``estimates`` are :class:`SampledLosses` or
+    :class:`~userdp.accounting.composed_losses.ComposedLosses`."""
+    return max(e.epsilon(delta) for e in estimates)
 
 
 def kl_bernoulli(q: float, p: float) -> float:
@@ -117,9 +157,7 @@ def kl_upper_confidence_bound(mean: float, num_samples: int, failure_prob: float
     if mean >= 1.0 or kl_bernoulli(mean, 1.0 - 1e-16) < target:
         return 1.0
     return float(
-        optimize.brentq(
-            lambda p: kl_bernoulli(mean, p) - target, mean, 1.0 - 1e-16, xtol=1e-300, rtol=1e-12
-        )
+        brentq(lambda p: kl_bernoulli(mean, p) - target, mean, 1.0 - 1e-16, xtol=1e-300, rtol=1e-12)
     )
 
 
@@ -139,9 +177,7 @@ def kl_lower_threshold(mean: float, num_samples: int, failure_prob: float) -> fl
             f"probability {failure_prob:.3g}; expected at least {need}"
         )
     return float(
-        optimize.brentq(
-            lambda q: kl_bernoulli(q, mean) - target, 0.0, mean, xtol=1e-300, rtol=1e-12
-        )
+        brentq(lambda q: kl_bernoulli(q, mean) - target, 0.0, mean, xtol=1e-300, rtol=1e-12)
     )
 
 
@@ -185,7 +221,7 @@ def evr_samples(delta: float, safety: float, failure_prob: float) -> int:
         raise ValueError(f"failure_prob={failure_prob!r} is out of range; expected (0, 1)")
     design = safety * delta
     certify, power = math.log(1.0 / delta), math.log(1.0 / failure_prob)
-    q = optimize.brentq(
+    q = brentq(
         lambda x: certify * kl_bernoulli(x, design) - power * kl_bernoulli(x, delta),
         design,
         delta,

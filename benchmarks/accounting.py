@@ -24,10 +24,10 @@ from dp_accounting import pld as dp_pld
 from userdp.accounting import (
     ElsMechanism,
     UlsMechanism,
-    api,
     calibrate_noise_multiplier,
     dp_event,
     epsilon,
+    pld_accountant,
 )
 
 
@@ -55,7 +55,7 @@ def els_epsilon(quick: bool) -> dict[str, Any]:
     epsilon(ElsMechanism(1.0, 0.5, 2), 1, delta, value_discretization_interval=1e-2)
 
     def fast_once() -> float:
-        api.single_step_pld.cache_clear()
+        pld_accountant.single_step_pld.cache_clear()
         return epsilon(mech, steps, delta, value_discretization_interval=vdi)
 
     runs = sorted((_cpu_timed(fast_once) for _ in range(3)), key=lambda r: r[1])
@@ -88,7 +88,7 @@ def els_calibration(quick: bool) -> dict[str, Any]:
     out = []
     settings = [(0.01, 4.0)] if quick else [(0.01, 4.0), (1 / 64, 8.0), (1e-4, 8.0)]
     for p, target in settings:
-        api.single_step_pld.cache_clear()
+        pld_accountant.single_step_pld.cache_clear()
         template = ElsMechanism(1.0, p, 64)
         sigma, seconds = _timed(
             lambda t=template, e=target: calibrate_noise_multiplier(

@@ -352,9 +352,12 @@ def test_diagonal_shortcut_equals_the_general_gram_path(semantics, sigma, bins, 
         return np.sort(k, axis=-1), g
 
     fast._normals = sorted_modes
+    # Only positive losses are kept: a loss within float32 round-off of 0 may be kept by one path
+    # and not the other, so both are compared above the tolerance.
     for mine, reference in zip(fast.losses(sigma), general.losses(sigma), strict=True):
-        assert mine.shape == reference.shape
-        np.testing.assert_allclose(np.sort(mine), np.sort(reference), rtol=1e-5, atol=1e-5)
+        mine, reference = np.sort(mine[mine > 1e-5]), np.sort(reference[reference > 1e-5])
+        assert mine.shape == reference.shape and mine.size > 100
+        np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("semantics", ["fixed", "per-epoch"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from userdp.accounting import ElsMechanism, UlsMechanism, epsilon
@@ -173,3 +175,18 @@ def test_randomized_clipping_with_hutch_plus_plus(capsys) -> None:
     plain = _run_json(capsys, *argv, "--estimator", "hutchinson")
     assert plus["mechanism"]["estimator"] == "hutch++"
     assert plus["epsilon"] == plain["epsilon"]
+
+
+def test_balls_in_bins_epsilon_loads_neither_dp_accounting_nor_scipy() -> None:
+    # A whole-run Monte Carlo query pays only for numpy and its own samples: dp_accounting (the
+    # PLD accountants) and scipy cost more CPU time to import than the 2^20-sample query itself.
+    code = (
+        "import sys\n"
+        "from userdp.cli import main\n"
+        f"assert main(['account', 'epsilon', *{BIB!r}]) == 0\n"
+        "loaded = [m for m in ('dp_accounting', 'scipy') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "epsilon =" in result.stdout

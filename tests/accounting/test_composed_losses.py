@@ -116,3 +116,31 @@ def test_fft_round_off_stays_within_the_stated_bound() -> None:
         direct = float(np.sum(exact * -np.expm1(np.minimum(eps - sums, 0.0))))
         assert abs(est.point(eps) - direct) <= est.roundoff_bound(eps), (eps, direct)
         assert est.roundoff_bound(eps) < 1e-8
+
+
+@pytest.mark.parametrize("delta", [1e-1, 1e-3, 1e-5])
+def test_epsilon_is_the_exact_smallest_root_of_both_estimators(delta) -> None:
+    # The closed form on the support's intervals against the definition: δ̂ at the returned ε is
+    # δ (to float64 round-off of the tail sums), and a hair below it δ̂ exceeds δ. Losses with
+    # ties exercise the duplicate support points of the sample mean.
+    rng = np.random.default_rng(1)
+    y = np.round(rng.normal(0.5, 1.5, size=50_000), 2)
+    sampled = mc.SampledLosses(y, y.size)
+    composed = composed_losses([y], 4, y.size)
+    for est in (sampled, composed):
+        eps = est.epsilon(delta)
+        assert eps > 0.0
+        assert est.point(eps) == pytest.approx(delta, rel=1e-9)
+        assert est.point(eps * (1 - 1e-6)) > delta
+    # the max over estimators is the larger of their own ε (each δ̂ is non-increasing)
+    both = mc.epsilon_from_estimates([sampled, composed], delta)
+    assert both == max(sampled.epsilon(delta), composed.epsilon(delta))
+    assert max(sampled.point(both), composed.point(both)) <= delta * (1 + 1e-9)
+
+
+def test_epsilon_is_zero_when_delta_is_met_at_zero_and_for_no_positive_loss() -> None:
+    y = np.array([-1.0, -0.5, 0.2])  # δ̂(0) = (1 − e^{−0.2})/3 ≈ 0.060
+    assert mc.SampledLosses(y, 3).epsilon(0.1) == 0.0
+    assert mc.SampledLosses(np.array([-1.0, 0.0]), 2).epsilon(1e-9) == 0.0
+    eps = mc.SampledLosses(y, 3).epsilon(0.01)
+    assert 0.0 < eps < 0.2 and (1 - math.exp(eps - 0.2)) / 3 == pytest.approx(0.01, rel=1e-12)
