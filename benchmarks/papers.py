@@ -424,6 +424,12 @@ def markdown(record: dict) -> str:
         "|---|---|---|",
         *(f"| {v['finding']} | {v['evidence']} | {v['verdict']} |" for v in record["verdicts"]),
         "",
+        "Verdicts: a method *matches or beats* another when its mean error is lower or within two "
+        "combined standard errors; a comparison is reproduced when that holds at every point of "
+        "the sweep, not reproduced when it holds at none, inconclusive otherwise. A trend in the "
+        "best G_ULS is reproduced when the best G never moves against the paper's direction along "
+        "the sweep and moves with it at least once.",
+        "",
         "| sweep | value | method | best lr | best C | σ | ‖θ_T − μ‖² (mean ± s.e.) | vs anchor |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -131,7 +131,7 @@ def test_balls_in_bins_semantics_must_match_sampling(tmp_path):
 
 
 def test_delta_is_shown_next_to_one_over_n_with_a_warning_when_large(ledger_path):
-    """With 174 training users, δ = 1/N^1.1 ≈ 0.0034 ≈ 1/291 is not small next to 1/N."""
+    """With 174 training users, the papers' δ = 1/N^1.1 ≈ 0.0034 ≈ 1/291 is not small next to 1/N."""
     n = 174
     delta = 1.0 / n**1.1
     report = build_report(ledger_path, delta, unit="user", sampling="poisson", training_users=n)

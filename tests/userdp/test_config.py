@@ -13,7 +13,7 @@ from userdp.config import Config, ConfigError, load_config, parse_config
 def test_defaults_are_valid() -> None:
     config = parse_config({})
     assert config == Config()
-    assert config.privacy.delta is None  # resolved to 1/N^1.1 once N is known
+    assert config.privacy.delta is None  # resolved to 1/(10·N) once N is known
 
 
 def test_full_sections_parse(tmp_path) -> None:

@@ -82,7 +82,7 @@ def test_the_trace_follows_the_rule_and_the_choice_fits_the_budget(plan, config_
     _, train, _ = shard_counts(config_path)
     n = len(train)
     assert plan["num_users"] == n
-    assert plan["delta"] == pytest.approx(1.0 / n**1.1) and plan["delta_source"] == "1/N^1.1"
+    assert plan["delta"] == pytest.approx(1.0 / (10 * n)) and plan["delta_source"] == "1/(10·N)"
     g, m = plan["group_size"], plan["cohort_size"]
     assert plan["compute"] == g * m <= BUDGET and 2 * g * m > BUDGET  # no doubling left
     assert m <= n and plan["sampling_prob"] == m / n

@@ -191,3 +191,13 @@ def test_every_documented_argument_is_made_from_a_config(sampling) -> None:
     else:
         assert made["sampling_prob"] == 0.05 and "bins" not in made
     assert ("cohort_cap" in made) == (sampling == "padding")
+
+
+@pytest.mark.parametrize("users", [1, 174, 356, 10_000, 10**9])
+def test_the_default_delta_draws_no_caveat_of_the_report(users) -> None:
+    # The report warns when δ > 1/(10·N); the default must not be a value the project warns about
+    # (the papers' n^−1.1 would be, for every N below 10^10).
+    from userdp.accounting.report import delta_caveat
+
+    assert delta_caveat(registry.default_delta(users), users) is None
+    assert delta_caveat(users**-1.1, users) is not None

@@ -204,7 +204,7 @@ class PrivacyConfig(_Section):
 
     epsilon: Positive = 8.0
     delta: OpenUnit | None = None
-    """None = 1 / N^1.1 with N the number of training users."""
+    """None = 1/(10·N) with N the number of training users."""
     noise_multiplier: Positive | None = None
     allow_unaccounted_sampling: StrictBool = False
     """Must be true to use ``shuffle`` sampling, for which no tight accountant exists."""

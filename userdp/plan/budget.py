@@ -103,7 +103,7 @@ class BudgetPlan:
     epsilon: float
     delta: float
     delta_source: str
-    """``"privacy.delta"`` or ``"1/N^1.1"`` (:func:`userdp.run.components.default_delta`)."""
+    """``"privacy.delta"`` or ``"1/(10·N)"`` (:func:`userdp.run.components.default_delta`)."""
     steps: int
     user_source: str
     sampled_users: int
@@ -337,7 +337,7 @@ def plan_budget(
         num_users=num_users,
         epsilon=float(config.privacy.epsilon),
         delta=float(delta),
-        delta_source="privacy.delta" if config.privacy.delta else "1/N^1.1",
+        delta_source="privacy.delta" if config.privacy.delta else "1/(10·N)",
         steps=int(config.strategy.steps),
         user_source=user_source,
         sampled_users=len(sampled),

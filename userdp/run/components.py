@@ -6,7 +6,7 @@ a deployment and a simulation of the same config run the same mechanism:
 - **data**: ``data.shards``, or the embedded demo corpus (written once into the cache directory).
 - **user-level split**: a fixed fraction of USERS (``data.eval_fraction``, by a stable hash of the
   user id) is held out for evaluation and never trained on; the coordinator's population is the
-  training users only, so N (and δ = 1/N^1.1 by default) counts training users.
+  training users only, so N (and δ = 1/(10·N) by default) counts training users.
 - **strategy**: the config's mechanism; with ``privacy.noise_multiplier`` unset, σ is calibrated
   to (``privacy.epsilon``, δ) for ``strategy.steps`` steps BEFORE step 1 (guaranteed on the
   private side by :func:`userdp.accounting.calibration.calibrate_noise_multiplier`).
@@ -162,7 +162,7 @@ def strategy_from_config(
     config: Config, num_users: int
 ) -> tuple[Strategy, ExecutionOptions, float]:
     """(strategy, execution options, δ) of ``config`` for ``num_users`` training users: δ =
-    ``privacy.delta`` or 1/N^1.1, σ = ``privacy.noise_multiplier`` or calibrated to ε on the
+    ``privacy.delta`` or 1/(10·N), σ = ``privacy.noise_multiplier`` or calibrated to ε on the
     strategy's mechanism value (the strategy is built once)."""
     delta = config.privacy.delta or default_delta(num_users)
     sigma = config.privacy.noise_multiplier
