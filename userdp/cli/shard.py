@@ -1,4 +1,5 @@
-"""``userdp shard INPUT ...``, ``userdp shard --demo OUT`` and ``userdp shard verify DIR``.
+"""``userdp shard INPUT ...``, ``userdp shard --demo OUT``, ``userdp shard --fortunes OUT`` and
+``userdp shard verify DIR``.
 
 One parser with two optional positionals keeps the forms unambiguous: ``verify`` as the first
 positional selects verification (to shard a file literally named ``verify``, write ``./verify``).
@@ -21,6 +22,9 @@ _SHARD_ONLY_FLAGS = (
     "dataset_name",
     "demo",
     "demo_users",
+    "fortunes",
+    "fortunes_dir",
+    "fortunes_split",
 )
 
 
@@ -50,7 +54,12 @@ def _verify(directory: str) -> int:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    defaults = {"format": "auto", "keep_text": False, "demo_users": 400}
+    defaults = {
+        "format": "auto",
+        "keep_text": False,
+        "demo_users": 400,
+        "fortunes_split": "private",
+    }
     if args.target == "verify":
         if args.directory is None:
             raise ValueError("usage: userdp shard verify DIR (DIR is missing)")
@@ -74,13 +83,31 @@ def _handle(args: argparse.Namespace) -> int:
     parse_tokenizer_spec(args.tokenizer or "byte")  # fail before reading any input
 
     options = ShardOptions(
-        num_shards=args.num_shards or (4 if args.demo else 8),
+        num_shards=args.num_shards or (4 if args.demo or args.fortunes else 8),
         tokenizer=args.tokenizer or "byte",
         max_examples_per_user=args.max_examples_per_user,
         keep_text=args.keep_text,
         dataset_name=args.dataset_name,
         progress=not args.quiet,
     )
+    if args.demo is not None and args.fortunes is not None:
+        raise ValueError("--demo and --fortunes each write a corpus; pass one of them")
+    if args.fortunes is None and (
+        args.fortunes_dir is not None or args.fortunes_split != "private"
+    ):
+        raise ValueError("--fortunes-dir and --fortunes-split go with --fortunes OUT")
+    if args.fortunes is not None:
+        if args.target is not None or args.out is not None:
+            raise ValueError("--fortunes OUT writes the fortunes corpus; drop INPUT and --out")
+        from userdp.shards.fortunes import FORTUNES_DIR, fortunes_corpus
+        from userdp.shards.input import InputSource
+
+        table = fortunes_corpus(args.fortunes_dir or FORTUNES_DIR, args.fortunes_split)
+        name = args.dataset_name or f"fortunes-{args.fortunes_split}"
+        source = InputSource.from_table(table, "user_id", "text", name)
+        summary = write_shards(source, args.fortunes, options)
+        print(summary.format())
+        return 0
     if args.demo is not None:
         if args.target is not None or args.out is not None:
             raise ValueError("--demo OUT writes the demo corpus; drop INPUT and --out")
@@ -103,7 +130,9 @@ def _handle(args: argparse.Namespace) -> int:
         if value is None
     ]
     if missing:
-        raise ValueError(f"userdp shard needs {', '.join(missing)} (or --demo OUT, or verify DIR)")
+        raise ValueError(
+            f"userdp shard needs {', '.join(missing)} (or --demo OUT, --fortunes OUT, or verify DIR)"
+        )
     from userdp.shards.input import open_input
 
     source = open_input(args.target, args.format, args.user_column, args.text_column)
@@ -119,6 +148,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "userdp shard INPUT --user-column C --text-column C --out DIR [options]\n"
             "userdp shard --demo OUT        write the embedded synthetic corpus as shards\n"
+            "userdp shard --fortunes OUT    write the fortunes corpus (quotations by author)\n"
             "userdp shard verify DIR        check shards against the manifest"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -153,6 +183,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--demo", metavar="OUT", help="write the embedded demo corpus to OUT")
     parser.add_argument(
         "--demo-users", type=_positive_int("--demo-users"), default=400, help="demo corpus users"
+    )
+    parser.add_argument(
+        "--fortunes",
+        metavar="OUT",
+        help="write the fortunes corpus to OUT: real quotations, one user per author "
+        "(Debian: apt-get install fortunes)",
+    )
+    parser.add_argument(
+        "--fortunes-dir",
+        metavar="DIR",
+        help="fortune data files (default /usr/share/games/fortunes)",
+    )
+    parser.add_argument(
+        "--fortunes-split",
+        choices=("private", "public"),
+        default="private",
+        help="private: attributed quotations by author (default); public: the unattributed "
+        "ones, for non-private pre-training",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_handle)
