@@ -130,7 +130,7 @@ def delta_estimate(
 def _estimate(
     sampler: LossSampler, sigma: float, epsilon: float, confidence: float
 ) -> DeltaEstimate:
-    pq, qp = sampler.estimates(sigma)
+    pq, qp = sampler.estimates_at(sigma, epsilon)
     d_pq, se_pq = pq.delta(epsilon)
     d_qp, se_qp = qp.delta(epsilon)
     failure = (1.0 - confidence) / 2.0
@@ -216,7 +216,7 @@ def verify(
         num_samples = pair.compositions * mc.evr_samples(delta, safety, rejection_prob / 2)
     m = _draws("num_samples", num_samples, pair.compositions)
     sampler = LossSampler(pair, m, seed, VERIFY)
-    pq, qp = sampler.estimates(sigma)
+    pq, qp = sampler.estimates_at(sigma, epsilon)
     d_pq, d_qp = (e.point(epsilon) + e.roundoff_bound(epsilon) for e in (pq, qp))
     n = pq.num_samples
     passed = mc.evr_passes(d_pq, n, delta) and mc.evr_passes(d_qp, n, delta)

@@ -24,6 +24,7 @@ __all__ = [
     "delta_terms",
     "tail_epsilon",
     "SampledLosses",
+    "StreamedDelta",
     "delta_from_losses",
     "epsilon_from_estimates",
     "kl_bernoulli",
@@ -122,6 +123,36 @@ class SampledLosses:
     def max_loss(self) -> float:
         """The largest loss sample (δ̂ = 0 at and beyond it)."""
         return float(np.max(self.losses)) if self.losses.size else 0.0
+
+
+class StreamedDelta:
+    """δ̂ at ONE ε from running sums of the terms (1 − e^{ε − Y})₊, so that no sample is kept:
+    what calibration and verification need, at any sample count. Same interface as
+    :class:`SampledLosses` at that ε; any other ε is an error."""
+
+    def __init__(self, epsilon: float, total: float, total_sq: float, num_samples: int) -> None:
+        self.epsilon = float(epsilon)
+        self.total, self.total_sq = float(total), float(total_sq)
+        self.num_samples = int(num_samples)
+
+    def _check(self, epsilon: float) -> None:
+        if epsilon != self.epsilon:
+            raise ValueError(f"epsilon={epsilon!r}: these sums hold δ̂ at ε = {self.epsilon!r} only")
+
+    def point(self, epsilon: float) -> float:
+        self._check(epsilon)
+        return self.total / self.num_samples
+
+    def delta(self, epsilon: float) -> tuple[float, float]:
+        """(δ̂(ε), standard error), as :func:`delta_from_losses` computes them."""
+        mean = self.point(epsilon)
+        var = max(self.total_sq / self.num_samples - mean * mean, 0.0)
+        return mean, math.sqrt(var / max(self.num_samples - 1, 1))
+
+    def roundoff_bound(self, epsilon: float) -> float:
+        """0, as for :class:`SampledLosses`."""
+        self._check(epsilon)
+        return 0.0
 
 
 def epsilon_from_estimates(estimates: list, delta: float) -> float:

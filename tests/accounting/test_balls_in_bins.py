@@ -407,3 +407,36 @@ def test_correlated_log_sum_exps_equal_a_float64_reference(factor, sigma) -> Non
     for got, logits in ((got_q, base), (got_p, pos)):
         want = np.logaddexp.reduce(logits, axis=-1)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("correlation", [None, "blt"])
+def test_fixed_epsilon_estimates_stream_and_equal_the_kept_samples(
+    correlation, monkeypatch
+) -> None:
+    # Calibration and verification ask for δ̂ at one ε: the sums are streamed chunk by chunk
+    # (memory O(chunk) at any sample count) and equal the kept-sample estimate on the same draws
+    # up to summation order; neither path keeps the losses.
+    matrix = None
+    if correlation == "blt":
+        matrix = np.tril(0.5 ** np.subtract.outer(np.arange(24), np.arange(24)))
+    pair = bb.dominating_pair(8, 3, correlation=matrix)
+    sampler = bb.LossSampler(pair, 50_000, 5, 0)
+    kept = sampler.estimates(1.2)
+    fresh = bb.LossSampler(pair, 50_000, 5, bb.VERIFY).estimates(1.2)  # verify's stream
+    streamed = sampler.estimates_at(1.2, 0.7)
+    for full, sums in zip(kept, streamed, strict=True):
+        assert sums.delta(0.7) == pytest.approx(full.delta(0.7), rel=1e-10)
+        with pytest.raises(ValueError, match="0.7"):
+            sums.point(0.8)
+
+    def no_kept_losses(self, sigma):
+        raise AssertionError("the losses were kept")
+
+    monkeypatch.setattr(bb.LossSampler, "losses", no_kept_losses)
+    monkeypatch.setattr(bb.LossSampler, "estimates", no_kept_losses)
+    result = bb.verify(1.2, 8, 3, 0.7, 0.5, correlation=matrix, num_samples=50_000, seed=5)
+    assert (result.delta_pq, result.delta_qp) == pytest.approx(
+        (fresh[0].point(0.7), fresh[1].point(0.7)), rel=1e-10
+    )
+    estimate = bb.delta_estimate(1.2, 8, 3, 0.7, correlation=matrix, num_samples=50_000, seed=5)
+    assert estimate.delta_pq == pytest.approx(kept[0].point(0.7), rel=1e-10)

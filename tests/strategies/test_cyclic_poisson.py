@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 from scipy import stats
 from userdp.accounting import epsilon
-from userdp.accounting.mechanisms import BandedPoissonMechanism
+from userdp.accounting.mechanisms import BallsInBinsMechanism, BandedPoissonMechanism
 from userdp.strategies.base import StrategyError
+from userdp.strategies.blt import BandedNoise
 from userdp.strategies.builtins import UserLevelSampling
 from userdp.strategies.dpftrl import BltDpFtrl
 from userdp.strategies.samplers import CyclicPoissonSampler
 
 from userdp import cli
 from userdp.config import parse_config
+from userdp.run.registry import build_strategy
 
 ALPHA = 1e-7  # the suite's false-alarm rate per assertion
 
@@ -66,7 +68,7 @@ def test_blt_dp_ftrl_with_cyclic_poisson_is_accounted_as_banded_poisson() -> Non
     [
         'name = "uls"\nsampling = "cyclic-poisson"\nbands = 4\n',
         'name = "blt-dp-ftrl"\nsampling = "cyclic-poisson"\n',
-        'name = "blt-dp-ftrl"\nsampling = "balls-in-bins-fixed"\nbands = 4\n',
+        'name = "blt-dp-ftrl"\nsampling = "poisson"\nbands = 4\n',
     ],
 )
 def test_config_check_refuses_cyclic_poisson_without_its_pieces(tmp_path, capsys, strategy):
@@ -75,6 +77,31 @@ def test_config_check_refuses_cyclic_poisson_without_its_pieces(tmp_path, capsys
     assert cli.main(["config", "check", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "cyclic-poisson" in err
+
+
+def test_a_banded_c_with_balls_in_bins_is_built_and_accounted_as_balls_in_bins(tmp_path):
+    # bands with fixed bins: the banded noise, the balls-in-bins sampler, and the balls-in-bins
+    # accountant with that C (Lemma 3.2 holds for any non-negative lower-triangular C whose bands
+    # do not reach a user's next participation, bands <= bins).
+    config = parse_config(
+        {
+            "strategy": {
+                "name": "blt-dp-ftrl",
+                "sampling": "balls-in-bins-fixed",
+                "sampling_prob": 0.25,
+                "bands": 2,
+                "clip_norm": 1.0,
+                "steps": 8,
+            },
+            "privacy": {"noise_multiplier": 3.0},
+        }
+    )
+    strategy = build_strategy(config, 40, noise_multiplier=3.0)
+    assert isinstance(strategy.noise, BandedNoise)
+    mechanism = strategy.mechanism()
+    assert isinstance(mechanism, BallsInBinsMechanism) and mechanism.bin_semantics == "fixed"
+    assert (mechanism.bins, mechanism.epochs) == (4, 2)
+    assert mechanism.correlation == strategy.noise.banded.spec()
 
 
 def test_simulate_in_process_reports_the_banded_poisson_epsilon(tmp_path):

@@ -98,12 +98,16 @@ def parse_config(raw: dict[str, Any]) -> Config:
             "needs that many distinct workers; lower workers.replicas or raise workers.count"
         )
     cyclic = strategy.sampling == "cyclic-poisson"
-    if cyclic != (strategy.bands is not None) or (cyclic and strategy.name != "blt-dp-ftrl"):
+    banded_ok = strategy.name == "blt-dp-ftrl" and strategy.sampling in (
+        "cyclic-poisson",
+        "balls-in-bins-fixed",
+    )
+    if (cyclic and strategy.bands is None) or (strategy.bands is not None and not banded_ok):
         raise ConfigError(
-            "strategy.sampling = 'cyclic-poisson' and strategy.bands go together, with "
-            "strategy.name = 'blt-dp-ftrl' (banded C, accounted as banded matrix factorization "
-            f"with cyclic Poisson sampling); got name {strategy.name!r}, sampling "
-            f"{strategy.sampling!r}, bands {strategy.bands!r}"
+            "strategy.bands (a banded C) goes with strategy.name = 'blt-dp-ftrl' and "
+            "strategy.sampling = 'cyclic-poisson' (accounted as banded matrix factorization) or "
+            "'balls-in-bins-fixed' (the balls-in-bins accountant), and cyclic-poisson needs it; "
+            f"got name {strategy.name!r}, sampling {strategy.sampling!r}, bands {strategy.bands!r}"
         )
     if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
         raise ConfigError(
