@@ -262,7 +262,8 @@ def test_model_is_saved_without_held_out_users(tmp_path) -> None:
 def test_in_process_resume_continues_from_its_checkpoint(tmp_path, monkeypatch) -> None:
     """Interrupted after 2 of 4 steps and run again, an in-process run ends with the same model
     as an uninterrupted one (noise off, seeded sampling): it resumed from its checkpoint, not from
-    the initial model, and the ledger holds each step once."""
+    the initial model, and the ledger holds each step once. Run again with another config, it
+    is refused."""
     from userdp.run.loop import RunLoop
 
     config = small_config(tmp_path, steps=4)
@@ -282,6 +283,13 @@ def test_in_process_resume_continues_from_its_checkpoint(tmp_path, monkeypatch) 
     )
     assert first.steps_done == 2
     monkeypatch.setattr(RunLoop, "on_step", original)
+    # Resumed under another strategy, the run would continue one mechanism with another and
+    # report the old result: refused before anything is written, naming the keys.
+    recorded = (tmp_path / "split" / "config.toml").read_text()
+    other = small_config(tmp_path, steps=4, group_size=1)
+    with pytest.raises(ValueError, match=r"another config \(strategy.group_size 2 -> 1\)"):
+        run(other, tmp_path / "split", mode="in-process", quiet=True, test_only_disable_noise=True)
+    assert (tmp_path / "split" / "config.toml").read_text() == recorded
     second = run(
         config, tmp_path / "split", mode="in-process", quiet=True, test_only_disable_noise=True
     )

@@ -29,7 +29,13 @@ from userdp.clients.tokenization import load_tokenizer
 from userdp.config import Config
 from userdp.run.components import RunSetup, open_ledger, prepare_run
 from userdp.run.evaluation import Evaluator, eval_examples
-from userdp.run.outputs import MetricsLog, export_release, write_config, write_facts
+from userdp.run.outputs import (
+    MetricsLog,
+    export_release,
+    resume_conflicts,
+    write_config,
+    write_facts,
+)
 from userdp.run.report import read_metrics, render_plots, render_report
 from userdp.run.samples import generate_samples, sample_prompts, write_samples
 from userdp.run.tracking import Trackers
@@ -101,6 +107,12 @@ class RunLoop:
 
     def start(self, mode: str) -> None:
         self.run_config = resolved_config(self.config, self.setup, self.out, mode)
+        conflicts = resume_conflicts(self.out, self.run_config, self.config)
+        if conflicts:
+            raise ValueError(
+                f"{self.out} holds a run of another config ({'; '.join(conflicts[:3])}): resume "
+                f"it with {self.out / 'config.toml'}, or pass a new --output (output.dir)"
+            )
         self.config_path = write_config(self.run_config, self.out)
         self.ledger = open_ledger(self.setup, self.out)
         self.metrics = MetricsLog(self.out / "metrics.jsonl")

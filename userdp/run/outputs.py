@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,36 @@ def config_toml(config: Config) -> str:
     for section, values in config.model_dump().items():
         lines += _toml_table(section, values)
     return "\n".join(lines)
+
+
+RESUME_SECTIONS = ("data", "model", "strategy", "privacy")
+"""The config sections a resumed run must share with the run it continues."""
+
+
+def resume_conflicts(run_dir: Path, config: Config, given: Config) -> list[str]:
+    """The keys of ``RESUME_SECTIONS`` on which ``config`` (as it would be run) differs from the
+    run already in ``run_dir`` (its ``config.toml``, when its ledger has records): a run resumed
+    under another config would continue one mechanism with another and report the old result.
+    σ and δ count only when ``given`` (the user's config) sets them: derived, they follow from
+    the rest."""
+    previous, ledger = run_dir / "config.toml", run_dir / "ledger.jsonl"
+    if not previous.is_file() or not ledger.is_file() or ledger.stat().st_size == 0:
+        return []
+    old = tomllib.loads(previous.read_text(encoding="utf-8"))
+    new = tomllib.loads(config_toml(config))
+    derived = {
+        f"privacy.{key}"
+        for key in ("noise_multiplier", "delta")
+        if getattr(given.privacy, key) is None
+    }
+    conflicts = []
+    for section in RESUME_SECTIONS:
+        before, after = old.get(section, {}), new.get(section, {})
+        for key in sorted(set(before) | set(after)):
+            name = f"{section}.{key}"
+            if name not in derived and before.get(key) != after.get(key):
+                conflicts.append(f"{name} {before.get(key)!r} -> {after.get(key)!r}")
+    return conflicts
 
 
 def write_config(config: Config, run_dir: Path) -> Path:

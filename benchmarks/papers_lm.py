@@ -1,0 +1,316 @@
+"""The language-model finding of Charles et al., "Fine-Tuning Large Language Models with
+User-Level Differential Privacy" (§5): at matched ε and compute budget, ULS beats ELS at strict
+privacy (ε ≈ 1), on real user-partitioned data.
+
+* Data: the fortunes corpus (docs/data.md; ``userdp shard --fortunes``): quotations by author,
+  3,782 authors with a heavy tail (median 1 quotation, maximum 112), byte tokens, sequences of
+  64. Its ``public`` split (unattributed quotations) pre-trains the model without privacy; the
+  ``private`` split is fine-tuned with user-level DP, 10 % of its users held out for evaluation.
+* Model: the ``gpt2-tiny`` preset (2 layers, width 64), pre-trained for ``--pretrain-steps``
+  AdamW steps on the public split, then saved with ``save_pretrained``.
+* Methods, at B examples per step in expectation: ULS with G = 1 and G = 4 (q = B/(G·N)); ELS with
+  G = 4 (at most 4 examples of each user in D_sub, p = B/|D_sub|). σ is calibrated to (ε, δ) over T
+  steps by each strategy's own accountant, δ = the default 1/(10·N).
+* Every run is ``userdp simulate --in-process`` through the run API: the same sampler, engine,
+  noise, ledger and evaluation as a real run. The metric is the held-out loss after T steps (and
+  its perplexity), mean ± standard error over ``--seeds`` repeats, which differ in the secret
+  cohorts and noise.
+
+    .venv/bin/python benchmarks/papers_lm.py --out benchmarks/results/cpu-2c-papers
+    .venv/bin/python benchmarks/papers_lm.py --quick --out /tmp/papers   # one setting, 1 seed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from userdp.clients.model import build_model, model_shape
+from userdp.clients.shard_store import ShardStore
+
+from userdp.cli import main as userdp_main
+from userdp.config import parse_config
+from userdp.run.launch import run
+
+SEQ_LEN = 64
+STEPS = 40
+ELS_GROUP = 4
+SETTINGS = ({"epsilon": 1.0, "budget": 128}, {"epsilon": 8.0, "budget": 128})
+METHODS = (("uls", 1), ("uls", 4), ("els", ELS_GROUP))
+LEARNING_RATE = 3e-3
+
+
+def corpus(folder: Path) -> tuple[Path, Path]:
+    """The private and public splits as shards under ``folder`` (written once)."""
+    out = []
+    for split in ("private", "public"):
+        target = folder / split
+        if not (target / "manifest.json").is_file():
+            argv = ["shard", "--fortunes", str(target), "--fortunes-split", split, "--quiet"]
+            if userdp_main(argv) != 0:
+                raise SystemExit(f"userdp {' '.join(argv)} failed")
+        out.append(target)
+    return out[0], out[1]
+
+
+def sequences(store: ShardStore, eos: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every example as one sequence of SEQ_LEN ids (example + eos, cut or padded) and its
+    labels (-100 on padding)."""
+    rows = []
+    for user in store.users():
+        for tokens in store.user_examples(user):
+            ids = np.append(tokens[: SEQ_LEN - 1], eos)
+            rows.append(np.pad(ids, (0, SEQ_LEN - ids.size), constant_values=pad))
+    ids = torch.as_tensor(np.stack(rows), dtype=torch.long)
+    labels = ids.clone()
+    labels[ids == pad] = -100
+    return ids, labels
+
+
+def pretrain(public: Path, private: Path, out: Path, steps: int, seed: int) -> dict:
+    """gpt2-tiny trained without privacy on the public split; saved to ``out``."""
+    torch.manual_seed(seed)
+    with ShardStore(private) as store:
+        shape = model_shape(store.manifest, SEQ_LEN)
+    model = build_model(parse_config({"model": {"preset": "gpt2-tiny"}}).model, shape, seed=seed)
+    with ShardStore(public) as store:
+        ids, labels = sequences(store, shape.eos_id, shape.pad_id)
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))
+    held, train = order[:500], order[500:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    model.train()
+    rng = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        batch = train[torch.randint(len(train), (64,), generator=rng)]
+        loss = model(input_ids=ids[batch], labels=labels[batch]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        held_loss = float(model(input_ids=ids[held], labels=labels[held]).loss)
+    model.save_pretrained(out)
+    return {"steps": steps, "public_examples": len(ids), "public_held_out_loss": held_loss}
+
+
+def d_sub_size(private: Path, group: int) -> int:
+    """|D_sub|: each user's examples capped at ``group``."""
+    with ShardStore(private) as store:
+        return sum(min(c.n_examples, group) for c in store.user_counts().values())
+
+
+def run_dir(work: Path, setting: dict, method: tuple[str, int], seed: int) -> Path:
+    """A fresh folder for one run (an existing one would be resumed, not run again)."""
+    name = f"eps{setting['epsilon']:g}-B{setting['budget']}-{method[0]}{method[1]}-s{seed}"
+    folder = work / "runs" / name
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
+def run_once(
+    private: Path,
+    model: Path,
+    setting: dict,
+    method: tuple[str, int],
+    steps: int,
+    out: Path,
+    seed: int,
+) -> dict:
+    name, group = method
+    with ShardStore(private) as store:
+        users = len(store.users())
+    prob = setting["budget"] / (group * users if name == "uls" else d_sub_size(private, group))
+    config = parse_config(
+        {
+            "data": {"shards": str(private), "eval_fraction": 0.1, "seq_len": SEQ_LEN},
+            "model": {"path": str(model)},
+            "strategy": {
+                "name": name,
+                "sampling_prob": prob,
+                "group_size": group,
+                "clip_norm": 1.0,
+                "steps": steps,
+                "server_optimizer": "adam",
+                "server_lr": LEARNING_RATE,
+            },
+            "privacy": {"epsilon": setting["epsilon"], "secure_noise": False},
+            "workers": {"count": 1},
+            "output": {"dir": str(out), "seed": seed, "sample_count": 0},
+        }
+    )
+    result = run(config, out, mode="in-process", quiet=True)
+    return {
+        "final_eval_loss": result.final_eval_loss,
+        "baseline_eval_loss": result.baseline_eval_loss,
+        "noise_multiplier": result.noise_multiplier,
+        "epsilon": result.epsilon,
+    }
+
+
+def verdicts(rows: list[dict]) -> list[dict]:
+    out = []
+    for row in (r for r in rows if r["method"] == f"ELS G={ELS_GROUP}"):
+        uls = [r for r in rows if r["epsilon"] == row["epsilon"] and r["method"].startswith("ULS")]
+        best = min(uls, key=lambda r: r["mean"])
+        margin = 2 * math.hypot(best["stderr"], row["stderr"])
+        better = best["mean"] < row["mean"] - margin
+        worse = best["mean"] > row["mean"] + margin
+        out.append(
+            {
+                "finding": f"ULS beats ELS at ε = {row['epsilon']:g}"
+                + (" (strict privacy)" if row["epsilon"] <= 1 else ""),
+                "evidence": f"best {best['method']} {best['mean']:.4f} ± {best['stderr']:.2g} vs "
+                f"ELS {row['mean']:.4f} ± {row['stderr']:.2g} held-out loss",
+                "verdict": "reproduced"
+                if better
+                else ("not reproduced" if worse else "inconclusive: within 2 s.e."),
+            }
+        )
+    out.append(
+        {
+            "finding": "ULS beats ELS at large compute",
+            "evidence": f"not swept: one budget (B = {SETTINGS[0]['budget']})",
+            "verdict": "inconclusive",
+        }
+    )
+    return out
+
+
+def markdown(record: dict) -> str:
+    pre = record["pretraining"]
+    lines = [
+        f"# {record['claim']}",
+        "",
+        f"- Machine: {record['machine']}; {record['seconds']:.0f} s in all.",
+        f"- Data: fortunes corpus, private split {record['private_users']} authors; model "
+        f"gpt2-tiny pre-trained for {pre['steps']} steps on {pre['public_examples']} public "
+        f"quotations (held-out public loss {pre['public_held_out_loss']:.3f}).",
+        f"- T = {record['steps']} steps, seq_len {SEQ_LEN}, Adam server lr {LEARNING_RATE:g}, C = 1, "
+        f"δ = 1/(10·N); {len(record['seeds'])} repeats per entry (mean ± standard error).",
+        "",
+        "| finding | evidence | verdict |",
+        "|---|---|---|",
+        *(f"| {v['finding']} | {v['evidence']} | {v['verdict']} |" for v in record["verdicts"]),
+        "",
+        "| ε | B | method | σ | held-out loss before | after (mean ± s.e.) | perplexity |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in record["rows"]:
+        lines.append(
+            f"| {r['epsilon']:g} | {r['budget']} | {r['method']} | {r['noise_multiplier']:.4g} | "
+            f"{r['baseline_eval_loss']:.4f} | {r['mean']:.4f} ± {r['stderr']:.2g} | "
+            f"{math.exp(r['mean']):.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    methods = sorted({r["method"] for r in record["rows"]})
+    for offset, method in enumerate(methods):
+        mine = [r for r in record["rows"] if r["method"] == method]
+        ax.errorbar(
+            [r["epsilon"] * (1 + 0.04 * (offset - 1)) for r in mine],
+            [r["mean"] for r in mine],
+            yerr=[r["stderr"] for r in mine],
+            marker="o",
+            capsize=3,
+            label=method,
+            linestyle="--" if method.startswith("ELS") else "-",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ε")
+    ax.set_ylabel("held-out loss after fine-tuning")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Fortunes corpus, gpt2-tiny: ULS vs ELS, mean ± s.e.", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3, help="repeats per entry")
+    parser.add_argument("--pretrain-steps", type=int, default=600, help="non-private steps")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: one setting, 1 repeat, 5 steps"
+    )
+    parser.add_argument("--work", type=Path, default=Path("runs/papers_lm"), help="scratch folder")
+    parser.add_argument("--out", type=Path, required=True, help="writes PREFIX-language_model.*")
+    args = parser.parse_args()
+    settings, seeds, steps = SETTINGS, list(range(args.seeds)), STEPS
+    if args.quick:
+        settings, seeds, steps = SETTINGS[:1], [0], 5
+    start = time.perf_counter()
+    private, public = corpus(args.work / "data")
+    model_dir = args.work / "pretrained"
+    pretraining = pretrain(public, private, model_dir, 20 if args.quick else args.pretrain_steps, 0)
+    rows: list[dict[str, Any]] = []
+    for setting in settings:
+        for method in METHODS:
+            runs = [
+                run_once(
+                    private,
+                    model_dir,
+                    setting,
+                    method,
+                    steps,
+                    run_dir(args.work, setting, method, seed),
+                    seed,
+                )
+                for seed in seeds
+            ]
+            losses = np.array([r["final_eval_loss"] for r in runs])
+            label = f"{method[0].upper()} G={method[1]}"
+            rows.append(
+                {
+                    **setting,
+                    "method": label,
+                    "mean": float(losses.mean()),
+                    "stderr": float(losses.std(ddof=1) / math.sqrt(len(losses)))
+                    if len(losses) > 1
+                    else 0.0,
+                    "losses": losses.tolist(),
+                    "baseline_eval_loss": runs[0]["baseline_eval_loss"],
+                    "noise_multiplier": runs[0]["noise_multiplier"],
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    with ShardStore(private) as store:
+        private_users = len(store.users())
+    record = {
+        "claim": "Charles et al., Fine-Tuning LLMs with User-Level DP, §5: ULS vs ELS on a "
+        "language model (fortunes corpus)",
+        "machine": platform.platform(),
+        "private_users": private_users,
+        "pretraining": pretraining,
+        "seeds": seeds,
+        "steps": steps,
+        "rows": rows,
+        "seconds": time.perf_counter() - start,
+    }
+    record["verdicts"] = verdicts(rows)
+    prefix = f"{args.out}-language_model"
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{prefix}.json").write_text(json.dumps(record, indent=1) + "\n")
+    Path(f"{prefix}.md").write_text(markdown(record) + "\n")
+    plot(record, Path(f"{prefix}.png"))
+    print(markdown(record))
+
+
+if __name__ == "__main__":
+    main()
