@@ -6,12 +6,14 @@ rows they judge."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -125,3 +127,35 @@ def test_quick_mode_writes_every_claim_and_renders_again(tmp_path) -> None:
         table = Path(f"{stem}.md").read_text()
         assert record["verdicts"][0]["finding"] in table
         assert Path(f"{stem}.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(
+    not Path("/usr/share/games/fortunes").is_dir(), reason="Debian's fortunes package is absent"
+)
+def test_language_model_quick_mode_pretrains_fine_tunes_and_judges(tmp_path) -> None:
+    """The language-model reproduction end to end on the real corpus, in its smoke-test size:
+    shards both splits, pre-trains on the public one, runs each method privately through the run
+    API, and writes a table with its verdicts."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "papers_lm.py"
+    env = {**os.environ, "USERDP_CACHE_DIR": str(tmp_path / "cache")}
+    prefix = tmp_path / "out" / "papers"
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--quick",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(prefix),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    record = json.loads(Path(f"{prefix}-language_model.json").read_text())
+    assert [r["method"] for r in record["rows"]] == ["ULS G=1", "ULS G=4", "ELS G=4"]
+    losses = {r["method"]: r["mean"] for r in record["rows"]}
+    assert len(set(losses.values())) == 3, losses  # three distinct runs, none resumed
+    assert all(math.isfinite(v) for v in losses.values())
+    assert record["pretraining"]["public_held_out_loss"] < math.log(259)  # below uniform bytes
