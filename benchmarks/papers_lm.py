@@ -111,7 +111,8 @@ def d_sub_size(private: Path, group: int) -> int:
 NOTES = (
     "Notes. A verdict is reproduced when the better ULS has a lower held-out loss than ELS by more "
     "than two combined standard errors, not reproduced when it is higher by as much. Each method "
-    "runs at G = 1 and 4 and its better setting is compared. Most authors have one quotation (median 1), so the methods differ mainly on the "
+    "runs at G = 1 and 4 and its better setting is compared; at G = 1 the two are one mechanism "
+    "(one example per sampled user, the same σ). Most authors have one quotation (median 1), so the methods differ mainly on the "
     "881 authors with two or more. The model is tiny (2 layers, width 64), fine-tuned for 40 "
     "steps at one budget; the compute axis of the claim is not swept. Repeats differ in the "
     "secret cohorts and noise only: the pre-trained model and the held-out users are fixed."
