@@ -52,7 +52,7 @@ import math
 from collections.abc import Iterable
 
 import numpy as np
-from userdp.accounting.monte_carlo import tail_epsilon
+from userdp.accounting.monte_carlo import tail_epsilon, tail_sums
 
 __all__ = ["ComposedLosses", "GroupedHistogram", "composed_losses"]
 
@@ -168,11 +168,7 @@ class ComposedLosses:
         # Tail sums over s > 0 for δ̂(ε) = Σ_{s>ε} p(s) − e^ε Σ_{s>ε} p(s)e^{−s} (ε ≥ 0).
         positive = self._sums > 0.0
         self._tail_sums = self._sums[positive]
-        mass = self._composed[positive]
-        self._tail = np.append(np.cumsum(mass[::-1])[::-1], 0.0)
-        self._tail_weighted = np.append(
-            np.cumsum((mass * np.exp(-self._tail_sums))[::-1])[::-1], 0.0
-        )
+        self._tail, self._tail_weighted = tail_sums(self._tail_sums, self._composed[positive])
 
     def max_loss(self) -> float:
         """The largest composed loss with positive estimated mass (δ̂ = 0 beyond it)."""

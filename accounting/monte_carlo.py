@@ -23,6 +23,7 @@ __all__ = [
     "brentq",
     "delta_terms",
     "tail_epsilon",
+    "tail_sums",
     "SampledLosses",
     "StreamedDelta",
     "delta_from_losses",
@@ -43,6 +44,15 @@ def brentq(f: Callable[[float], float], a: float, b: float, **options: float) ->
     from scipy.optimize import brentq as scipy_brentq
 
     return float(scipy_brentq(f, a, b, **options))
+
+
+def tail_sums(points: np.ndarray, mass: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+    """(tail, weighted) for :func:`tail_epsilon`: the sums of ``mass`` and of mass·e^{−s} over
+    points[i:] for each i, with a trailing 0 (``mass`` per point, or one value for all)."""
+    mass = np.broadcast_to(np.asarray(mass, dtype=np.float64), points.shape)
+    tail = np.append(np.cumsum(mass[::-1])[::-1], 0.0)
+    weighted = np.append(np.cumsum((mass * np.exp(-points))[::-1])[::-1], 0.0)
+    return tail, weighted
 
 
 def tail_epsilon(points: np.ndarray, tail: np.ndarray, weighted: np.ndarray, delta: float) -> float:
@@ -83,9 +93,13 @@ def delta_from_losses(losses: np.ndarray, epsilon: float, num_samples: int) -> t
     """(δ̂, standard error) at ``epsilon``; ``losses`` may hold only the samples with Y > 0 (the
     others contribute 0 for every ε ≥ 0), ``num_samples`` is the full sample count m."""
     terms = delta_terms(losses, epsilon)
-    mean = float(terms.sum()) / num_samples
-    second = float(np.square(terms).sum()) / num_samples
-    var = max(second - mean * mean, 0.0)
+    return _mean_and_stderr(float(terms.sum()), float(np.square(terms).sum()), num_samples)
+
+
+def _mean_and_stderr(total: float, total_sq: float, num_samples: int) -> tuple[float, float]:
+    """(mean, standard error) of ``num_samples`` terms from their sum and sum of squares."""
+    mean = total / num_samples
+    var = max(total_sq / num_samples - mean * mean, 0.0)
     return mean, math.sqrt(var / max(num_samples - 1, 1))
 
 
@@ -104,25 +118,18 @@ class SampledLosses:
         return delta_from_losses(self.losses, epsilon, self.num_samples)
 
     def point(self, epsilon: float) -> float:
-        """δ̂(ε) (the mean alone: the ε search calls this many times)."""
+        """δ̂(ε), the mean alone (no standard error)."""
         return float(delta_terms(self.losses, epsilon).sum()) / self.num_samples
 
     def epsilon(self, delta: float) -> float:
         """The smallest ε ≥ 0 with δ̂(ε) ≤ ``delta`` (exact: :func:`tail_epsilon`)."""
         points = np.sort(self.losses[self.losses > 0.0])
-        mass = 1.0 / self.num_samples
-        tail = np.append(mass * np.arange(points.size, 0, -1, dtype=np.float64), 0.0)
-        weighted = np.append(np.cumsum(np.exp(-points)[::-1])[::-1] * mass, 0.0)
-        return tail_epsilon(points, tail, weighted, delta)
+        return tail_epsilon(points, *tail_sums(points, 1.0 / self.num_samples), delta)
 
     def roundoff_bound(self, epsilon: float) -> float:
         """0: a sample mean has no transform round-off to bound (the composed estimator's
         counterpart is not 0)."""
         return 0.0
-
-    def max_loss(self) -> float:
-        """The largest loss sample (δ̂ = 0 at and beyond it)."""
-        return float(np.max(self.losses)) if self.losses.size else 0.0
 
 
 class StreamedDelta:
@@ -145,9 +152,8 @@ class StreamedDelta:
 
     def delta(self, epsilon: float) -> tuple[float, float]:
         """(δ̂(ε), standard error), as :func:`delta_from_losses` computes them."""
-        mean = self.point(epsilon)
-        var = max(self.total_sq / self.num_samples - mean * mean, 0.0)
-        return mean, math.sqrt(var / max(self.num_samples - 1, 1))
+        self._check(epsilon)
+        return _mean_and_stderr(self.total, self.total_sq, self.num_samples)
 
     def roundoff_bound(self, epsilon: float) -> float:
         """0, as for :class:`SampledLosses`."""
@@ -187,8 +193,8 @@ def kl_upper_confidence_bound(mean: float, num_samples: int, failure_prob: float
     mean = min(max(mean, 0.0), 1.0)
     if mean >= 1.0 or kl_bernoulli(mean, 1.0 - 1e-16) < target:
         return 1.0
-    return float(
-        brentq(lambda p: kl_bernoulli(mean, p) - target, mean, 1.0 - 1e-16, xtol=1e-300, rtol=1e-12)
+    return brentq(
+        lambda p: kl_bernoulli(mean, p) - target, mean, 1.0 - 1e-16, xtol=1e-300, rtol=1e-12
     )
 
 
@@ -207,9 +213,7 @@ def kl_lower_threshold(mean: float, num_samples: int, failure_prob: float) -> fl
             f"num_samples={num_samples} is too few to bound a mean of {mean:.3g} at failure "
             f"probability {failure_prob:.3g}; expected at least {need}"
         )
-    return float(
-        brentq(lambda q: kl_bernoulli(q, mean) - target, 0.0, mean, xtol=1e-300, rtol=1e-12)
-    )
+    return brentq(lambda q: kl_bernoulli(q, mean) - target, 0.0, mean, xtol=1e-300, rtol=1e-12)
 
 
 def evr_passes(delta_hat: float, num_samples: int, delta: float) -> bool:

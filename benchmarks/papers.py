@@ -231,12 +231,18 @@ def run_once(setting: Setting, method: Method, lr: float, clip: float, seed: int
     }
 
 
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """Mean and standard error of repeats (0 for a single one)."""
+    values = np.asarray(values, dtype=float)
+    stderr = values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return {"mean": float(values.mean()), "stderr": float(stderr)}
+
+
 def errors_of(setting: Setting, method: Method, lr: float, clip: float, seeds) -> dict:
     runs = [run_once(setting, method, lr, clip, seed) for seed in seeds]
     errors = np.array([r["error"] for r in runs])
     return {
-        "mean": float(errors.mean()),
-        "stderr": float(errors.std(ddof=1) / math.sqrt(len(errors))) if len(errors) > 1 else 0.0,
+        **summary(errors),
         "errors": errors.tolist(),
         "noise_multiplier": runs[0]["noise_multiplier"],
     }

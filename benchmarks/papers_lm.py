@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from papers import summary, tied_or_better
 from userdp.clients.model import build_model, model_shape
 from userdp.clients.shard_store import ShardStore
 
@@ -174,9 +175,8 @@ def verdicts(rows: list[dict]) -> list[dict]:
         here = [r for r in rows if r["epsilon"] == epsilon]
         best = min((r for r in here if r["method"].startswith("ULS")), key=lambda r: r["mean"])
         row = min((r for r in here if r["method"].startswith("ELS")), key=lambda r: r["mean"])
-        margin = 2 * math.hypot(best["stderr"], row["stderr"])
-        better = best["mean"] < row["mean"] - margin
-        worse = best["mean"] > row["mean"] + margin
+        better = not tied_or_better(row, best)  # lower by more than two standard errors
+        worse = not tied_or_better(best, row)
         out.append(
             {
                 "finding": f"ULS beats ELS at ε = {row['epsilon']:g}"
@@ -296,10 +296,7 @@ def main() -> None:
                 {
                     **setting,
                     "method": label,
-                    "mean": float(losses.mean()),
-                    "stderr": float(losses.std(ddof=1) / math.sqrt(len(losses)))
-                    if len(losses) > 1
-                    else 0.0,
+                    **summary(losses),
                     "losses": losses.tolist(),
                     "baseline_eval_loss": runs[0]["baseline_eval_loss"],
                     "noise_multiplier": runs[0]["noise_multiplier"],

@@ -82,8 +82,9 @@ RESUME_SECTIONS = ("data", "model", "strategy", "privacy")
 
 def resume_conflicts(run_dir: Path, config: Config, given: Config) -> list[str]:
     """The keys of ``RESUME_SECTIONS`` on which ``config`` (as it would be run) differs from the
-    run already in ``run_dir`` (its ``config.toml``, when its ledger has records): a run resumed
-    under another config would continue one mechanism with another and report the old result.
+    run already in ``run_dir`` (its ``config.toml``, once its ledger file is written: the header
+    alone counts, the run has begun): a run resumed under another config would continue one
+    mechanism with another and report the old result.
     σ and δ count only when ``given`` (the user's config) sets them: derived, they follow from
     the rest."""
     previous, ledger = run_dir / "config.toml", run_dir / "ledger.jsonl"
