@@ -2,12 +2,11 @@
 
 Dispatch (all add-or-remove-one-user adjacency, pessimistic estimates):
 
-* ``uls``  — dp_accounting PLD of ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``, exactly as
-  ``PLDAccountant`` builds and composes it (bit for bit; :mod:`userdp.accounting.pld_ops` only
-  computes the truncation bounds and the final ε(δ) scan faster, with the same results).
-* ``els``  — PLD of ``MixtureOfGaussiansDpEvent(σ, 0..G, Binom(G, p))`` built by
-  :mod:`userdp.accounting.fast_pld` (the same construction as dp_accounting, vectorized);
-  ``els_backend="dp_accounting"`` uses the library's own (slow) builder instead.
+* ``uls``  — PLD of ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``, built as the G = 1 mixture
+  by :mod:`userdp.accounting.fast_pld` (ε equals ``PLDAccountant``'s to 1e-8 relative).
+* ``els``  — PLD of ``MixtureOfGaussiansDpEvent(σ, 0..G, Binom(G, p))``, the same builder.
+  ``pld_backend="dp_accounting"`` builds and composes either with the library's own (slow) code,
+  ``PLDAccountant`` bit for bit.
 * ``group-privacy`` — COMPARISON ONLY: example-level Poisson-Gaussian PLD, then the black-box
   group-privacy conversion (Vadhan 2017), minimized over the example-level ε₀.
 * ``balls-in-bins`` — Monte Carlo, :mod:`userdp.accounting.balls_in_bins`.
@@ -64,7 +63,7 @@ __all__ = [
 ]
 
 # Bump when any accountant's numbers may change (it keys the on-disk calibration cache).
-ACCOUNTANT_VERSION = "2"
+ACCOUNTANT_VERSION = "3"
 
 
 class AccountantUnavailableError(ValueError):
@@ -77,7 +76,7 @@ def epsilon(
     delta: float,
     *,
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
-    els_backend: str = "fast",
+    pld_backend: str = "fast",
     **monte_carlo: Any,
 ) -> float:
     """ε(δ) after ``steps`` steps of ``mechanism`` (user level, add/remove one user).
@@ -89,7 +88,7 @@ def epsilon(
         [(mechanism, steps)],
         delta,
         value_discretization_interval=value_discretization_interval,
-        els_backend=els_backend,
+        pld_backend=pld_backend,
         **monte_carlo,
     )
 
@@ -99,7 +98,7 @@ def compose_epsilon(
     delta: float,
     *,
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
-    els_backend: str = "fast",
+    pld_backend: str = "fast",
     **monte_carlo: Any,
 ) -> float:
     """ε(δ) of the sequential composition of ``phases``, each ``(mechanism, count)``.
@@ -127,7 +126,7 @@ def compose_epsilon(
             "and does not compose with other phases; account one phase at a time"
         )
     return _pld_accountant(phases).epsilon(
-        phases, delta, value_discretization_interval, els_backend
+        phases, delta, value_discretization_interval, pld_backend
     )
 
 
@@ -137,14 +136,14 @@ def delta(
     epsilon: float,
     *,
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
-    els_backend: str = "fast",
+    pld_backend: str = "fast",
 ) -> float:
     """δ(ε) after ``steps`` steps of a PLD mechanism (uls or els)."""
     return compose_delta(
         [(mechanism, steps)],
         epsilon,
         value_discretization_interval=value_discretization_interval,
-        els_backend=els_backend,
+        pld_backend=pld_backend,
     )
 
 
@@ -153,13 +152,13 @@ def compose_delta(
     epsilon: float,
     *,
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
-    els_backend: str = "fast",
+    pld_backend: str = "fast",
 ) -> float:
     """δ(ε) of the composition of PLD phases (uls, els)."""
     if epsilon != math.inf:  # δ(∞) = 0 is a valid query
         non_negative_float("epsilon", epsilon, InvalidMechanismError)
     pld = privacy_loss_distribution(
-        phases, value_discretization_interval=value_discretization_interval, els_backend=els_backend
+        phases, value_discretization_interval=value_discretization_interval, pld_backend=pld_backend
     )
     return float(pld.get_delta_for_epsilon(float(epsilon)))
 
@@ -168,7 +167,7 @@ def privacy_loss_distribution(
     phases: Sequence[tuple[Mechanism, int]],
     *,
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
-    els_backend: str = "fast",
+    pld_backend: str = "fast",
     rc_tail_mass: float = 1e-12,
 ) -> PrivacyLossDistribution:
     """The composed dp_accounting PLD of ``phases`` (uls, els, randomized-clipping), in
@@ -179,7 +178,7 @@ def privacy_loss_distribution(
     return _pld_accountant(phases).privacy_loss_distribution(
         phases,
         value_discretization_interval=value_discretization_interval,
-        els_backend=els_backend,
+        pld_backend=pld_backend,
         rc_tail_mass=rc_tail_mass,
     )
 

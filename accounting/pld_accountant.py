@@ -6,12 +6,16 @@ through it scipy.signal and scipy.stats, about 1.5 CPU-s of imports on a 2-core 
 the whole-run Monte Carlo accountants (balls-in-bins) never need. Callers go through ``api``,
 which validates and merges the phases first.
 
-* ``uls``  — dp_accounting PLD of ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``, exactly as
-  ``PLDAccountant`` builds and composes it (bit for bit; :mod:`userdp.accounting.pld_ops` only
-  computes the truncation bounds and the final ε(δ) scan faster, with the same results).
-* ``els``  — PLD of ``MixtureOfGaussiansDpEvent(σ, 0..G, Binom(G, p))`` built by
-  :mod:`userdp.accounting.fast_pld` (the same construction as dp_accounting, vectorized);
-  ``els_backend="dp_accounting"`` uses the library's own (slow) builder instead.
+* ``uls``  — PLD of ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``: the mixture
+  (1 − q)·N(0, σ²) + q·N(1, σ²) against N(0, σ²), built by :mod:`userdp.accounting.fast_pld`.
+* ``els``  — PLD of ``MixtureOfGaussiansDpEvent(σ, 0..G, Binom(G, p))``, the same builder
+  (ULS is its G = 1 case).
+
+:mod:`userdp.accounting.fast_pld` is dp_accounting's connect-the-dots construction, vectorized
+(ε agrees with ``PLDAccountant`` to 1e-8 relative; tests/accounting/test_fast_pld.py), and
+:func:`userdp.accounting.pld_ops.self_compose` its FFT composition with real FFTs.
+``pld_backend="dp_accounting"`` builds and composes with the library's own (slow) code instead,
+``PLDAccountant``'s result bit for bit.
 """
 
 from __future__ import annotations
@@ -38,28 +42,28 @@ from userdp.accounting.mechanisms import (
 from userdp.accounting.validation import positive_float
 
 __all__ = [
-    "ELS_BACKENDS",
+    "PLD_BACKENDS",
     "epsilon",
     "group_privacy_epsilon",
     "privacy_loss_distribution",
     "single_step_pld",
 ]
 
-ELS_BACKENDS = ("fast", "dp_accounting")
+PLD_BACKENDS = ("fast", "dp_accounting")
 
 
 def epsilon(
     phases: Sequence[tuple[Mechanism, int]],
     delta: float,
     value_discretization_interval: float,
-    els_backend: str,
+    pld_backend: str,
 ) -> float:
     """ε(δ) of composed uls, els and randomized-clipping ``phases`` (validated, merged)."""
     rc_steps = sum(c for m, c in phases if isinstance(m, RandomizedClippingMechanism))
     pld = privacy_loss_distribution(
         phases,
         value_discretization_interval=value_discretization_interval,
-        els_backend=els_backend,
+        pld_backend=pld_backend,
         # As randomized_clipping.epsilon does: the envelope's cut-off tail (charged as infinite
         # loss) gets at most 0.1·δ over all of its steps.
         rc_tail_mass=0.1 * delta / max(rc_steps, 1),
@@ -71,16 +75,16 @@ def privacy_loss_distribution(
     phases: Sequence[tuple[Mechanism, int]],
     *,
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
-    els_backend: str = "fast",
+    pld_backend: str = "fast",
     rc_tail_mass: float = 1e-12,
 ) -> pld_lib.PrivacyLossDistribution:
     """The composed dp_accounting PLD of ``phases`` (uls, els, randomized-clipping), in
     PLDAccountant's order. ``rc_tail_mass``: the randomized-clipping envelope mass above its
     grid, per step, charged as infinite privacy loss (valid for any value; smaller is tighter
     only while it stays well below δ/steps)."""
-    if els_backend not in ELS_BACKENDS:
+    if pld_backend not in PLD_BACKENDS:
         raise InvalidMechanismError(
-            f"els_backend={els_backend!r} is not allowed; expected one of {ELS_BACKENDS}"
+            f"pld_backend={pld_backend!r} is not allowed; expected one of {PLD_BACKENDS}"
         )
     _check_vdi(value_discretization_interval)
     composed = pld_lib.identity(value_discretization_interval)
@@ -93,12 +97,9 @@ def privacy_loss_distribution(
             step = _randomized_clipping_pld(mechanism, value_discretization_interval, rc_tail_mass)
             composed = composed.compose(step.self_compose(count))
             continue
-        step = single_step_pld(mechanism, value_discretization_interval, els_backend)
-        if isinstance(mechanism, ElsMechanism) and els_backend == "fast":
+        step = single_step_pld(mechanism, value_discretization_interval, pld_backend)
+        if pld_backend == "fast":
             composed = composed.compose(pld_ops.self_compose(step, count))
-        elif isinstance(mechanism, UlsMechanism):
-            # PLDAccountant's arithmetic bit for bit, with faster truncation bounds.
-            composed = composed.compose(pld_ops.self_compose(step, count, bit_exact=True))
         else:
             composed = composed.compose(step.self_compose(count))
     return composed
@@ -106,19 +107,21 @@ def privacy_loss_distribution(
 
 @functools.lru_cache(maxsize=4)  # PLDs can be tens of MB; max_steps reuses one
 def single_step_pld(
-    mechanism: Mechanism, value_discretization_interval: float, els_backend: str = "fast"
+    mechanism: Mechanism, value_discretization_interval: float, pld_backend: str = "fast"
 ) -> pld_lib.PrivacyLossDistribution:
     """The pessimistic PLD of ONE step of a uls/els mechanism (cached; PLDs are immutable)."""
-    if isinstance(mechanism, UlsMechanism):
-        # Exactly PLDAccountant's construction for PoissonSampledDpEvent(GaussianDpEvent).
+    if isinstance(mechanism, UlsMechanism) and pld_backend == "dp_accounting":
+        # PLDAccountant's construction for PoissonSampledDpEvent(GaussianDpEvent)
         return pld_lib.from_gaussian_mechanism(
             standard_deviation=mechanism.noise_multiplier,
             value_discretization_interval=value_discretization_interval,
             sampling_prob=mechanism.sampling_prob,
         )
-    if isinstance(mechanism, ElsMechanism):
-        sensitivities, probs = binomial_sensitivities(mechanism.group_size, mechanism.sampling_prob)
-        if els_backend == "dp_accounting":
+    if isinstance(mechanism, UlsMechanism | ElsMechanism):
+        # A ULS step is the G = 1 mixture: sensitivity 1 with probability q, else 0.
+        group = mechanism.group_size if isinstance(mechanism, ElsMechanism) else 1
+        sensitivities, probs = binomial_sensitivities(group, mechanism.sampling_prob)
+        if pld_backend == "dp_accounting":
             return pld_lib.from_mixture_gaussian_mechanism(
                 standard_deviation=mechanism.noise_multiplier,
                 sensitivities=sensitivities,

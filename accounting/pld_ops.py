@@ -4,9 +4,7 @@ Used for every PLD mechanism (uls, els); each function names the library routine
 and how the result compares (tests/accounting/test_fast_pld.py):
 
 * :func:`self_compose` — ``PrivacyLossDistribution.self_compose``: same truncation bounds, FFT
-  length and infinity mass. By default with real FFTs (half the work; probabilities equal to
-  ~1e-21); ``bit_exact=True`` keeps the library's complex FFT and arithmetic bit for bit, only
-  the truncation bounds computed faster (for ULS, whose ε must stay exactly ``PLDAccountant``'s).
+  length and infinity mass, with real FFTs (half the work; probabilities equal to ~1e-21).
 * :func:`epsilon_for_delta` — ``get_epsilon_for_delta``: the library's scan over the losses
   (a Python loop, up to ~10⁶ iterations) with prefix sums in the same summation order.
 * ``_self_convolve_bounds`` — ``common.compute_self_convolve_bounds``: the same 40 Chernoff
@@ -31,25 +29,22 @@ def self_compose(
     pld: pld_lib.PrivacyLossDistribution,
     num_times: int,
     tail_mass_truncation: float = 1e-15,
-    *,
-    bit_exact: bool = False,
 ) -> pld_lib.PrivacyLossDistribution:
     """``pld.self_compose(num_times)``: the same truncation bounds
     (``common.compute_self_convolve_bounds``, computed by :func:`_self_convolve_bounds`), FFT
-    length and infinity mass. ``bit_exact``: the library's complex FFT and arithmetic, so the
-    result is the library's bit for bit; otherwise real FFTs (half the work), equal up to float
-    rounding. Falls back to the library for sparse PMFs."""
+    length and infinity mass, with real FFTs (half the work), equal up to float rounding. Falls
+    back to the library for sparse PMFs."""
     composed = []
     for pmf in adapter.distinct_pmfs(pld):
         dense = adapter.dense_arrays(pmf)
         if dense is None:
             return pld.self_compose(num_times, tail_mass_truncation)
-        composed.append(_self_compose_dense(dense, num_times, tail_mass_truncation, bit_exact))
+        composed.append(_self_compose_dense(dense, num_times, tail_mass_truncation))
     return pld_lib.PrivacyLossDistribution(*composed)
 
 
 def _self_compose_dense(
-    pmf: adapter.DenseArrays, num_times: int, tail_mass_truncation: float, bit_exact: bool
+    pmf: adapter.DenseArrays, num_times: int, tail_mass_truncation: float
 ) -> pld_pmf.DensePLDPmf:
     if num_times <= 0:
         raise ValueError(f"num_times should be >= 1, num_times={num_times}")
@@ -58,12 +53,8 @@ def _self_compose_dense(
     output_len = upper - lower + 1
     # The library's length (complex next_fast_len), so the circular wrap-around is identical.
     fast_len = fft.next_fast_len(max(output_len, len(probs)))
-    if bit_exact:
-        circular = np.real(fft.ifft(fft.fft(probs, fast_len) ** num_times))
-        out = np.array(np.roll(circular, -lower)[:output_len])
-    else:
-        circular = fft.irfft(fft.rfft(probs, fast_len) ** num_times, fast_len)
-        out = np.roll(circular, -lower)[:output_len]
+    circular = fft.irfft(fft.rfft(probs, fast_len) ** num_times, fast_len)
+    out = np.roll(circular, -lower)[:output_len]
     infinity_mass = tail_mass_truncation - math.expm1(num_times * math.log1p(-pmf.infinity_mass))
     return pld_pmf.DensePLDPmf(
         pmf.discretization,
