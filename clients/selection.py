@@ -18,6 +18,13 @@ al., "Mind the Privacy Unit! User-Level Differential Privacy for Language Model 
 Every returned example is truncated to ``seq_len`` tokens. ``group_size=None`` keeps all examples
 (``random`` then returns them in a random order).
 
+Example units (ELS and group privacy: one of at most ``group_size`` records per user in the
+subset D_sub, chosen once) take the same records: ``random`` draws D_sub uniformly (the
+coordinator names each record by its index, :func:`example_at`), and the ranked strategies
+(``longest``, ``shortest``, ``highest_ppl``, ``lowest_ppl``) make D_sub each user's first
+``group_size`` records under :func:`ranking`, named by their rank, so the coordinator needs no
+lengths or perplexities. ``random_chunk`` is for user units only: its windows are not records.
+
 Selection does not bound a user's contribution: that is the strategy's job (the unit and clip).
 """
 
@@ -26,16 +33,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-
-PERPLEXITY_SELECTIONS: tuple[str, ...] = ("highest_ppl", "lowest_ppl")
-"""The strategies that rank a user's examples by their perplexity under the initial model."""
-SELECTION_STRATEGIES: tuple[str, ...] = (
-    "random",
-    "longest",
-    "shortest",
-    "random_chunk",
-    *PERPLEXITY_SELECTIONS,
+from userdp.strategies.population import (
+    EXAMPLE_UNIT_SELECTIONS,
+    PERPLEXITY_SELECTIONS,
+    RANKED_SELECTIONS,
+    SELECTION_STRATEGIES,
 )
+
+__all__ = [
+    "EXAMPLE_UNIT_SELECTIONS",
+    "PERPLEXITY_SELECTIONS",
+    "RANKED_SELECTIONS",
+    "SELECTION_STRATEGIES",
+    "MissingPerplexityError",
+    "example_at",
+    "ranking",
+    "select_examples",
+]
 
 
 class MissingPerplexityError(ValueError):
@@ -55,14 +69,36 @@ def select_examples(
     ``examples`` by ``strategy``; see the module docstring for the definitions.
     ``perplexities[i]`` is example i's perplexity (NaN: unscored), needed by ``highest_ppl`` and
     ``lowest_ppl`` only."""
-    if strategy not in SELECTION_STRATEGIES:
-        raise ValueError(
-            f"selection must be one of {', '.join(SELECTION_STRATEGIES)}, got {strategy!r}"
-        )
+    _check_strategy(strategy)
     if group_size is not None and group_size < 1:
         raise ValueError(f"group_size must be a positive integer or None, got {group_size}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
+    if not examples:
+        return []
+    n = len(examples)
+    k = n if group_size is None else min(group_size, n)
+    if strategy == "random":
+        chosen = rng.choice(n, size=k, replace=False)
+    elif strategy in RANKED_SELECTIONS:
+        chosen = ranking(examples, strategy, perplexities)[:k]
+    else:
+        return _random_chunks(examples, group_size or n, seq_len, rng, separator)
+    return [np.asarray(examples[i])[:seq_len] for i in chosen]
+
+
+def ranking(
+    examples: Sequence[np.ndarray],
+    strategy: str,
+    perplexities: Sequence[float] | np.ndarray | None = None,
+) -> np.ndarray:
+    """A user's example indices in the order of a ranked ``strategy`` (:data:`RANKED_SELECTIONS`):
+    by token count for ``longest`` / ``shortest``, by perplexity for ``highest_ppl`` /
+    ``lowest_ppl`` (unscored examples, NaN, last). Stable: ties keep the earlier example first."""
+    _check_strategy(strategy)
+    if strategy not in RANKED_SELECTIONS:
+        raise ValueError(f"selection {strategy!r} does not rank examples")
+    n = len(examples)
     if strategy in PERPLEXITY_SELECTIONS:
         if perplexities is None:
             raise MissingPerplexityError(
@@ -70,31 +106,54 @@ def select_examples(
                 "model, and none were given: only a worker computes them (once, at start); use "
                 "another data.selection here"
             )
-        if len(perplexities) != len(examples):
+        if len(perplexities) != n:
             raise MissingPerplexityError(
-                f"data.selection = {strategy!r}: {len(perplexities)} perplexities for "
-                f"{len(examples)} examples"
+                f"data.selection = {strategy!r}: {len(perplexities)} perplexities for {n} examples"
             )
-    if not examples:
-        return []
-    n = len(examples)
-    k = n if group_size is None else min(group_size, n)
-
-    if strategy == "random":
-        chosen = rng.choice(n, size=k, replace=False)
-    elif strategy in ("longest", "shortest"):
-        lengths = np.fromiter((len(e) for e in examples), dtype=np.int64, count=n)
-        # stable sort on the key: ties keep the earlier example first
-        key = -lengths if strategy == "longest" else lengths
-        chosen = np.argsort(key, kind="stable")[:k]
-    elif strategy in PERPLEXITY_SELECTIONS:
         scores = np.asarray(perplexities, dtype=np.float64)
-        # NaN sorts last in either direction; the stable sort keeps ties in example order
-        key = -scores if strategy == "highest_ppl" else scores
-        chosen = np.argsort(key, kind="stable")[:k]
+        key = -scores if strategy == "highest_ppl" else scores  # NaN sorts last either way
     else:
-        return _random_chunks(examples, group_size or n, seq_len, rng, separator)
-    return [np.asarray(examples[i])[:seq_len] for i in chosen]
+        lengths = np.fromiter((len(e) for e in examples), dtype=np.int64, count=n)
+        key = -lengths if strategy == "longest" else lengths
+    return np.argsort(key, kind="stable")
+
+
+def example_at(
+    examples: Sequence[np.ndarray],
+    index: int,
+    strategy: str,
+    seq_len: int,
+    perplexities: Sequence[float] | np.ndarray | None = None,
+    group_size: int | None = None,
+) -> np.ndarray:
+    """The record an example unit ``"<user>/<index>"`` names, truncated to ``seq_len``: record
+    ``index`` under ``random`` (D_sub drawn uniformly by index), the record of rank ``index``
+    under a ranked strategy (D_sub = each user's top ``group_size``; a rank at or past
+    ``group_size`` is refused, as it would put more than ``group_size`` of the user's records in
+    D_sub)."""
+    _check_strategy(strategy)
+    if strategy not in EXAMPLE_UNIT_SELECTIONS:
+        raise ValueError(
+            f"data.selection = {strategy!r} cuts windows across a user's records, and example "
+            f"units name records; use one of {', '.join(EXAMPLE_UNIT_SELECTIONS)}"
+        )
+    if not 0 <= index < len(examples):
+        raise IndexError(f"example {index} of a user with {len(examples)} examples")
+    if strategy in RANKED_SELECTIONS:
+        if group_size is not None and index >= group_size:
+            raise IndexError(
+                f"example unit of rank {index} under data.selection = {strategy!r}: D_sub holds "
+                f"each user's first {group_size} records only"
+            )
+        index = int(ranking(examples, strategy, perplexities)[index])
+    return np.asarray(examples[index])[:seq_len]
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in SELECTION_STRATEGIES:
+        raise ValueError(
+            f"selection must be one of {', '.join(SELECTION_STRATEGIES)}, got {strategy!r}"
+        )
 
 
 def _random_chunks(

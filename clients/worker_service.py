@@ -32,6 +32,7 @@ from userdp.clients.perplexity import ExamplePerplexities, example_perplexities
 from userdp.clients.selection import (
     PERPLEXITY_SELECTIONS,
     MissingPerplexityError,
+    example_at,
     select_examples,
 )
 from userdp.clients.shard_store import ShardStore
@@ -76,7 +77,15 @@ class EngineCompute:
         for unit_id in task.unit_ids:
             if task.unit == "example":
                 user, index = parse_example_unit_id(unit_id)
-                examples = [self.store.user_examples(user)[index][: task.seq_len]]
+                example = example_at(
+                    self.store.user_examples(user),
+                    index,
+                    task.selection,
+                    task.seq_len,
+                    perplexities=self._perplexities(task.selection, user),
+                    group_size=task.group_size,
+                )
+                examples = [example]
             else:
                 rng = _selection_rng(task.selection_seed, task.step, unit_id)
                 examples = select_examples(

@@ -31,6 +31,7 @@ from userdp.strategies.base import (
 )
 from userdp.strategies.noise import NoiseMechanism
 from userdp.strategies.optimizers import ServerOptimizer
+from userdp.strategies.population import EXAMPLE_UNIT_SELECTIONS, RANKED_SELECTIONS
 from userdp.strategies.samplers import (
     BallsInBinsSampler,
     ExampleSubset,
@@ -222,10 +223,15 @@ class ExampleLevelSampling(Strategy):
     """DP-SGD-ELS (Alg. 1 of "Fine-Tuning Large Language Models with User-Level Differential
     Privacy") with the user-level mixture-of-Gaussians accountant.
 
-    D_sub = at most G examples per user, chosen uniformly ONCE (seeded); each step includes every
-    example of D_sub independently with probability p, clips per example, adds N(0, σ²C²I) and
-    divides by the expected batch B = p|D_sub| (or ``expected_batch_size`` when given, which
-    keeps the normalizer independent of the data's example counts).
+    D_sub = at most G examples per user, chosen ONCE: uniformly (seeded) with ``selection =
+    "random"``, or each user's first G under a ranked selection (``longest``, ``shortest``,
+    ``highest_ppl``, ``lowest_ppl``: the record choices of group privacy in Chua et al., "Mind the
+    Privacy Unit! User-Level Differential Privacy for Language Model Fine-Tuning", §4.1), which
+    the workers resolve on the users' own records. Each step includes every example of D_sub
+    independently with probability p, clips per example, adds N(0, σ²C²I) and divides by the
+    expected batch B = p|D_sub| (or ``expected_batch_size`` when given, which keeps the
+    normalizer independent of the data's example counts). The accountant only needs each user's
+    D_sub to hold at most G of its own records, which both choices keep.
     """
 
     samplings = ("poisson",)
@@ -238,12 +244,18 @@ class ExampleLevelSampling(Strategy):
         sampling_prob: float,
         group_size: int,
         expected_batch_size: float | None = None,
+        selection: str = "random",
         seed: int | None = None,
         noise: NoiseMechanism | None = None,
         optimizer: ServerOptimizer | None = None,
     ) -> None:
         if group_size < 1:
             raise StrategyError(f"group_size={group_size} is out of range; expected >= 1")
+        if selection not in EXAMPLE_UNIT_SELECTIONS:
+            raise StrategyError(
+                f"selection={selection!r} does not choose whole records for D_sub; expected one "
+                f"of {', '.join(EXAMPLE_UNIT_SELECTIONS)}"
+            )
         try:
             sampler = PoissonSampler(sampling_prob, seed)
         except SamplerError as exc:
@@ -259,6 +271,7 @@ class ExampleLevelSampling(Strategy):
         )
         self.sampling_prob = float(sampling_prob)
         self.expected_batch_size = expected_batch_size
+        self.selection = selection
         self._subset: ExampleSubset | None = None
         self._subset_key: tuple[int, int] | None = None
 
@@ -272,7 +285,12 @@ class ExampleLevelSampling(Strategy):
                 raise StrategyError(
                     "the population changed during the run; D_sub is chosen once (Alg. 1)"
                 )
-            self._subset = ExampleSubset(counts, self.group_size, self.sampler.seed)
+            self._subset = ExampleSubset(
+                counts,
+                self.group_size,
+                self.sampler.seed,
+                ranked=self.selection in RANKED_SELECTIONS,
+            )
             self._subset_key = key
         return self._subset
 

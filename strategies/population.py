@@ -5,6 +5,10 @@ An example unit (ELS, one example of the capped subset D_sub) is named ``"<user 
 index>"`` (:func:`example_unit_id`); :func:`parse_example_unit_id` is its one parser, used by the
 coordinator to find a unit's shard (``userdp.server.population.Population``) and by the worker to
 select the example.
+
+The names of the data selection strategies (which of a user's records a unit uses; their
+definitions are in :mod:`userdp.clients.selection`) live here, below both the strategies that
+build D_sub and the workers that read the records.
 """
 
 from __future__ import annotations
@@ -16,7 +20,25 @@ from typing import Any
 import numpy as np
 from userdp.strategies.errors import StrategyError
 
-__all__ = ["PopulationCounts", "as_population", "example_unit_id", "parse_example_unit_id"]
+__all__ = [
+    "EXAMPLE_UNIT_SELECTIONS",
+    "PERPLEXITY_SELECTIONS",
+    "RANKED_SELECTIONS",
+    "SELECTION_STRATEGIES",
+    "PopulationCounts",
+    "as_population",
+    "example_unit_id",
+    "parse_example_unit_id",
+]
+
+PERPLEXITY_SELECTIONS: tuple[str, ...] = ("highest_ppl", "lowest_ppl")
+"""The strategies that rank a user's examples by their perplexity under the initial model."""
+RANKED_SELECTIONS: tuple[str, ...] = ("longest", "shortest", *PERPLEXITY_SELECTIONS)
+"""The deterministic strategies: a user's first ``group_size`` examples in a fixed order."""
+EXAMPLE_UNIT_SELECTIONS: tuple[str, ...] = ("random", *RANKED_SELECTIONS)
+"""The strategies that choose whole records, so example units (ELS, group privacy) can use them."""
+SELECTION_STRATEGIES: tuple[str, ...] = (*EXAMPLE_UNIT_SELECTIONS, "random_chunk")
+"""Every data selection strategy (``random_chunk`` cuts windows across records: user units only)."""
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from userdp.accounting.facts import Adjacency, Sampling
 from userdp.accounting.validation import positive_int, probability
-from userdp.strategies.subset_draws import choose_subsets
+from userdp.strategies.subset_draws import choose_subsets, top_ranks
 
 __all__ = [
     "SEED_CAVEAT",
@@ -186,10 +186,11 @@ class ExampleSubset:
     """D_sub of "Fine-Tuning Large Language Models with User-Level Differential Privacy", Alg. 1: for each user, at most G of its examples, chosen uniformly at
     random ONCE, independently of other users. Stored as CSR: ``offsets`` (users + 1) and the
     chosen example indices (sorted within a user); position i of D_sub belongs to user
-    ``searchsorted(offsets, i, 'right') − 1``.
+    ``searchsorted(offsets, i, 'right') − 1``. ``ranked``: each user's ranks 0..min(G, n) − 1
+    under a ranked data selection instead (:func:`~userdp.strategies.subset_draws.top_ranks`).
     """
 
-    def __init__(self, examples_per_user: np.ndarray, group_size: int, seed: int) -> None:
+    def __init__(self, examples_per_user: np.ndarray, group_size: int, seed: int, *, ranked=False):
         counts = np.asarray(examples_per_user, dtype=np.int64)
         if counts.ndim != 1 or (counts < 0).any():
             raise SamplerError("examples_per_user must be a 1-D array of non-negative integers")
@@ -197,7 +198,8 @@ class ExampleSubset:
         self.examples_per_user = counts
         taken = np.minimum(counts, self.group_size)
         self.offsets = np.concatenate([[0], np.cumsum(taken)]).astype(np.int64)
-        self.examples = choose_subsets(_rng(seed, _DSUB), counts, self.group_size)
+        draw = top_ranks if ranked else lambda c, g: choose_subsets(_rng(seed, _DSUB), c, g)
+        self.examples = draw(counts, self.group_size)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])

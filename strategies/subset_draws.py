@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["choose_subsets", "distinct_draws"]
+__all__ = ["choose_subsets", "distinct_draws", "top_ranks"]
+
+
+def top_ranks(counts: np.ndarray, g: int) -> np.ndarray:
+    """Flat per-user ranks 0..min(n, g) − 1: D_sub under a ranked data selection (longest,
+    shortest, by perplexity; :func:`userdp.clients.selection.ranking`), each user's first g
+    records in its own order, which the worker resolves on the user's records. As with
+    :func:`choose_subsets`, a user has at most g entries, chosen from its own records alone."""
+    taken = np.minimum(counts, g)
+    starts = np.concatenate([[0], np.cumsum(taken)])[:-1]
+    return np.arange(int(taken.sum()), dtype=np.int64) - np.repeat(starts, taken)
 
 
 def choose_subsets(rng: np.random.Generator, counts: np.ndarray, g: int) -> np.ndarray:

@@ -285,7 +285,7 @@ def _config(files: dict[str, Path], tmp_path: Path, selection: str = "highest_pp
     )
 
 
-def _task(units: list[str], selection: str, step: int = 0):
+def _task(units: list[str], selection: str, step: int = 0, unit: str = "user"):
     from userdp.proto import userdp_v1_pb2 as pb
     from userdp.proto.codec import task_from_proto
 
@@ -295,7 +295,7 @@ def _task(units: list[str], selection: str, step: int = 0):
             step=step,
             unit_ids=units,
             clip_norm=1.0,
-            engine=pb.EngineOptions(unit="user"),
+            engine=pb.EngineOptions(unit=unit),
             selection=pb.Selection(strategy=selection, group_size=2, seq_len=SEQ_LEN),
             selection_seed=5,
         )
@@ -344,20 +344,50 @@ def test_a_worker_started_without_perplexities_fails_such_a_task_in_one_line(
     assert not (tmp_path / "cache").exists()  # random selection scores nothing
 
 
+def test_example_units_take_each_users_top_records_by_the_initial_models_perplexity(
+    files, tmp_path
+) -> None:
+    # ELS / group privacy: D_sub holds ranks 0..G-1 and the worker resolves each on the user's
+    # own records, by the initial model's perplexity; a rank at or past G is refused (it would
+    # put more than G of the user's records in D_sub).
+    from userdp.clients.worker_service import build_compute
+
+    initial = _model(files["model"])
+    with ShardStore(files["shards"]) as store:
+        compute = build_compute(_config(files, tmp_path, name="els"), store)
+        users = store.users()
+        for selection, sign in (("highest_ppl", -1.0), ("lowest_ppl", 1.0)):
+            ids = [f"{user}/{rank}" for user in users for rank in range(2)]
+            units = compute._units(_task(ids, selection, unit="example"))
+            for user in users:
+                examples = store.user_examples(user)
+                reference = np.array(
+                    [
+                        _reference_perplexity(initial, e, SEQ_LEN) if len(e) >= 2 else np.nan
+                        for e in examples
+                    ]
+                )
+                top = np.argsort(sign * reference, kind="stable")[:2]
+                mine = [u.examples[0].tolist() for u in units if u.unit_id.startswith(f"{user}/")]
+                assert mine == [examples[i][:SEQ_LEN].tolist() for i in top], (user, selection)
+        with pytest.raises(IndexError, match="first 2 records"):
+            compute._units(_task([f"{users[0]}/2"], "highest_ppl", unit="example"))
+
+
 @pytest.mark.parametrize("strategy", ["els", "group-privacy"])
-def test_perplexity_selection_with_example_units_is_a_config_error(files, tmp_path, strategy):
-    with pytest.raises(ConfigError, match=r"data\.selection = 'highest_ppl'.*strategy\.name"):
-        _config(files, tmp_path, name=strategy)
+def test_random_chunk_with_example_units_is_a_config_error(files, tmp_path, strategy):
+    with pytest.raises(ConfigError, match=r"data\.selection = 'random_chunk'.*strategy\.name"):
+        _config(files, tmp_path, selection="random_chunk", name=strategy)
 
 
 def test_config_check_exits_2_naming_the_key(files, tmp_path, capsys) -> None:
     from userdp.cli import main
 
     path = tmp_path / "run.toml"
-    path.write_text('[data]\nselection = "lowest_ppl"\n[strategy]\nname = "els"\n')
+    path.write_text('[data]\nselection = "random_chunk"\n[strategy]\nname = "els"\n')
     assert main(["config", "check", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "data.selection = 'lowest_ppl'" in err and err.count("\n") == 0
+    assert "data.selection = 'random_chunk'" in err and err.count("\n") == 0
 
 
 def test_in_process_run_with_highest_ppl_selection_notes_the_public_model(files, tmp_path):

@@ -132,3 +132,19 @@ def test_unknown_strategies_and_bad_group_sizes_are_rejected() -> None:
         select_examples(_examples(LENGTHS), 2, "best", 8, rng)
     with pytest.raises(ValueError, match="group_size"):
         select_examples(_examples(LENGTHS), 0, "random", 8, rng)
+
+
+def test_example_units_name_records_by_index_or_by_rank() -> None:
+    from userdp.clients.selection import example_at, ranking
+
+    examples = _examples(LENGTHS)
+    assert ranking(examples, "longest").tolist() == [1, 3, 4, 6, 0, 2, 5]
+    # random: the coordinator drew the index; ranked: the index is a rank in the user's order
+    assert int(example_at(examples, 2, "random", 1000)[0]) == 2
+    assert int(example_at(examples, 2, "longest", 1000, group_size=3)[0]) == 4
+    assert int(example_at(examples, 0, "shortest", 1000, group_size=3)[0]) == 5
+    assert len(example_at(examples, 0, "longest", 8)) == 8
+    with pytest.raises(IndexError, match="first 3 records"):
+        example_at(examples, 3, "longest", 1000, group_size=3)
+    with pytest.raises(ValueError, match="cuts windows across"):
+        example_at(examples, 0, "random_chunk", 1000)

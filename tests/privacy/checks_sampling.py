@@ -107,15 +107,18 @@ def _els_population() -> dict[str, int]:
     return {f"user-{i}": 1 + (5 * i) % 8 for i in range(300)}
 
 
-def check_els_sampler_matches_accountant() -> None:
+def check_els_sampler_matches_accountant(selection: str = "random") -> None:
     """ELS: over the whole run a user contributes at most the mechanism's G distinct examples
-    (D_sub chosen once, Alg. 1), and each example of D_sub is included with the mechanism's p."""
+    (D_sub chosen once, Alg. 1), and each example of D_sub is included with the mechanism's p.
+    Under a ranked ``selection`` (longest, ...) the unit ids name ranks in the user's fixed order,
+    so distinct ranks are distinct records: the same bound applies to them."""
     population = _els_population()
     strategy = ExampleLevelSampling(
         noise_multiplier=SIGMA,
         clip_norm=CLIP,
         sampling_prob=ELS_P,
         group_size=ELS_G,
+        selection=selection,
         seed=SEED,
         noise=GaussianNoise(NoiseRng.for_testing(1)),
     )

@@ -355,6 +355,19 @@ def mutation_els_dsub_redrawn_each_step(monkeypatch):
 
 
 @pytest.fixture
+def mutation_els_ranked_dsub_takes_every_record(monkeypatch):
+    """Under a ranked selection (longest, ...) D_sub is not capped at G: every rank of a user is
+    in it, so a user with more than G records contributes all of them."""
+
+    def subset(self, population):
+        counts = as_population(population).require_examples("ELS")
+        self._subset = samplers.ExampleSubset(counts, int(counts.max()), 0, ranked=True)
+        return self._subset
+
+    monkeypatch.setattr(ExampleLevelSampling, "subset", subset)
+
+
+@pytest.fixture
 def mutation_els_accounted_as_example_level(monkeypatch):
     """ELS reports group size 1 to the accountant (example-level ε reported as user-level)."""
     original = ExampleLevelSampling.mechanism

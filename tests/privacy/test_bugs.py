@@ -73,6 +73,9 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "coordinator_uls_resume_no_rerelease": coordinator.check_coordinator_uls_resume_never_rereleases,
     "uls_sampler_matches_accountant": _no_tmp(sampling.check_uls_sampler_matches_accountant),
     "els_sampler_matches_accountant": _no_tmp(sampling.check_els_sampler_matches_accountant),
+    "els_ranked_sampler_matches_accountant": _no_tmp(
+        partial(sampling.check_els_sampler_matches_accountant, "longest")
+    ),
     "ledger_epsilon_matches_run": sampling.check_ledger_epsilon_matches_steps_run,
     "unaccounted_sampling_flagged": _no_tmp(sampling.check_unaccounted_sampling_is_flagged),
     "config_calibration_matches_run": sampling.check_config_calibration_matches_run,
@@ -348,6 +351,13 @@ CASES: list[Case] = [
         "mutation_els_dsub_redrawn_each_step",
         r"distinct examples",
         "els_sampler_matches_accountant",
+        "els_ranked_sampler_matches_accountant",
+    ),
+    *_cases(
+        "ELS user contributes more than G examples",
+        "mutation_els_ranked_dsub_takes_every_record",
+        r"distinct examples",
+        "els_ranked_sampler_matches_accountant",
     ),
     *_cases(
         "ELS accounted at example level",

@@ -297,3 +297,23 @@ def test_the_normalizer_keys_the_caveat_names_fix_the_normalizer(strategy, key):
     public = [c for c in default.caveats() if "treated" in c and "public" in c]
     assert public and f"strategy.{key}" in public[0]
     assert not [c for c in fixed.caveats() if c in public]
+
+
+def test_els_with_a_ranked_selection_samples_ranks_below_g_and_refuses_chunks() -> None:
+    from userdp.strategies import ExampleLevelSampling
+    from userdp.strategies.base import parse_example_unit_id
+    from userdp.strategies.population import PopulationCounts
+
+    population = PopulationCounts(["a", "b", "c"], np.array([7, 1, 3]))
+    strategy = ExampleLevelSampling(
+        noise_multiplier=1.0, clip_norm=1.0, sampling_prob=1.0, group_size=2, selection="longest"
+    )
+    cohort = strategy.sample_cohort(0, population)
+    assert sorted(parse_example_unit_id(u) for u in cohort.unit_ids) == [
+        ("a", 0), ("a", 1), ("b", 0), ("c", 0), ("c", 1)
+    ]  # fmt: skip
+    with pytest.raises(StrategyError, match="selection='random_chunk'"):
+        ExampleLevelSampling(
+            noise_multiplier=1.0, clip_norm=1.0, sampling_prob=0.5, group_size=2,
+            selection="random_chunk",
+        )  # fmt: skip

@@ -175,3 +175,14 @@ def test_a_sampling_rate_is_a_real_number_in_the_unit_interval(q):
     """``True`` is not the rate 1: the samplers check rates as the accountants do."""
     with pytest.raises(SamplerError, match=r"sampling_prob=.* expected a float in \(0, 1\]"):
         PoissonSampler(q, seed=0)
+
+
+def test_ranked_example_subset_is_each_users_first_g_ranks():
+    counts = np.array([2, 0, 9, 1, 4])
+    subset = ExampleSubset(counts, 3, seed=0, ranked=True)
+    users, ranks = subset.locate(np.arange(len(subset)))
+    assert users.tolist() == [0, 0, 2, 2, 2, 3, 4, 4, 4]
+    assert ranks.tolist() == [0, 1, 0, 1, 2, 0, 0, 1, 2]
+    # the same D_sub on every build (nothing is drawn): a resume rebuilds it exactly
+    again = ExampleSubset(counts, 3, seed=7, ranked=True)
+    assert again.examples.tolist() == subset.examples.tolist()

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from userdp.clients.deepspeed_config import read_deepspeed_json
 from userdp.clients.presets import PRESETS
-from userdp.clients.selection import PERPLEXITY_SELECTIONS
+from userdp.clients.selection import EXAMPLE_UNIT_SELECTIONS
 from userdp.config.local_files import local_file_problems
 from userdp.config.schema import Config, ConfigError, StrategyConfig
 from userdp.run.registry import (
@@ -76,12 +76,15 @@ def parse_config(raw: dict[str, Any]) -> Config:
             f"built-in {strategy.name!r} takes the [strategy] keys"
         )
 
-    if config.data.selection in PERPLEXITY_SELECTIONS and strategy.name in ("els", "group-privacy"):
+    if config.data.selection not in EXAMPLE_UNIT_SELECTIONS and strategy.name in (
+        "els",
+        "group-privacy",
+    ):
         raise ConfigError(
-            f"data.selection = {config.data.selection!r} ranks a user's examples for user-level "
-            f"units, but strategy.name = {strategy.name!r} trains on example units of a subset "
-            "the coordinator draws uniformly; use a user-level strategy (uls, dp-fedavg, ...) or "
-            "data.selection = 'random'"
+            f"data.selection = {config.data.selection!r} cuts windows across a user's records, "
+            f"but strategy.name = {strategy.name!r} trains on records of a subset chosen once; "
+            f"use data.selection = one of {', '.join(EXAMPLE_UNIT_SELECTIONS)}, or a user-level "
+            "strategy (uls, dp-fedavg, ...)"
         )
     _check_user_wise_filter(strategy)
     if strategy.name in BUILTIN_STRATEGIES:

@@ -69,10 +69,13 @@ class DataConfig(_Section):
     selection: Literal[
         "random", "longest", "shortest", "random_chunk", "highest_ppl", "lowest_ppl"
     ] = "random"
-    """How a user's examples are chosen each step (the selection strategies of "Mind the Privacy
-    Unit! User-Level Differential Privacy for Language Model Fine-Tuning", §4.1, §5.1).
-    ``highest_ppl`` / ``lowest_ppl`` rank them by perplexity under the initial model, which each
-    worker computes once at start (docs/data.md); user-level strategies only."""
+    """Which of a user's examples are used (the selection strategies of "Mind the Privacy Unit!
+    User-Level Differential Privacy for Language Model Fine-Tuning", §4.1, §5.1): for user-level
+    strategies, ``group_size`` of them each step; for ``els`` and ``group-privacy``, the
+    ``group_size`` records per user of the subset D_sub chosen once (``random_chunk``, windows
+    across records, is user-level only). ``highest_ppl`` / ``lowest_ppl`` rank them by
+    perplexity under the initial model, which each worker computes once at start
+    (docs/data.md)."""
     seq_len: PositiveInt = 128
     """Maximum tokens per example fed to the model: at most the model's positions (a preset's
     position table is built for it, up to ``PRESET_MAX_SEQ_LEN``)."""

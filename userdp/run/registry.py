@@ -202,6 +202,7 @@ _ARGUMENTS: dict[str, Callable[[_Binding], Any]] = {
     "bands": lambda b: b.config.strategy.bands,
     "expected_cohort_size": lambda b: b.config.strategy.expected_cohort_size,
     "expected_batch_size": lambda b: b.config.strategy.expected_batch_size,
+    "selection": lambda b: b.config.data.selection,
     "count_stddev": _Binding.count_stddev,
     "probes": lambda b: b.config.strategy.probes,
     "estimator": lambda b: b.config.strategy.estimator,
