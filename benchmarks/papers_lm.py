@@ -7,7 +7,8 @@ privacy (ε ≈ 1), on real user-partitioned data.
   64. Its ``public`` split (unattributed quotations) pre-trains the model without privacy; the
   ``private`` split is fine-tuned with user-level DP, 10 % of its users held out for evaluation.
 * Model: the ``gpt2-tiny`` preset (2 layers, width 64), pre-trained for ``--pretrain-steps``
-  AdamW steps on the public split, then saved with ``save_pretrained``.
+  AdamW steps on the public split, then saved with ``save_pretrained``. ``--gpu``: GPT-2 small
+  (12 layers, width 768) pre-trained and fine-tuned on one CUDA device (``workers.device``).
 * Methods, at B examples per step in expectation: ULS with G = 1 and G = 4 (q = B/(G·N)); ELS with
   G = 1 and G = 4 (at most G examples of each user in D_sub, p = B/|D_sub|). The better setting of
   each method is compared. σ is calibrated to (ε, δ) over T
@@ -19,6 +20,7 @@ privacy (ε ≈ 1), on real user-partitioned data.
 
     .venv/bin/python benchmarks/papers_lm.py --out benchmarks/results/cpu-2c-papers
     .venv/bin/python benchmarks/papers_lm.py --quick --out /tmp/papers   # one setting, 1 seed
+    python benchmarks/papers_lm.py --gpu --out benchmarks/results/gpu-papers  # one CUDA device
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import math
 import platform
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,30 @@ ELS_GROUP = 4
 SETTINGS = ({"epsilon": 1.0, "budget": 128}, {"epsilon": 8.0, "budget": 128})
 METHODS = (("uls", 1), ("uls", 4), ("els", 1), ("els", ELS_GROUP))
 LEARNING_RATE = 3e-3
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The model and device of a reproduction: ``CPU`` (the results files) or ``GPU``."""
+
+    preset: str
+    device: str
+    pretrain_steps: int
+
+
+CPU = Scale("gpt2-tiny", "cpu", 600)
+GPU = Scale("gpt2-small", "cuda", 3000)
+"""GPT-2 small (12 layers, width 768) on one CUDA device: the papers' fine-tuning of a
+pre-trained transformer at a size a 2-core CPU cannot run in hours."""
+
+
+def scale_of(gpu: bool) -> Scale:
+    """GPU when asked for and present (a clear exit otherwise), else CPU."""
+    if not gpu:
+        return CPU
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpu: no CUDA device is visible to torch; run without --gpu on CPU")
+    return GPU
 
 
 def corpus(folder: Path) -> tuple[Path, Path]:
@@ -77,14 +104,18 @@ def sequences(store: ShardStore, eos: int, pad: int) -> tuple[torch.Tensor, torc
     return ids, labels
 
 
-def pretrain(public: Path, private: Path, out: Path, steps: int, seed: int) -> dict:
-    """gpt2-tiny trained without privacy on the public split; saved to ``out``."""
+def pretrain(
+    public: Path, private: Path, out: Path, steps: int, seed: int, scale: Scale = CPU
+) -> dict:
+    """The scale's preset trained without privacy on the public split, on its device; saved to
+    ``out``."""
     torch.manual_seed(seed)
     with ShardStore(private) as store:
         shape = model_shape(store.manifest, SEQ_LEN)
-    model = build_model(parse_config({"model": {"preset": "gpt2-tiny"}}).model, shape, seed=seed)
+    config = parse_config({"model": {"preset": scale.preset}}).model
+    model = build_model(config, shape, seed=seed).to(scale.device)
     with ShardStore(public) as store:
-        ids, labels = sequences(store, shape.eos_id, shape.pad_id)
+        ids, labels = (t.to(scale.device) for t in sequences(store, shape.eos_id, shape.pad_id))
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))
     held, train = order[:500], order[500:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
@@ -99,7 +130,7 @@ def pretrain(public: Path, private: Path, out: Path, steps: int, seed: int) -> d
     model.eval()
     with torch.no_grad():
         held_loss = float(model(input_ids=ids[held], labels=labels[held]).loss)
-    model.save_pretrained(out)
+    model.to("cpu").save_pretrained(out)
     return {"steps": steps, "public_examples": len(ids), "public_held_out_loss": held_loss}
 
 
@@ -120,9 +151,12 @@ NOTES = (
 )
 
 
-def run_dir(work: Path, setting: dict, method: tuple[str, int], seed: int) -> Path:
+def run_dir(
+    work: Path, setting: dict, method: tuple[str, int], seed: int, selection: str = "random"
+) -> Path:
     """A fresh folder for one run (an existing one would be resumed, not run again)."""
     name = f"eps{setting['epsilon']:g}-B{setting['budget']}-{method[0]}{method[1]}-s{seed}"
+    name += "" if selection == "random" else f"-{selection}"
     folder = work / "runs" / name
     shutil.rmtree(folder, ignore_errors=True)
     return folder
@@ -136,14 +170,23 @@ def run_once(
     steps: int,
     out: Path,
     seed: int,
+    selection: str = "random",
+    scale: Scale = CPU,
 ) -> dict:
+    """One in-process run of ``method`` = (strategy name, G) at ``setting`` (ε, budget B);
+    ``selection`` is ``data.selection``."""
     name, group = method
     with ShardStore(private) as store:
         users = len(store.users())
     prob = setting["budget"] / (group * users if name == "uls" else d_sub_size(private, group))
     config = parse_config(
         {
-            "data": {"shards": str(private), "eval_fraction": 0.1, "seq_len": SEQ_LEN},
+            "data": {
+                "shards": str(private),
+                "eval_fraction": 0.1,
+                "seq_len": SEQ_LEN,
+                "selection": selection,
+            },
             "model": {"path": str(model)},
             "strategy": {
                 "name": name,
@@ -155,7 +198,11 @@ def run_once(
                 "server_lr": LEARNING_RATE,
             },
             "privacy": {"epsilon": setting["epsilon"], "secure_noise": False},
-            "workers": {"count": 1},
+            "workers": {
+                "count": 1,
+                "cache_dir": str(out.parent / "cache"),
+                "device": scale.device,
+            },
             "output": {"dir": str(out), "seed": seed, "sample_count": 0},
         }
     )
@@ -198,22 +245,30 @@ def verdicts(rows: list[dict]) -> list[dict]:
     return out
 
 
-def markdown(record: dict) -> str:
+def markdown_head(record: dict, runs: str) -> list[str]:
+    """Title, machine, data and model, ``runs`` (the run settings) and the verdict table."""
     pre = record["pretraining"]
-    lines = [
+    return [
         f"# {record['claim']}",
         "",
         f"- Machine: {record['machine']}; {record['seconds']:.0f} s in all.",
         f"- Data: fortunes corpus, private split {record['private_users']} authors; model "
-        f"gpt2-tiny pre-trained for {pre['steps']} steps on {pre['public_examples']} public "
-        f"quotations (held-out public loss {pre['public_held_out_loss']:.3f}).",
-        f"- T = {record['steps']} steps, seq_len {SEQ_LEN}, Adam server lr {LEARNING_RATE:g}, C = 1, "
-        f"δ = 1/(10·N); {len(record['seeds'])} repeats per entry (mean ± standard error).",
+        f"{record.get('model', CPU.preset)} pre-trained for {pre['steps']} steps on "
+        f"{pre['public_examples']} public quotations (held-out public loss "
+        f"{pre['public_held_out_loss']:.3f}).",
+        f"- {runs}, seq_len {SEQ_LEN}, Adam server lr {LEARNING_RATE:g}, C = 1, δ = 1/(10·N); "
+        f"{len(record['seeds'])} repeats per entry (mean ± standard error).",
         "",
         "| finding | evidence | verdict |",
         "|---|---|---|",
         *(f"| {v['finding']} | {v['evidence']} | {v['verdict']} |" for v in record["verdicts"]),
         "",
+    ]
+
+
+def markdown(record: dict) -> str:
+    lines = [
+        *markdown_head(record, f"T = {record['steps']} steps"),
         NOTES,
         "",
         "| ε | B | method | σ | held-out loss before | after (mean ± s.e.) | perplexity |",
@@ -252,77 +307,118 @@ def plot(record: dict, path: Path) -> None:
     ax.set_ylabel("held-out loss after fine-tuning")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("Fortunes corpus, gpt2-tiny: ULS vs ELS, mean ± s.e.", fontsize=9)
+    model = record.get("model", CPU.preset)
+    ax.set_title(f"Fortunes corpus, {model}: ULS vs ELS, mean ± s.e.", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def add_arguments(parser: argparse.ArgumentParser, claim: str) -> None:
+    """The options both language-model reproductions take."""
+    parser.add_argument("--seeds", type=int, default=3, help="repeats per entry")
+    parser.add_argument(
+        "--pretrain-steps", type=int, help="non-private steps (default: 600 on CPU, 3000 on GPU)"
+    )
+    parser.add_argument(
+        "--gpu", action="store_true", help="GPT-2 small on one CUDA device instead of gpt2-tiny"
+    )
+    parser.add_argument("--work", type=Path, default=Path("runs/papers_lm"), help="scratch folder")
+    parser.add_argument("--out", type=Path, required=True, help=f"writes PREFIX-{claim}.*")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The corpus and the pre-trained model every run of a reproduction fine-tunes."""
+
+    private: Path
+    model_dir: Path
+    scale: Scale
+    pretraining: dict
+    start: float
+
+
+def prepare(args: argparse.Namespace) -> Prepared:
+    """Shard the corpus (once) and pre-train the model on its public split."""
+    start = time.perf_counter()
+    private, public = corpus(args.work / "data")
+    scale = scale_of(args.gpu)
+    model_dir = args.work / f"pretrained-{scale.preset}"
+    steps = 20 if args.quick else (args.pretrain_steps or scale.pretrain_steps)
+    pretraining = pretrain(public, private, model_dir, steps, 0, scale)
+    return Prepared(private, model_dir, scale, pretraining, start)
+
+
+def entry(runs: list[dict]) -> dict:
+    """One table entry from its repeats: held-out loss mean ± s.e., the start and σ."""
+    losses = np.array([r["final_eval_loss"] for r in runs])
+    return {
+        **summary(losses),
+        "losses": losses.tolist(),
+        "baseline_eval_loss": runs[0]["baseline_eval_loss"],
+        "noise_multiplier": runs[0]["noise_multiplier"],
+    }
+
+
+def publish(record: dict, prepared: Prepared, prefix: str, render, draw) -> None:
+    """Add the machine, model and corpus facts to ``record``; write PREFIX.json, .md (``render``)
+    and .png (``draw``)."""
+    with ShardStore(prepared.private) as store:
+        private_users = len(store.users())
+    record.update(
+        machine=platform.platform(),
+        model=prepared.scale.preset,
+        device=prepared.scale.device,
+        private_users=private_users,
+        pretraining=prepared.pretraining,
+        seconds=time.perf_counter() - prepared.start,
+    )
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{prefix}.json").write_text(json.dumps(record, indent=1) + "\n")
+    Path(f"{prefix}.md").write_text(render(record) + "\n")
+    draw(record, Path(f"{prefix}.png"))
+    print(render(record))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=3, help="repeats per entry")
-    parser.add_argument("--pretrain-steps", type=int, default=600, help="non-private steps")
+    add_arguments(parser, "language_model")
     parser.add_argument(
         "--quick", action="store_true", help="smoke test: one setting, 1 repeat, 5 steps"
     )
-    parser.add_argument("--work", type=Path, default=Path("runs/papers_lm"), help="scratch folder")
-    parser.add_argument("--out", type=Path, required=True, help="writes PREFIX-language_model.*")
     args = parser.parse_args()
     settings, seeds, steps = SETTINGS, list(range(args.seeds)), STEPS
     if args.quick:
         settings, seeds, steps = SETTINGS[:1], [0], 5
-    start = time.perf_counter()
-    private, public = corpus(args.work / "data")
-    model_dir = args.work / "pretrained"
-    pretraining = pretrain(public, private, model_dir, 20 if args.quick else args.pretrain_steps, 0)
+    prepared = prepare(args)
     rows: list[dict[str, Any]] = []
     for setting in settings:
         for method in METHODS:
             runs = [
                 run_once(
-                    private,
-                    model_dir,
+                    prepared.private,
+                    prepared.model_dir,
                     setting,
                     method,
                     steps,
                     run_dir(args.work, setting, method, seed),
                     seed,
+                    scale=prepared.scale,
                 )
                 for seed in seeds
             ]
-            losses = np.array([r["final_eval_loss"] for r in runs])
             label = f"{method[0].upper()} G={method[1]}"
-            rows.append(
-                {
-                    **setting,
-                    "method": label,
-                    **summary(losses),
-                    "losses": losses.tolist(),
-                    "baseline_eval_loss": runs[0]["baseline_eval_loss"],
-                    "noise_multiplier": runs[0]["noise_multiplier"],
-                }
-            )
+            rows.append({**setting, "method": label, **entry(runs)})
             print(json.dumps(rows[-1]), flush=True)
-    with ShardStore(private) as store:
-        private_users = len(store.users())
     record = {
         "claim": "Charles et al., Fine-Tuning LLMs with User-Level DP, §5: ULS vs ELS on a "
         "language model (fortunes corpus)",
-        "machine": platform.platform(),
-        "private_users": private_users,
-        "pretraining": pretraining,
         "seeds": seeds,
         "steps": steps,
         "rows": rows,
-        "seconds": time.perf_counter() - start,
+        "verdicts": verdicts(rows),
     }
-    record["verdicts"] = verdicts(rows)
-    prefix = f"{args.out}-language_model"
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{prefix}.json").write_text(json.dumps(record, indent=1) + "\n")
-    Path(f"{prefix}.md").write_text(markdown(record) + "\n")
-    plot(record, Path(f"{prefix}.png"))
-    print(markdown(record))
+    publish(record, prepared, f"{args.out}-language_model", markdown, plot)
 
 
 if __name__ == "__main__":

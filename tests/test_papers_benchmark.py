@@ -159,3 +159,78 @@ def test_language_model_quick_mode_pretrains_fine_tunes_and_judges(tmp_path) -> 
     assert len(set(losses.values())) == 4, losses  # distinct runs, none resumed
     assert all(math.isfinite(v) for v in losses.values())
     assert record["pretraining"]["public_held_out_loss"] < math.log(259)  # below uniform bytes
+
+
+def _selection_rows(uw: dict[str, float], gp: dict[str, float], stderr: float = 0.01):
+    return [
+        {"epsilon": 1.0, "kind": kind, "selection": s, "mean": m, "stderr": stderr}
+        for kind, means in (("UW", uw), ("GP", gp))
+        for s, m in means.items()
+    ]
+
+
+def test_data_selection_verdicts_follow_the_rows() -> None:
+    # Random Chunk best by more than 2 s.e.: reproduced; best but within 2 s.e. of another, or
+    # behind by less: inconclusive; behind by more: not reproduced. GP: Longest dominant
+    # (Enron), or no strategy dominant (BookSum), reproduces; another dominant one does not.
+    import papers_selection as ps
+
+    def judge(uw, gp):
+        return [v["verdict"] for v in ps.verdicts(_selection_rows(uw, gp))]
+
+    gp_longest = {"longest": 1.0, "random": 1.1, "shortest": 1.1}
+    gp_tied = {"longest": 1.01, "random": 1.0, "shortest": 1.02}
+    gp_shortest = {"longest": 1.1, "random": 1.1, "shortest": 1.0}
+    uw = {"random_chunk": 1.0, "random": 1.1, "longest": 1.2}
+    assert judge(uw, gp_longest) == ["reproduced", "reproduced (Longest best, as on Enron)"]
+    assert judge(uw, gp_tied)[1] == "reproduced (no strategy dominates, as on BookSum)"
+    assert judge(uw, gp_shortest)[1].startswith("not reproduced: shortest")
+    assert judge({**uw, "random": 1.01}, gp_tied)[0].startswith("inconclusive")
+    assert judge({**uw, "random": 0.99}, gp_tied)[0].startswith("inconclusive")
+    assert judge({**uw, "random": 0.8}, gp_tied)[0] == "not reproduced"
+
+
+@pytest.mark.skipif(
+    not Path("/usr/share/games/fortunes").is_dir(), reason="Debian's fortunes package is absent"
+)
+def test_data_selection_quick_mode_runs_each_method_with_its_selection(tmp_path) -> None:
+    """The data-selection reproduction in its smoke-test size: UW and GP with Random Chunk (UW)
+    and Longest (both) through the run API on the real corpus; distinct runs, finite losses."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "papers_selection.py"
+    env = {**os.environ, "USERDP_CACHE_DIR": str(tmp_path / "cache")}
+    prefix = tmp_path / "out" / "papers"
+    subprocess.run(
+        [sys.executable, str(script), "--quick", "--work", str(tmp_path / "work")]
+        + ["--out", str(prefix)],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    record = json.loads(Path(f"{prefix}-data_selection.json").read_text())
+    assert [(r["kind"], r["selection"]) for r in record["rows"]] == [
+        ("UW", "random_chunk"), ("UW", "longest"), ("GP", "longest")
+    ]  # fmt: skip
+    losses = [r["mean"] for r in record["rows"]]
+    assert len(set(losses)) == 3 and all(math.isfinite(v) for v in losses), losses
+
+
+def test_summary_page_gathers_every_claims_verdicts_and_links(tmp_path) -> None:
+    import papers_summary
+
+    prefix = tmp_path / "results" / "cpu-papers"
+    prefix.parent.mkdir()
+    for name, verdict in (("privacy_unit", "reproduced"), ("language_model", "inconclusive")):
+        record = {
+            "claim": f"claim {name}",
+            "seconds": 1.0,
+            "verdicts": [{"finding": f"finding {name}", "evidence": "e", "verdict": verdict}],
+        }
+        Path(f"{prefix}-{name}.json").write_text(json.dumps(record))
+        Path(f"{prefix}-{name}.png").write_bytes(b"")
+    text = papers_summary.page(prefix, tmp_path / "results" / "page.md")
+    assert "Verdicts: 1 inconclusive, 1 reproduced." in text
+    assert "| finding privacy_unit | e | reproduced |" in text
+    assert "[cpu-papers-language_model.md](cpu-papers-language_model.md)" in text
+    assert "![language_model](cpu-papers-language_model.png)" in text
+    with pytest.raises(SystemExit, match="no .*-<claim>.json"):
+        papers_summary.page(tmp_path / "none", tmp_path / "page.md")
