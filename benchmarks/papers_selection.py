@@ -62,15 +62,19 @@ def verdicts(rows: list[dict]) -> list[dict]:
     """Per ε: is Random Chunk UW's best selection; is Longest GP's best, or none dominant."""
     out = []
     for epsilon in sorted({r["epsilon"] for r in rows}):
-        best, rest = _best_and_rest(rows, "UW", epsilon)
+        best, _ = _best_and_rest(rows, "UW", epsilon)
         chunk = next(r for r in rows if r["kind"] == "UW" and r["epsilon"] == epsilon
                      and r["selection"] == "random_chunk")  # fmt: skip
-        if chunk is best and not any(tied_or_better(r, chunk) for r in rest):
+        others = [
+            r for r in rows if r["kind"] == "UW" and r["epsilon"] == epsilon and r is not chunk
+        ]
+        ahead = [r["selection"] for r in others if not tied_or_better(chunk, r)]
+        if not any(tied_or_better(r, chunk) for r in others):
             verdict = "reproduced"
-        elif chunk is best or tied_or_better(chunk, best):
-            verdict = "inconclusive: within 2 s.e. of the best"
+        elif ahead:
+            verdict = f"not reproduced: {', '.join(ahead)} ahead by more than 2 s.e."
         else:
-            verdict = "not reproduced"
+            verdict = "inconclusive: within 2 s.e. of the best"
         out.append(
             {
                 "finding": f"UW: Random Chunk is the best selection at ε = {epsilon:g}",

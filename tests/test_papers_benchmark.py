@@ -187,7 +187,14 @@ def test_data_selection_verdicts_follow_the_rows() -> None:
     assert judge(uw, gp_shortest)[1].startswith("not reproduced: shortest")
     assert judge({**uw, "random": 1.01}, gp_tied)[0].startswith("inconclusive")
     assert judge({**uw, "random": 0.99}, gp_tied)[0].startswith("inconclusive")
-    assert judge({**uw, "random": 0.8}, gp_tied)[0] == "not reproduced"
+    assert (
+        judge({**uw, "random": 0.8}, gp_tied)[0]
+        == "not reproduced: random ahead by more than 2 s.e."
+    )
+    # behind one selection by more than 2 s.e. while the best has a wide error: not reproduced
+    rows = _selection_rows({**uw, "random": 0.95}, gp_tied)
+    rows.append({"epsilon": 1.0, "kind": "UW", "selection": "shortest", "mean": 0.9, "stderr": 0.2})
+    assert ps.verdicts(rows)[0]["verdict"].startswith("not reproduced: random")
 
 
 @pytest.mark.skipif(
