@@ -30,6 +30,7 @@ import json
 import math
 import platform
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +74,10 @@ def scale_of(gpu: bool) -> Scale:
     if not gpu:
         return CPU
     if not torch.cuda.is_available():
-        raise SystemExit("--gpu: no CUDA device is visible to torch; run without --gpu on CPU")
+        print(
+            "--gpu: no CUDA device is visible to torch; run without --gpu on CPU", file=sys.stderr
+        )
+        raise SystemExit(2)
     return GPU
 
 
@@ -341,8 +345,8 @@ class Prepared:
 def prepare(args: argparse.Namespace) -> Prepared:
     """Shard the corpus (once) and pre-train the model on its public split."""
     start = time.perf_counter()
-    private, public = corpus(args.work / "data")
     scale = scale_of(args.gpu)
+    private, public = corpus(args.work / "data")
     model_dir = args.work / f"pretrained-{scale.preset}"
     steps = 20 if args.quick else (args.pretrain_steps or scale.pretrain_steps)
     pretraining = pretrain(public, private, model_dir, steps, 0, scale)

@@ -241,3 +241,21 @@ def test_summary_page_gathers_every_claims_verdicts_and_links(tmp_path) -> None:
     assert "![language_model](cpu-papers-language_model.png)" in text
     with pytest.raises(SystemExit, match="no .*-<claim>.json"):
         papers_summary.page(tmp_path / "none", tmp_path / "page.md")
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="the refusal is for machines without CUDA"
+)
+@pytest.mark.parametrize("script", ["papers_lm.py", "papers_selection.py"])
+def test_gpu_mode_without_cuda_exits_2_in_one_line(tmp_path, script) -> None:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    result = subprocess.run(
+        [sys.executable, str(path), "--gpu", "--work", str(tmp_path), "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "--gpu: no CUDA device is visible to torch; run without --gpu on CPU"
+    )
+    assert not (tmp_path / "data").exists()  # refused before the corpus is sharded
