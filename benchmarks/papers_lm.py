@@ -34,7 +34,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -150,8 +149,9 @@ NOTES = (
     "runs at G = 1 and 4 and its better setting is compared; at G = 1 the two are one mechanism "
     "(one example per sampled user, the same σ). Most authors have one quotation (median 1), so the methods differ mainly on the "
     "881 authors with two or more. The model is tiny (2 layers, width 64), fine-tuned for 40 "
-    "steps at one budget; the compute axis of the claim is not swept. Repeats differ in the "
-    "secret cohorts and noise only: the pre-trained model and the held-out users are fixed."
+    "steps; the compute axis is the per-step budget B (a larger B: more users or examples per "
+    "step at the same T, and a smaller σ for the same ε). Repeats differ in the secret cohorts "
+    "and noise only: the pre-trained model and the held-out users are fixed."
 )
 
 
@@ -219,33 +219,61 @@ def run_once(
     }
 
 
+def _compare(here: list[dict]) -> tuple[dict, dict, str]:
+    """(best ULS, best ELS, verdict of "ULS beats ELS") among rows of one ε and budget."""
+    best = min((r for r in here if r["method"].startswith("ULS")), key=lambda r: r["mean"])
+    row = min((r for r in here if r["method"].startswith("ELS")), key=lambda r: r["mean"])
+    if not tied_or_better(row, best):  # ELS higher by more than two standard errors
+        return best, row, "reproduced"
+    if not tied_or_better(best, row):
+        return best, row, "not reproduced"
+    return best, row, "inconclusive: within 2 s.e."
+
+
+def _evidence(best: dict, row: dict) -> str:
+    return (
+        f"best {best['method']} {best['mean']:.4f} ± {best['stderr']:.2g} vs best "
+        f"{row['method']} {row['mean']:.4f} ± {row['stderr']:.2g} held-out loss"
+    )
+
+
 def verdicts(rows: list[dict]) -> list[dict]:
-    """Per ε: the better ULS against the better ELS (each over its G)."""
+    """Per ε at the smallest budget: the better ULS against the better ELS (each over its G);
+    then the same at the largest budget, for the large-compute finding."""
     out = []
+    budgets = sorted({r["budget"] for r in rows})
     for epsilon in sorted({r["epsilon"] for r in rows}):
-        here = [r for r in rows if r["epsilon"] == epsilon]
-        best = min((r for r in here if r["method"].startswith("ULS")), key=lambda r: r["mean"])
-        row = min((r for r in here if r["method"].startswith("ELS")), key=lambda r: r["mean"])
-        better = not tied_or_better(row, best)  # lower by more than two standard errors
-        worse = not tied_or_better(best, row)
+        here = [r for r in rows if r["epsilon"] == epsilon and r["budget"] == budgets[0]]
+        best, row, verdict = _compare(here)
         out.append(
             {
-                "finding": f"ULS beats ELS at ε = {row['epsilon']:g}"
-                + (" (strict privacy)" if row["epsilon"] <= 1 else ""),
-                "evidence": f"best {best['method']} {best['mean']:.4f} ± {best['stderr']:.2g} vs "
-                f"best {row['method']} {row['mean']:.4f} ± {row['stderr']:.2g} held-out loss",
-                "verdict": "reproduced"
-                if better
-                else ("not reproduced" if worse else "inconclusive: within 2 s.e."),
+                "finding": f"ULS beats ELS at ε = {epsilon:g}, B = {budgets[0]}"
+                + (" (strict privacy)" if epsilon <= 1 else ""),
+                "evidence": _evidence(best, row),
+                "verdict": verdict,
             }
         )
-    out.append(
-        {
-            "finding": "ULS beats ELS at large compute",
-            "evidence": f"not swept: one budget (B = {SETTINGS[0]['budget']})",
-            "verdict": "inconclusive",
-        }
-    )
+    if len(budgets) == 1:
+        out.append(
+            {
+                "finding": "ULS beats ELS at large compute",
+                "evidence": f"not swept: one budget (B = {budgets[0]})",
+                "verdict": "inconclusive",
+            }
+        )
+        return out
+    for epsilon in sorted({r["epsilon"] for r in rows}):
+        here = [r for r in rows if r["epsilon"] == epsilon and r["budget"] == budgets[-1]]
+        if not here:
+            continue
+        best, row, verdict = _compare(here)
+        out.append(
+            {
+                "finding": f"ULS beats ELS at large compute (B = {budgets[-1]}, ε = {epsilon:g})",
+                "evidence": _evidence(best, row),
+                "verdict": verdict,
+            }
+        )
     return out
 
 
@@ -272,7 +300,11 @@ def markdown_head(record: dict, runs: str) -> list[str]:
 
 def markdown(record: dict) -> str:
     lines = [
-        *markdown_head(record, f"T = {record['steps']} steps"),
+        *markdown_head(
+            record,
+            f"T = {record['steps']} steps, B ∈ "
+            f"{{{', '.join(str(b) for b in sorted({r['budget'] for r in record['rows']}))}}}",
+        ),
         NOTES,
         "",
         "| ε | B | method | σ | held-out loss before | after (mean ± s.e.) | perplexity |",
@@ -294,16 +326,16 @@ def plot(record: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    methods = sorted({r["method"] for r in record["rows"]})
-    for offset, method in enumerate(methods):
-        mine = [r for r in record["rows"] if r["method"] == method]
+    lines = sorted({(r["budget"], r["method"]) for r in record["rows"]})
+    for offset, (budget, method) in enumerate(lines):
+        mine = [r for r in record["rows"] if (r["budget"], r["method"]) == (budget, method)]
         ax.errorbar(
-            [r["epsilon"] * (1 + 0.04 * (offset - 1)) for r in mine],
+            [r["epsilon"] * (1 + 0.03 * (offset - len(lines) / 2)) for r in mine],
             [r["mean"] for r in mine],
             yerr=[r["stderr"] for r in mine],
-            marker="o",
+            marker="o" if budget == lines[0][0] else "s",
             capsize=3,
-            label=method,
+            label=f"{method}, B = {budget}",
             linestyle="--" if method.startswith("ELS") else "-",
         )
     ax.set_xscale("log", base=2)
@@ -377,6 +409,7 @@ def publish(record: dict, prepared: Prepared, prefix: str, render, draw) -> None
         pretraining=prepared.pretraining,
         seconds=time.perf_counter() - prepared.start,
     )
+    record["seconds"] += record.pop("earlier_seconds", 0.0)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{prefix}.json").write_text(json.dumps(record, indent=1) + "\n")
     Path(f"{prefix}.md").write_text(render(record) + "\n")
@@ -388,16 +421,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser, "language_model")
     parser.add_argument(
+        "--budgets", type=int, nargs="+", default=[128], help="examples per step (B) to sweep"
+    )
+    parser.add_argument(
+        "--extend",
+        action="store_true",
+        help="keep the rows of an existing PREFIX-language_model.json made with the same "
+        "pre-trained model, and run only the settings it lacks",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="smoke test: one setting, 1 repeat, 5 steps"
     )
     args = parser.parse_args()
-    settings, seeds, steps = SETTINGS, list(range(args.seeds)), STEPS
+    settings = [{"epsilon": e["epsilon"], "budget": b} for b in args.budgets for e in SETTINGS]
+    seeds, steps = list(range(args.seeds)), STEPS
     if args.quick:
-        settings, seeds, steps = SETTINGS[:1], [0], 5
+        settings, seeds, steps = settings[:1], [0], 5
+    prefix = f"{args.out}-language_model"
     prepared = prepare(args)
-    rows: list[dict[str, Any]] = []
+    rows, earlier = _kept_rows(prefix, prepared, seeds, steps) if args.extend else ([], 0.0)
+    done = {(r["epsilon"], r["budget"], r["method"]) for r in rows}
     for setting in settings:
         for method in METHODS:
+            label = f"{method[0].upper()} G={method[1]}"
+            if (setting["epsilon"], setting["budget"], label) in done:
+                continue
             runs = [
                 run_once(
                     prepared.private,
@@ -411,7 +459,6 @@ def main() -> None:
                 )
                 for seed in seeds
             ]
-            label = f"{method[0].upper()} G={method[1]}"
             rows.append({**setting, "method": label, **entry(runs)})
             print(json.dumps(rows[-1]), flush=True)
     record = {
@@ -421,8 +468,36 @@ def main() -> None:
         "steps": steps,
         "rows": rows,
         "verdicts": verdicts(rows),
+        "earlier_seconds": earlier,
     }
-    publish(record, prepared, f"{args.out}-language_model", markdown, plot)
+    rows.sort(key=lambda r: (r["budget"], r["epsilon"]))
+    publish(record, prepared, prefix, markdown, plot)
+
+
+def _kept_rows(
+    prefix: str, prepared: Prepared, seeds: list[int], steps: int
+) -> tuple[list[dict], float]:
+    """The rows and seconds of an earlier run of this claim, when it used the same pre-trained
+    model (same pre-training steps and held-out public loss), seeds and steps; else a clear
+    exit."""
+    path = Path(f"{prefix}.json")
+    if not path.is_file():
+        return [], 0.0
+    old = json.loads(path.read_text())
+    same = (
+        old["pretraining"]["steps"] == prepared.pretraining["steps"]
+        and math.isclose(
+            old["pretraining"]["public_held_out_loss"],
+            prepared.pretraining["public_held_out_loss"],
+            rel_tol=1e-6,
+        )
+        and old["seeds"] == seeds
+        and old["steps"] == steps
+    )
+    if not same:
+        print(f"--extend: {path} was made with another model, seeds or steps", file=sys.stderr)
+        raise SystemExit(2)
+    return old["rows"], float(old["seconds"])
 
 
 if __name__ == "__main__":

@@ -259,3 +259,24 @@ def test_gpu_mode_without_cuda_exits_2_in_one_line(tmp_path, script) -> None:
         "--gpu: no CUDA device is visible to torch; run without --gpu on CPU"
     )
     assert not (tmp_path / "data").exists()  # refused before the corpus is sharded
+
+
+def test_language_model_verdicts_judge_the_largest_budget_for_large_compute() -> None:
+    import papers_lm
+
+    def rows(budget: int, uls: float, els: float) -> list[dict]:
+        return [
+            {"epsilon": 1.0, "budget": budget, "method": m, "mean": v, "stderr": 0.01}
+            for m, v in (("ULS G=1", uls), ("ULS G=4", uls + 0.5), ("ELS G=1", els),
+                         ("ELS G=4", els + 0.5))
+        ]  # fmt: skip
+
+    one = papers_lm.verdicts(rows(128, 1.0, 1.0))
+    assert [v["verdict"] for v in one] == ["inconclusive: within 2 s.e.", "inconclusive"]
+    assert one[1]["evidence"] == "not swept: one budget (B = 128)"
+    two = papers_lm.verdicts(rows(128, 1.0, 1.0) + rows(512, 0.8, 1.0))
+    assert [v["verdict"] for v in two] == ["inconclusive: within 2 s.e.", "reproduced"]
+    assert two[1]["finding"] == "ULS beats ELS at large compute (B = 512, ε = 1)"
+    assert papers_lm.verdicts(rows(128, 1.0, 1.0) + rows(512, 1.2, 1.0))[1]["verdict"] == (
+        "not reproduced"
+    )
