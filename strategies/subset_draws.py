@@ -15,17 +15,21 @@ def top_ranks(counts: np.ndarray, g: int) -> np.ndarray:
     shortest, by perplexity; :func:`userdp.clients.selection.ranking`), each user's first g
     records in its own order, which the worker resolves on the user's records. As with
     :func:`choose_subsets`, a user has at most g entries, chosen from its own records alone."""
+    return _first_slots(counts, g)[1]
+
+
+def _first_slots(counts: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """(each user's first flat position, flat ranks 0..min(n, g) − 1 per user): the CSR layout
+    both D_sub choices fill."""
     taken = np.minimum(counts, g)
     starts = np.concatenate([[0], np.cumsum(taken)])[:-1]
-    return np.arange(int(taken.sum()), dtype=np.int64) - np.repeat(starts, taken)
+    return starts, np.arange(int(taken.sum()), dtype=np.int64) - np.repeat(starts, taken)
 
 
 def choose_subsets(rng: np.random.Generator, counts: np.ndarray, g: int) -> np.ndarray:
     """Flat per-user sorted example indices: all of a user's examples if it has ≤ g, else a
     uniformly random g-subset (vectorized over users; exact)."""
-    taken = np.minimum(counts, g)
-    starts = np.concatenate([[0], np.cumsum(taken)])[:-1]
-    out = np.arange(int(taken.sum()), dtype=np.int64) - np.repeat(starts, taken)
+    starts, out = _first_slots(counts, g)
     heavy = np.flatnonzero(counts > g)
     if heavy.size == 0:
         return out
