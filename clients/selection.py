@@ -74,14 +74,16 @@ def select_examples(
         raise ValueError(f"group_size must be a positive integer or None, got {group_size}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
+    # ranked first: missing perplexities are an error even for a user without examples
+    order = ranking(examples, strategy, perplexities) if strategy in RANKED_SELECTIONS else None
     if not examples:
         return []
     n = len(examples)
     k = n if group_size is None else min(group_size, n)
     if strategy == "random":
         chosen = rng.choice(n, size=k, replace=False)
-    elif strategy in RANKED_SELECTIONS:
-        chosen = ranking(examples, strategy, perplexities)[:k]
+    elif order is not None:
+        chosen = order[:k]
     else:
         return _random_chunks(examples, group_size or n, seq_len, rng, separator)
     return [np.asarray(examples[i])[:seq_len] for i in chosen]
