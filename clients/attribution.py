@@ -11,7 +11,7 @@ raises :class:`~userdp.clients.batching.EngineError` (use the ``loop`` engine).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from userdp.clients.batching import EngineError, MicroBatch
@@ -19,16 +19,25 @@ from userdp.clients.capture import Layout
 from userdp.clients.matmul_precision import TENSOR_CORE_NORM_MARGIN
 from userdp.clients.norms import Factor, materialize
 from userdp.clients.unit_gradients import UnitGradients
+from userdp.clients.zero3 import param_shape
 
 __all__ = ["direct_unit_squared_norms", "verify_attribution", "verify_unit_norms"]
 
 
 def direct_unit_squared_norms(
-    losses: torch.Tensor, batch: MicroBatch, layout: Layout, params: dict[str, torch.Tensor]
+    losses_of: Callable[[], torch.Tensor],
+    batch: MicroBatch,
+    layout: Layout,
+    params: dict[str, torch.Tensor],
 ) -> dict[int, float]:
-    """‖∇ loss_u‖² by autograd, for the first and the last unit of the micro-batch alone."""
+    """‖∇ loss_u‖² by autograd, for the first and the last unit of the micro-batch alone;
+    ``losses_of()`` gives the batch's token losses (the same graph each time, or a fresh
+    forward where a graph cannot be differentiated twice, as under ZeRO-3)."""
     out = {}
-    for j in sorted({0, len(layout.unit_rows) - 1}):
+    # both ends even when they are the same unit: as many backwards whatever the batch, which
+    # ZeRO-3's ranks need to stay in step (clients/zero3.py)
+    for j in (0, len(layout.unit_rows) - 1):
+        losses = losses_of()
         rows = layout.unit_rows[j].to(losses.device)
         loss = (losses[rows] * batch.weights[rows]).sum()
         parts = torch.autograd.grad(
@@ -50,13 +59,14 @@ def verify_attribution(
     the per-unit gradients the clipped sum is formed from, where it has them."""
     bad = []
     for (name, param), expected in zip(params.items(), direct, strict=True):
-        want = torch.zeros(param.shape) if expected is None else expected.float().cpu()
+        shape = param_shape(param)
+        want = torch.zeros(shape) if expected is None else expected.float().cpu()
         if name in per_unit:
-            got = per_unit[name].total().reshape(param.shape).cpu()
+            got = per_unit[name].total().reshape(shape).cpu()
         elif name in weights:
-            got = materialize(weights[name], param.shape).cpu()
+            got = materialize(weights[name], shape).cpu()
         else:
-            got = torch.zeros(param.shape)
+            got = torch.zeros(shape)
         tol = 5e-2 if param.dtype in (torch.bfloat16, torch.float16) else 1e-3
         if float((got - want).norm()) > tol * float(want.norm()) + 1e-6:
             bad.append(name)

@@ -27,6 +27,7 @@ from userdp.clients.batching import (
     make_batch,
     token_losses,
 )
+from userdp.clients.zero3 import Lockstep, dummy_unit, param_numel, param_shape
 from userdp.proto.results import TaskSum
 from userdp.strategies.unit_stats import UnitStats
 
@@ -61,10 +62,10 @@ class Accumulator:
         # one copy (into page-locked host memory on CUDA, see :meth:`result`). Uninitialized:
         # a parameter's first :meth:`add` writes its whole view, and :meth:`host_sums` zeroes
         # the views no unit added to, so the buffer is written once instead of zeroed first.
-        size = sum(p.numel() for p in self.params.values())
+        size = sum(param_numel(p) for p in self.params.values())
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         self.flat = torch.empty(size, dtype=torch.float32, device=device)
-        self.sums = flat_views(self.flat, {name: p.shape for name, p in self.params.items()})
+        self.sums = flat_views(self.flat, {name: param_shape(p) for name, p in self.params.items()})
         self._unwritten = set(self.sums)
 
     def record(self, norm: float, loss_sum: float, tokens: int) -> float | None:
@@ -128,7 +129,10 @@ def unit_gradient(
     The unit's examples are processed in chunks of padded cost ≤ ``token_budget``."""
     device = next(iter(params.values())).device
     names, tensors = list(params), list(params.values())
-    grads = {n: torch.zeros(p.shape, dtype=torch.float32, device=device) for n, p in params.items()}
+    grads = {
+        n: torch.zeros(param_shape(p), dtype=torch.float32, device=device)
+        for n, p in params.items()
+    }
     loss_sum, tokens = 0.0, 0
     unit = prepared[index]
     for chunk in chunk_examples(unit.examples, token_budget):
@@ -152,8 +156,15 @@ def loop_clipped_sum(
     acc: Accumulator,
     token_budget: int,
     pad_id: int,
+    lockstep: Lockstep | None = None,
+    max_positions: int | None = None,
 ) -> None:
-    """The reference engine: per unit, exact gradient, exact norm, clip, add."""
+    """The reference engine: per unit, exact gradient, exact norm, clip, add.
+
+    ``lockstep`` (ZeRO-3, :mod:`userdp.clients.zero3`): every rank runs as many chunk passes as
+    the rank with the most, the extra ones on a dummy unit (``max_positions`` bounds it)."""
+    mine = sum(chunk_passes(prepared[i], token_budget) for i in indices)
+    most = lockstep.most([mine])[0] if lockstep is not None else mine  # agreed before any pass
     for index in indices:
         if not prepared[index].examples:
             acc.record(0.0, 0.0, 0)
@@ -162,6 +173,26 @@ def loop_clipped_sum(
             module, params, prepared, index, token_budget, pad_id
         )
         add_clipped_unit(acc, grads, loss_sum, tokens)
+    run_dummy_chunk_passes(module, params, most - mine, token_budget, pad_id, max_positions)
+
+
+def chunk_passes(unit: PreparedUnit, token_budget: int) -> int:
+    """How many forward/backward passes :func:`unit_gradient` runs for ``unit``."""
+    return len(chunk_examples(unit.examples, token_budget)) if unit.examples else 0
+
+
+def run_dummy_chunk_passes(
+    module: torch.nn.Module,
+    params: dict[str, torch.Tensor],
+    count: int,
+    token_budget: int,
+    pad_id: int,
+    max_positions: int | None,
+) -> None:
+    """``count`` chunk passes on a dummy unit, their gradients thrown away (ZeRO-3 lockstep)."""
+    dummy = [dummy_unit(pad_id, max_positions)]
+    for _ in range(count):
+        unit_gradient(module, params, dummy, 0, token_budget, pad_id)
 
 
 def add_clipped_unit(

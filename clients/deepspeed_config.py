@@ -1,5 +1,6 @@
 """The DeepSpeed JSON a config may name (``model.deepspeed_config``), and why one cannot drive a
-userdp worker: a ZeRO stage or a parallelism that splits a unit's gradient across ranks."""
+userdp worker: a ZeRO setting or a parallelism that splits a unit's gradient across ranks, or that
+a model version could not reach."""
 
 from __future__ import annotations
 
@@ -7,26 +8,41 @@ import json
 from pathlib import Path
 from typing import Any
 
-ZERO3_REFUSAL = (
-    "ZeRO-3 is not supported: it keeps only a partition of each parameter on a rank outside a "
-    "module's forward/backward, while the clipping engines read whole parameters (shapes, "
-    "per-unit norms) and a worker applies the coordinator's broadcast to whole tensors; neither "
-    "is implemented for partitioned parameters (docs/worker.md). Use stage 0-2"
-)
-
+ZERO_STAGES = (0, 1, 2, 3)
 
 PARTITIONING = ("tensor_parallel", "sequence_parallel_size", "pipeline", "moe", "expert_parallel")
 """Keys that split a module's parameters or tokens across a worker's ranks: a rank would then
 see only part of a unit's gradient (its norm) or of its tokens, so they are refused."""
 
 
+def _zero_problem(zero: Any) -> str | None:
+    if not isinstance(zero, dict):
+        return "sets zero_optimization to something other than a JSON object"
+    stage = zero.get("stage", 0)
+    if stage not in ZERO_STAGES:
+        return f"sets zero_optimization.stage = {stage!r}; it must be 0, 1, 2 or 3"
+    offload = zero.get("offload_param") or {}
+    if isinstance(offload, dict) and offload.get("device") == "nvme":
+        return (
+            "sets zero_optimization.offload_param.device = 'nvme': a worker writes each model "
+            "version into its parameter partitions, which NVMe offload keeps swapped out; use "
+            "'cpu' or 'none'"
+        )
+    if zero.get("zero_hpz_partition_size", 1) not in (None, 1):
+        return (
+            "sets zero_optimization.zero_hpz_partition_size: ZeRO++ keeps a second copy of each "
+            "partition that a worker's model version would not reach; remove it"
+        )
+    return None
+
+
 def deepspeed_json_problem(config: Any) -> str | None:
     """Why a DeepSpeed config object cannot drive a userdp worker (None when it can)."""
     if not isinstance(config, dict):
         return "must hold a JSON object (DeepSpeed's config format)"
-    stage = (config.get("zero_optimization") or {}).get("stage", 0)
-    if stage not in (0, 1, 2):
-        return f"sets zero_optimization.stage = {stage!r}; {ZERO3_REFUSAL}"
+    problem = _zero_problem(config.get("zero_optimization") or {})
+    if problem:
+        return problem
     for key in PARTITIONING:
         value = config.get(key)
         if value not in (None, {}, False, 0, 1):

@@ -1,9 +1,9 @@
 """DeepSpeed around the worker's model, and the cross-rank reduction of clipped sums.
 
 Decision (docs/worker.md, "DeepSpeed"): DeepSpeed wraps the model for device
-placement, process-group setup (gloo on CPU, NCCL on GPU), bf16 and ZeRO stage 0–2 partitioning,
-but per-unit gradients are computed with ``torch.autograd.grad`` on ``engine.module`` into our own
-buffers. ``autograd.grad`` never runs the AccumulateGrad nodes on which ZeRO-1/2 hang their
+placement, process-group setup (gloo on CPU, NCCL on GPU), bf16 and ZeRO stage 0–3 partitioning
+(stage 3: :mod:`userdp.clients.zero3`), but per-unit gradients are computed with
+``torch.autograd.grad`` on ``engine.module`` into our own buffers. ``autograd.grad`` never runs the AccumulateGrad nodes on which ZeRO-1/2 hang their
 bucketing/reduction hooks, so no unclipped unit gradient is ever reduced across ranks. Inside one
 worker the ranks split the UNITS (a unit is never split) and :func:`all_reduce_result` sums the
 clipped task sums and statistics. ZeRO-1/2 require an optimizer: a torch SGD with lr 0 is
@@ -68,7 +68,8 @@ def deepspeed_config(
     ``model.dtype``) or removed (:data:`DROPPED`: the batch size DeepSpeed derives, the optimizer
     and scheduler userdp never steps, fp16/amp), and ZeRO's stage from the user's file or else
     ``zero_stage``. Returns the config and one note per user value that was overridden. Raises
-    EngineError for ZeRO-3 and for keys that partition a unit's parameters or tokens."""
+    EngineError for keys that partition a unit's parameters or tokens
+    (:func:`~userdp.clients.deepspeed_config.deepspeed_json_problem`)."""
     config = dict(user or {})
     problem = deepspeed_json_problem(config)
     if problem:

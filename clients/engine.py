@@ -51,6 +51,7 @@ from userdp.clients.fedavg import fedavg_clipped_sum
 from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.model import build_model, model_shape
 from userdp.clients.sketch import SKETCHES, GaussianProbes
+from userdp.clients.zero3 import Lockstep, any_partitioned
 from userdp.proto.results import TaskSum
 
 __all__ = [
@@ -214,6 +215,15 @@ class ClippingEngine:
             mine = split_units(costs, world_size)[rank]
         acc = Accumulator(self.params, float(clip_norm))
         acc.skipped_examples = sum(prepared[i].skipped for i in mine)
+        lockstep = None
+        if world_size > 1 and any_partitioned(self.params):  # ZeRO-3 (clients/zero3.py)
+            lockstep = Lockstep(self.device)
+            if local_steps:
+                raise EngineError(
+                    "DP-FedAvg (strategy.local_steps >= 1) takes SGD steps on a private copy of "
+                    "the whole model per unit, which a ZeRO-3 worker does not hold: use "
+                    "model.zero_stage <= 2"
+                )
         if local_steps:
             fedavg_clipped_sum(
                 self.module,
@@ -228,7 +238,17 @@ class ClippingEngine:
                 local_batch_size=int(local_batch_size),
             )
         elif name == "loop":
-            loop_clipped_sum(self.module, self.params, prepared, mine, acc, budget, self.pad_id)
+            loop_clipped_sum(
+                self.module,
+                self.params,
+                prepared,
+                mine,
+                acc,
+                budget,
+                self.pad_id,
+                lockstep,
+                self.max_positions,
+            )
         else:
             probe_source = None
             if name == "randomized" and k > 0:  # k = 0: exact norms (the proto's "0 = exact")
@@ -244,6 +264,8 @@ class ClippingEngine:
                 probes=probe_source,
                 verify=not self.attribution_verified,
                 tensor_cores=self.tensor_core_matmul,
+                lockstep=lockstep,
+                max_positions=self.max_positions,
             )
             self.attribution_verified = self.attribution_verified or verified
         return acc.result()

@@ -82,24 +82,22 @@ from userdp.clients.attribution import (
     verify_unit_norms,
 )
 from userdp.clients.batching import (
+    EngineError,
     MicroBatch,
     PreparedUnit,
     make_batch,
     pack_units,
     token_losses,
 )
-from userdp.clients.capture import (
-    EMBEDDING,
-    GENERIC,
-    LAYERNORM,
-    LINEAR,
-    RMSNORM,
-    Call,
-    Capture,
-    Layout,
-    rms_epsilon,
+from userdp.clients.capture import GENERIC, Capture, Layout
+from userdp.clients.clipping import (
+    Accumulator,
+    add_clipped_unit,
+    chunk_passes,
+    run_dummy_chunk_passes,
+    unit_gradient,
 )
-from userdp.clients.clipping import Accumulator, add_clipped_unit, unit_gradient
+from userdp.clients.layer_uses import generic_unit_grads, weight_uses
 from userdp.clients.matmul_precision import (
     TENSOR_CORE_NORM_MARGIN,
     exact_matmul,
@@ -118,113 +116,13 @@ from userdp.clients.unit_gradients import (
     batched_unit_gradients,
     retains_unit_gradients,
 )
-
-
-def _uses(calls: Sequence[Call], layout: Layout, params: dict[str, torch.Tensor]):
-    """Per weight name: [(L factor, R rows)]; per small parameter (bias, LayerNorm): gradient
-    rows [positions, numel]; rows are the real positions, unit by unit (``layout.positions``).
-    Generic calls: [(call, owned names)]."""
-    weights: dict[str, list[tuple[Factor, torch.Tensor]]] = {}
-    token_rows: dict[str, list[torch.Tensor]] = {}
-    generic: list[tuple[Call, list[tuple[str, str]]]] = []
-    names = {id(p): n for n, p in params.items()}
-    for call in calls:
-        module = call.module
-        grad = call.grad
-        owned = [
-            (local, names[id(p)])
-            for local, p in module.named_parameters(recurse=False)
-            if id(p) in names
-        ]
-        if call.kind == GENERIC:
-            generic.append((call, owned))
-            continue
-        g = layout.real(grad, f"{type(module).__name__} output")
-        if call.kind == LAYERNORM:  # y = x̂ ⊙ w + b: ∂w = g ⊙ x̂, ∂b = g per position
-            normalized = torch.nn.functional.layer_norm(
-                call.inputs, module.normalized_shape, eps=module.eps
-            )
-            per_position = {"weight": g * layout.real(normalized, "LayerNorm input"), "bias": g}
-            for local, name in owned:
-                token_rows.setdefault(name, []).append(per_position[local])
-            continue
-        if call.kind == RMSNORM:  # y = x̂ ⊙ w (or x̂ ⊙ (1 + w)): ∂w = g ⊙ x̂ per position
-            for _, name in owned:
-                token_rows.setdefault(name, []).append(_rms_weight_rows(call, layout))
-            continue
-        for local, name in owned:
-            if local == "bias":
-                token_rows.setdefault(name, []).append(g)
-                continue
-            if call.kind == EMBEDDING:
-                ids = call.inputs
-                if tuple(ids.shape) != (layout.rows, layout.length):
-                    layout.flat(ids, "Embedding input")
-                index = ids.reshape(-1)[layout.positions]
-                g_used = g
-                scale = getattr(module, "embed_scale", None)
-                if scale is not None:  # y = E[ids] · scale (Gemma): ∂E = g · scale
-                    g_used = g * torch.as_tensor(scale, dtype=g.dtype, device=g.device)
-                if module.padding_idx is not None:  # no gradient flows to the padding row
-                    g_used = g_used * (index != module.padding_idx)[:, None].to(g.dtype)
-                use = (Factor(None, index, module.num_embeddings), g_used)
-            else:
-                a = layout.real(call.inputs, f"{type(module).__name__} input")
-                if call.kind == LINEAR:
-                    use = (Factor(g, None, g.shape[1]), a)
-                else:  # Conv1D
-                    use = (Factor(a, None, a.shape[1]), g)
-            weights.setdefault(name, []).append(use)
-    return weights, token_rows, generic
-
-
-def _rms_weight_rows(call: Call, layout: Layout) -> torch.Tensor:
-    """Per real position, ∂w = g ⊙ x̂ of an RMSNorm call, x̂ = x · rsqrt(mean(x²) + ε) computed
-    in float32 and cast back to the input's dtype as transformers' RMSNorms do; dimensions
-    between [rows, length] and the normalized one (per-head norms) are summed."""
-    x = call.inputs
-    x32 = x.to(torch.float32)
-    normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + rms_epsilon(call.module))
-    per_element = call.grad.to(torch.float32) * normalized.to(x.dtype).to(torch.float32)
-    if per_element.dim() > 3:
-        per_element = per_element.sum(dim=tuple(range(2, per_element.dim() - 1)))
-    return layout.real(per_element, f"{type(call.module).__name__} input")
-
-
-def _generic_unit_grads(
-    call: Call, owned: list[tuple[str, str]], layout: Layout, capture: Capture
-) -> dict[str, torch.Tensor]:
-    """Per-unit gradients [U, numel] of a generic module's own parameters: the module is re-run
-    on each unit's rows of its recorded input and differentiated against those rows of G."""
-    local = dict(call.module.named_parameters(recurse=False))
-    tensors = [local[name] for name, _ in owned]
-    out: dict[str, list[torch.Tensor]] = {global_name: [] for _, global_name in owned}
-
-    def unit_part(value, rows):  # a unit's rows of a batch-first tensor argument
-        batch_first = (
-            isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == layout.rows
-        )
-        return value[rows] if batch_first else value
-
-    capture.enabled = False
-    try:
-        for rows in layout.unit_rows:
-            args = [unit_part(a, rows) for a in call.args]
-            kwargs = {k: unit_part(v, rows) for k, v in call.kwargs.items()}
-            with torch.enable_grad():
-                y = call.module(*args, **kwargs)
-                g = call.grad[rows]
-                if y.shape[:1] == (1,) and g.shape[:1] != (1,):  # shared over the unit's rows
-                    g = g.sum(0, keepdim=True)
-                parts = torch.autograd.grad(
-                    y, tensors, grad_outputs=g.to(y.dtype), allow_unused=True
-                )
-            for (_, global_name), part, tensor in zip(owned, parts, tensors, strict=True):
-                zero = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
-                out[global_name].append(zero if part is None else part.reshape(-1).float())
-    finally:
-        capture.enabled = True
-    return {name: torch.stack(rows) for name, rows in out.items()}
+from userdp.clients.zero3 import (
+    Lockstep,
+    any_partitioned,
+    dummy_unit,
+    is_partitioned,
+    param_shape,
+)
 
 
 def _micro_batch(
@@ -246,6 +144,19 @@ def _micro_batch(
     # the token layout first: its host work and index copies then wait for nothing on the device
     layout = Layout.of(batch)
     padded = Padded.of(layout.spans, len(layout.positions), layout.positions.device)
+    direct = None
+    unit_checks: dict[int, float] = {}
+    fresh = verify and any_partitioned(params)
+    if fresh:  # ZeRO-3 releases gathered weights after a backward: one forward per backward
+        direct = torch.autograd.grad(
+            (token_losses(module, batch) * batch.weights).sum(),
+            list(params.values()),
+            allow_unused=True,
+        )
+        if probes is None:
+            unit_checks = direct_unit_squared_norms(
+                lambda: token_losses(module, batch), batch, layout, params
+            )
     capture = Capture(params, *map(int, batch.inputs.shape[:2]))
     handles = capture.attach(module)
     try:
@@ -256,14 +167,12 @@ def _micro_batch(
             handle.remove()
     weighted = (losses * batch.weights).sum()
     outputs = [call.output for call in capture.calls]
-    direct = None
-    unit_checks: dict[int, float] = {}
-    if verify:
+    if verify and not fresh:
         direct = torch.autograd.grad(
             weighted, list(params.values()), retain_graph=True, allow_unused=True
         )
         if probes is None:  # exact norms: check single units too (see verify_attribution)
-            unit_checks = direct_unit_squared_norms(losses, batch, layout, params)
+            unit_checks = direct_unit_squared_norms(lambda: losses, batch, layout, params)
     with record_function("userdp.output_backward"):
         grads = torch.autograd.grad(weighted, outputs, allow_unused=True)
     for call, grad in zip(capture.calls, grads, strict=True):
@@ -272,7 +181,17 @@ def _micro_batch(
             grad = torch.zeros(like.shape, dtype=like.dtype, device=layout.positions.device)
         call.grad = grad
     del grads
-    weights, token_rows, generic = _uses(capture.calls, layout, params)
+    weights, token_rows, generic = weight_uses(capture.calls, layout, params)
+    partitioned = [
+        name for _, owned in generic for _, name in owned if is_partitioned(params[name])
+    ]
+    if partitioned:  # a re-run per unit would gather its parameters a data-dependent number of
+        # times, and ZeRO-3's gathers must be the same on every rank (clients/zero3.py)
+        raise EngineError(
+            f"the vectorized engines re-run {partitioned[0]!r}'s module once per unit, which "
+            "ZeRO-3 cannot do in step across ranks: use strategy.engine = 'loop' or "
+            "model.zero_stage <= 2 for this model"
+        )
     # from here on the factors live in ``weights`` and ``token_rows`` only (generic calls are
     # re-run from their own records), so a weight's factors are freed once they are used up
     for call in capture.calls:
@@ -332,14 +251,14 @@ def _clip_and_add(
             small[name] = padded.rows(rows).sum(1)
         token_rows.clear()  # the rows (an output gradient, for a bias) are used up
         for call, owned in generic:
-            for name, per_unit in _generic_unit_grads(call, owned, layout, capture).items():
+            for name, per_unit in generic_unit_grads(call, owned, layout, capture).items():
                 small[name] = small[name] + per_unit if name in small else per_unit
         for name, per_unit in small.items():
             sq += per_unit.double().pow(2).sum(1)
             retained[name] = UnitGradients((per_unit,))
         # weights: exact (retained, ghost or materialized) or sketched, batched over the units
         for name in list(weights):
-            shape = params[name].shape
+            shape = param_shape(params[name])
             if probes is not None:  # fresh probes per weight (Hutchinson or Hutch++)
                 estimate = sketched_squared_norms(
                     weights[name], probes, padded, shape[0], params[name].device
@@ -387,10 +306,12 @@ def _clip_and_add(
         # book-keeping: Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the finite units' tokens
         for name, uses in weights.items():
             scaled = [(f.select(keep), r[keep] * token_factor) for f, r in uses]  # float32
-            acc.add(name, materialize(scaled, params[name].shape))
+            acc.add(name, materialize(scaled, param_shape(params[name])))
         # retained per-unit gradients: Σ_u c_u M_u over the finite units
         for name, per_unit in retained.items():
-            acc.add(name, per_unit.clipped_sum(unit_factor, kept).reshape(params[name].shape))
+            acc.add(
+                name, per_unit.clipped_sum(unit_factor, kept).reshape(param_shape(params[name]))
+            )
     return verified
 
 
@@ -405,13 +326,19 @@ def vectorized_clipped_sum(
     probes: ProbeSource | None = None,
     verify: bool = False,
     tensor_cores: bool = False,
+    lockstep: Lockstep | None = None,
+    max_positions: int | None = None,
 ) -> bool:
     """Add clip(g_u)·… of ``prepared[indices]`` to ``acc``: exact norms, or sketched norms when
     ``probes`` is given. Units over the token budget run through the loop path (chunked, exact
     norm; for the randomized engine an exact norm means Z = 1, inside the accountant's law).
 
     ``verify``: check the hooks' attribution against one plain batch gradient on the first
-    all-finite micro-batch (one extra backward); returns whether that check ran."""
+    all-finite micro-batch (one extra backward); returns whether that check ran.
+    ``lockstep`` (ZeRO-3, :mod:`userdp.clients.zero3`): every rank runs as many micro-batch
+    passes and chunk passes as the rank with the most, the extra ones on a dummy unit
+    (``max_positions`` bounds it), and runs the attribution check's backwards on the same
+    passes as the others."""
     local = [prepared[i] for i in indices]
     batches, oversized = pack_units(local, token_budget)
     verified = False
@@ -420,12 +347,32 @@ def vectorized_clipped_sum(
     for unit in local:
         if not unit.examples:
             acc.record(0.0, 0.0, 0)
-    for batch_units in batches:
-        batch = make_batch(local, batch_units, device, pad_id)
-        if _micro_batch(module, params, batch, acc, probes, verify, tensor_cores, workspace):
+    chunks = sum(chunk_passes(local[j], token_budget) for j in oversized)
+    passes, all_chunks = len(batches), chunks
+    if lockstep is not None:
+        passes, all_chunks = lockstep.most([len(batches), chunks])
+    dummy = [dummy_unit(pad_id, max_positions)]
+    check = verify
+    for i in range(passes):
+        if lockstep is not None and check:  # while any rank still has to check, all do
+            check = lockstep.any(verify)
+        real = i < len(batches)
+        if real:
+            batch, target = make_batch(local, batches[i], device, pad_id), acc
+        else:  # lockstep only: a dummy pass, its sums thrown away
+            batch, target = make_batch(dummy, [0], device, pad_id), Accumulator(params, 1.0)
+        run_check = check if lockstep is not None else verify
+        passed = _micro_batch(
+            module, params, batch, target, probes, run_check, tensor_cores, workspace
+        )
+        if passed and real:  # a one-unit dummy cannot show units' tokens mixing
             verify = False
             verified = True
     for j in oversized:
         grads, loss_sum, tokens = unit_gradient(module, params, local, j, token_budget, pad_id)
         add_clipped_unit(acc, grads, loss_sum, tokens)
+    if lockstep is not None:
+        run_dummy_chunk_passes(
+            module, params, all_chunks - chunks, token_budget, pad_id, max_positions
+        )
     return verified

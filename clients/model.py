@@ -163,14 +163,22 @@ def _with_lora(model: torch.nn.Module, model_config: Any) -> torch.nn.Module:
 
 def load_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy ``tensors`` into ``model``'s parameters of the same names (dtype and device of the
-    parameter). A name the model does not have is an error, never silently skipped."""
+    parameter). A name the model does not have is an error, never silently skipped. A ZeRO-3
+    parameter takes only this rank's partition of its tensor
+    (:func:`userdp.clients.zero3.load_partitioned`)."""
+    from userdp.clients.zero3 import is_partitioned, load_partitioned
+
     params = dict(model.named_parameters())
     unknown = sorted(set(tensors) - set(params))
     if unknown:
         raise KeyError(f"the model has no parameters named {unknown[:3]}")
     with torch.no_grad():
         for name, value in tensors.items():
-            params[name].copy_(value.to(dtype=params[name].dtype, device=params[name].device))
+            param = params[name]
+            if is_partitioned(param):
+                load_partitioned(param, value)
+            else:
+                param.copy_(value.to(dtype=param.dtype, device=param.device))
 
 
 def split_parameters(

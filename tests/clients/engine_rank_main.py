@@ -1,11 +1,17 @@
 """One rank of the multi-rank engine test (run as a subprocess by test_engine_distributed.py).
 
-    python engine_rank_main.py OUT_DIR ZERO_STAGE ENGINE [FAIL_RANK]
+    python engine_rank_main.py OUT_DIR ZERO_STAGE ENGINE [FAIL_RANK [OPTIONS_JSON]]
 
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT come from the environment. Builds the worker engine
 with ``build_engine`` (DeepSpeed, gloo on CPU), counts every call of the ZeRO optimizer's
 gradient-reduction hook, computes the clipped sum of a fixed unit list and writes rank 0's result
 (safetensors + JSON). A positive control then runs a plain ``.backward()`` to show the spy works.
+OPTIONS_JSON (:func:`rank_config`): ``model`` (a ``[model]`` table: preset, path, lora_rank),
+``units`` ("user": up to 4 examples each; "example": one each), ``clip`` (the clip norm,
+default 3.5), ``deepspeed`` (a DeepSpeed JSON
+object written next to the results and used instead of the stage) and ``apply_seed`` (after a
+first task, every rank applies the whole model built with this seed as a model version, then
+computes the task again on it).
 """
 
 from __future__ import annotations
@@ -21,7 +27,46 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def main(out_dir: str, stage_or_json: str, engine_name: str, fail_rank: int = -1) -> None:
+def rank_config(stage_or_json: str, engine_name: str, options: dict):
+    """The worker config of this test: ZeRO stage or DeepSpeed JSON, engine, the model table."""
+    from tests.clients.engine_fixtures import SEQ_LEN
+    from userdp.config import parse_config
+
+    model = dict(options.get("model", {}))
+    if stage_or_json.endswith(".json"):
+        model["deepspeed_config"] = stage_or_json
+    else:
+        model["zero_stage"] = int(stage_or_json)
+    return parse_config(
+        {
+            "data": {"seq_len": SEQ_LEN},
+            "model": model,
+            "strategy": {"engine": engine_name},
+            "workers": {"token_budget": 64},
+        }
+    )
+
+
+def reference_model(config, seed: int):
+    """The worker's model as ``build_engine`` builds it, without DeepSpeed."""
+    from userdp.clients.model import build_model, model_shape
+
+    from tests.clients.engine_fixtures import byte_manifest
+
+    return build_model(config.model, model_shape(byte_manifest(), config.data.seq_len), seed)
+
+
+def rank_units(options: dict):
+    from tests.clients.engine_fixtures import random_units
+
+    if options.get("units", "user") == "example":
+        return random_units(9, seed=31, max_examples=1)
+    return random_units(7, seed=31, max_examples=4)
+
+
+def main(
+    out_dir: str, stage_or_json: str, engine_name: str, fail_rank: int = -1, options: str = "{}"
+) -> None:
     """``stage_or_json``: a ZeRO stage (``model.zero_stage``) or a DeepSpeed JSON file
     (``model.deepspeed_config``)."""
     import torch
@@ -29,27 +74,27 @@ def main(out_dir: str, stage_or_json: str, engine_name: str, fail_rank: int = -1
     from userdp.clients import engine as engine_module
     from userdp.clients.engine import build_engine
 
-    from tests.clients.engine_fixtures import SEQ_LEN, byte_manifest, random_units
-    from userdp.config import parse_config
+    from tests.clients.engine_fixtures import byte_manifest
 
-    config = parse_config(
-        {
-            "data": {"seq_len": SEQ_LEN},
-            "model": (
-                {"deepspeed_config": stage_or_json}
-                if stage_or_json.endswith(".json")
-                else {"zero_stage": int(stage_or_json)}
-            ),
-            "strategy": {"engine": engine_name},
-            "workers": {"token_budget": 64},
-        }
-    )
+    opts = json.loads(options)
+    if "deepspeed" in opts:
+        stage_or_json = str(Path(out_dir) / f"ds-{os.environ['RANK']}.json")
+        Path(stage_or_json).write_text(json.dumps(opts["deepspeed"]))
+    config = rank_config(stage_or_json, engine_name, opts)
     engine = build_engine(config, byte_manifest())
     zero_stage = engine.deepspeed_engine.zero_optimization_stage()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     reductions = []
     optimizer = engine.deepspeed_engine.optimizer
-    if zero_stage > 0:
+    if zero_stage == 3:  # ZeRO-3's gradient hook reduce-scatters a parameter's .grad
+        original3 = optimizer.reduce_ready_partitions_and_remove_grads
+
+        def spy3(param):
+            reductions.append(param)
+            return original3(param)
+
+        optimizer.reduce_ready_partitions_and_remove_grads = spy3
+    elif zero_stage > 0:
         original = optimizer.process_gradients
 
         def spy(param, i):
@@ -57,14 +102,22 @@ def main(out_dir: str, stage_or_json: str, engine_name: str, fail_rank: int = -1
             return original(param, i)
 
         optimizer.process_gradients = spy
-    units = random_units(7, seed=31, max_examples=4)
+    units = rank_units(opts)
+    clip = float(opts.get("clip", 3.5))
     if rank == fail_rank:  # the failure test: this rank's local compute raises
 
         def broken(*args, **kwargs):
             raise RuntimeError(f"injected failure on rank {rank}")
 
         engine_module.loop_clipped_sum = engine_module.vectorized_clipped_sum = broken
-    result = engine.clipped_sum(units, 3.5)
+    if "apply_seed" in opts:  # a model version after a first task (which leaves DeepSpeed's
+        # persistent parameters gathered), applied the way a worker applies one
+        from userdp.clients.model import load_parameters
+
+        engine.clipped_sum(units, clip)
+        version = reference_model(config, int(opts["apply_seed"])).named_parameters()
+        load_parameters(engine.module, {name: p.detach() for name, p in version})
+    result = engine.clipped_sum(units, clip)
     during = len(reductions)
     grads_untouched = all(p.grad is None for p in engine.module.parameters())
     if zero_stage > 0:  # positive control: an ordinary backward does reach ZeRO's hooks
@@ -81,6 +134,10 @@ def main(out_dir: str, stage_or_json: str, engine_name: str, fail_rank: int = -1
         zero_stage=zero_stage,
         micro_batch=engine.deepspeed_engine.train_micro_batch_size_per_gpu(),
         has_lr_scheduler=engine.deepspeed_engine.lr_scheduler is not None,
+        partition_elements=sum(
+            p.ds_tensor.numel() for p in engine.module.parameters() if hasattr(p, "ds_tensor")
+        ),
+        model_elements=sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
     )
     (out / f"stats-{rank}.json").write_text(json.dumps(stats))
     save_file({k: v.contiguous() for k, v in result.sums.items()}, str(out / f"sums-{rank}.st"))
@@ -92,4 +149,4 @@ def main(out_dir: str, stage_or_json: str, engine_name: str, fail_rank: int = -1
 
 if __name__ == "__main__":
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
-    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]), *sys.argv[5:6])

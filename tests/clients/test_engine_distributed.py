@@ -21,7 +21,12 @@ RANK_MAIN = Path(__file__).with_name("engine_rank_main.py")
 
 
 def start_ranks(
-    tmp_path: Path, world: int, zero_stage: int | Path, engine: str, fail_rank: int = -1
+    tmp_path: Path,
+    world: int,
+    zero_stage: int | Path,
+    engine: str,
+    fail_rank: int = -1,
+    options: dict | None = None,
 ) -> list[subprocess.Popen]:
     port = str(free_port())
     procs = []
@@ -44,6 +49,7 @@ def start_ranks(
                     str(zero_stage),
                     engine,
                     str(fail_rank),
+                    json.dumps(options or {}),
                 ],
                 env=env,
                 stdout=subprocess.PIPE,
@@ -54,8 +60,10 @@ def start_ranks(
     return procs
 
 
-def run_ranks(tmp_path: Path, world: int, zero_stage: int | Path, engine: str) -> list[dict]:
-    for proc in start_ranks(tmp_path, world, zero_stage, engine):
+def run_ranks(
+    tmp_path: Path, world: int, zero_stage: int | Path, engine: str, options: dict | None = None
+) -> list[dict]:
+    for proc in start_ranks(tmp_path, world, zero_stage, engine, options=options):
         output, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, output[-4000:]
     return [json.loads((tmp_path / f"stats-{r}.json").read_text()) for r in range(world)]

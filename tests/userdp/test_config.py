@@ -88,7 +88,7 @@ def test_shuffle_allowed_only_when_acknowledged() -> None:
         ("[strategy]\nclip_norm = -1\n", "strategy.clip_norm must be in (0, inf), got -1"),
         ("[model]\npath = 'gpt2'\n", "model.path = 'gpt2' is not a folder"),
         ("[model]\npath = 'gpt2'\n", "a hub name such as 'gpt2' cannot be used"),
-        ("[model]\nzero_stage = 3\n", "model.zero_stage = 3: ZeRO-3 is not supported"),
+        ("[model]\nzero_stage = 4\n", "model.zero_stage must be 0, 1, 2 or 3, got 4"),
         ("[model]\nlora_dropout = 0.05\n", "model.lora_dropout = 0.05: only 0 is supported"),
         ("[model]\ndeepspeed_config = 'no.json'\n", "model.deepspeed_config = 'no.json' is not a"),
     ],
@@ -119,10 +119,12 @@ def test_model_folder_and_deepspeed_file_are_checked(tmp_path, capsys) -> None:
     assert "has no config.json" in capsys.readouterr().err
     (folder / "config.json").write_text("{}")
     ds = tmp_path / "ds.json"
-    ds.write_text('{"zero_optimization": {"stage": 3}}')
+    ds.write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}')
     path.write_text(f"[model]\npath = '{folder}'\ndeepspeed_config = '{ds}'\n")
     assert main(["config", "check", str(path)]) == 2
-    assert "zero_optimization.stage = 3; ZeRO-3 is not supported" in capsys.readouterr().err
+    assert "offload_param.device = 'nvme'" in capsys.readouterr().err
+    ds.write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}')
+    assert main(["config", "check", str(path)]) == 0
     ds.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}')
     assert main(["config", "check", str(path)]) == 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from userdp.clients.deepspeed_config import (
     PARTITIONING,
-    ZERO3_REFUSAL,
     deepspeed_json_problem,
     read_deepspeed_json,
 )
@@ -33,7 +32,6 @@ from userdp.config.schema import (
 __all__ = [
     "PARTITIONING",
     "PRESET_MAX_SEQ_LEN",
-    "ZERO3_REFUSAL",
     "Config",
     "ConfigError",
     "CoordinatorConfig",

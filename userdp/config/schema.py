@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
 from userdp.accounting.validation import in_interval, interval_text
-from userdp.clients.deepspeed_config import ZERO3_REFUSAL
 from userdp.run.registry import BUILTIN_STRATEGIES
 
 
@@ -82,10 +81,8 @@ class DataConfig(_Section):
 
 
 def _zero_stage(value: int) -> int:
-    if value == 3:
-        raise ValueError(f"= 3: {ZERO3_REFUSAL}")
-    if value not in (0, 1, 2):
-        raise ValueError(f"must be 0, 1 or 2, got {value!r}")
+    if value not in (0, 1, 2, 3):
+        raise ValueError(f"must be 0, 1, 2 or 3, got {value!r}")
     return value
 
 
@@ -113,7 +110,8 @@ class ModelConfig(_Section):
     GPT-NeoX, OPT, GPT-2, ...), fp32 or bf16, tied or untied embeddings."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     zero_stage: Annotated[int, AfterValidator(_zero_stage)] = 0
-    """DeepSpeed ZeRO stage on workers (0-2); a ``deepspeed_config`` file's stage wins."""
+    """DeepSpeed ZeRO stage on workers (0-3; 3 partitions the parameters over a worker's ranks,
+    docs/models.md); a ``deepspeed_config`` file's stage wins."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON config (DeepSpeed's own format) passed to ``deepspeed.initialize`` on
     workers; the keys userdp controls (batch sizes, optimizer, scheduler, bf16) are overridden

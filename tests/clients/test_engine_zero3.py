@@ -1,0 +1,144 @@
+"""ZeRO-3 workers: two gloo ranks with partitioned parameters give the single-process ``loop``
+engine's clipped sum, for GPT-2-, Llama- and Qwen2-style models, full fine-tuning and LoRA, per
+user and per example; no unclipped gradient reaches ZeRO-3's reduce-scatter; a model version is
+applied to each rank's partition only; settings a ZeRO-3 worker cannot honour are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from userdp.clients.engine import ClippingEngine
+
+from tests.clients.engine_fixtures import assert_sums_close
+from tests.clients.engine_rank_main import rank_config, rank_units, reference_model
+from tests.clients.hf_families import family_model
+from tests.clients.test_engine_distributed import run_ranks
+
+RELEASE_AFTER_USE = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+"""DeepSpeed keeps parameters under 10⁵ elements (all of a tiny model's) gathered once fetched;
+a threshold of 0 releases every parameter after each use, as a large model's are."""
+
+
+def qwen2_folder(tmp_path: Path) -> str:
+    folder = tmp_path / "qwen2"
+    family_model("qwen2").save_pretrained(folder)
+    return str(folder)
+
+
+def check_zero3_against_loop(tmp_path: Path, engine: str, options: dict) -> list[dict]:
+    stats = run_ranks(tmp_path, 2, 3, engine, options)
+    config = rank_config("3", "loop", options)
+    seed = int(options.get("apply_seed", 0))
+    units = rank_units(options)
+    reference = ClippingEngine(
+        reference_model(config, seed), engine="loop", token_budget=64
+    ).clipped_sum(units, float(options.get("clip", 3.5)))
+    assert reference.stats.count == len(units) and reference.stats.clipped > 0
+    for rank, rank_stats in enumerate(stats):
+        assert rank_stats["world"] == 2 and rank_stats["zero_stage"] == 3
+        assert_sums_close(load_file(str(tmp_path / f"sums-{rank}.st")), reference.sums, rtol=1e-5)
+        for key in ("count", "nonfinite", "clipped", "tokens"):
+            assert rank_stats[key] == getattr(reference.stats, key), key
+        for key in ("norm_min", "norm_max", "norm_sum", "norm_sum_sq", "loss_sum"):
+            assert rank_stats[key] == pytest.approx(getattr(reference.stats, key), rel=1e-5), key
+        # no unclipped gradient crossed ranks: ZeRO-3's reduce-scatter hook never ran during
+        # the clipped sums, and it does run for a plain backward (the spy sees reductions)
+        assert rank_stats["reductions_during_clipped_sum"] == 0
+        assert rank_stats["reductions_after_plain_backward"] > 0
+        assert rank_stats["grads_untouched"]
+        # each rank holds half of every parameter (padded to an even length)
+        assert rank_stats["partition_elements"] * 2 >= rank_stats["model_elements"]
+        assert rank_stats["partition_elements"] * 2 <= rank_stats["model_elements"] + 2 * 64
+    return stats
+
+
+@pytest.mark.parametrize(
+    ("engine", "model", "units", "deepspeed"),
+    [
+        ("vectorized", {"preset": "gpt2-tiny"}, "user", None),
+        ("vectorized", {"preset": "llama-tiny", "lora_rank": 4}, "example", RELEASE_AFTER_USE),
+        ("loop", {"preset": "llama-tiny"}, "user", RELEASE_AFTER_USE),
+        pytest.param(
+            "vectorized",
+            {"preset": "gpt2-tiny", "lora_rank": 4},
+            "user",
+            RELEASE_AFTER_USE,
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "vectorized", {"preset": "llama-tiny"}, "example", None, marks=pytest.mark.slow
+        ),
+        pytest.param("loop", {"preset": "gpt2-tiny"}, "example", None, marks=pytest.mark.slow),
+    ],
+)
+def test_two_zero3_ranks_equal_the_single_process_loop(tmp_path, engine, model, units, deepspeed):
+    # LoRA's B starts at zero, so its gradients are small: a smaller clip norm clips some units
+    options = {"model": model, "units": units, "clip": 0.5 if model.get("lora_rank") else 3.5}
+    if deepspeed is not None:
+        options["deepspeed"] = deepspeed
+    check_zero3_against_loop(tmp_path, engine, options)
+
+
+@pytest.mark.parametrize("units", ["user", pytest.param("example", marks=pytest.mark.slow)])
+def test_qwen2_folder_on_zero3_after_a_model_version(tmp_path, units):
+    """A user's own Qwen2-style folder (tied embeddings, RMSNorm, biased attention), parameters
+    released after each use; after a first task the ranks apply a new model version to their
+    partitions, and the next task is computed on exactly that model."""
+    options = {
+        "model": {"path": qwen2_folder(tmp_path)},
+        "units": units,
+        "deepspeed": RELEASE_AFTER_USE,
+        "apply_seed": 7,
+        "clip": 1.0,
+    }
+    check_zero3_against_loop(tmp_path, "vectorized", options)
+
+
+def test_model_version_after_persistent_gather(tmp_path):
+    """DeepSpeed's default keeps small parameters gathered after their first use: a model version
+    must reach that gathered copy as well as the partition, or the next task runs on the old
+    weights."""
+    options = {"model": {"preset": "gpt2-tiny"}, "units": "user", "apply_seed": 5}
+    check_zero3_against_loop(tmp_path, "vectorized", options)
+
+
+def test_load_partitioned_writes_only_this_ranks_slice_and_zero_padding():
+    from types import SimpleNamespace
+
+    from userdp.clients import zero3
+
+    value = torch.arange(7, dtype=torch.float32).reshape(7, 1)
+    partition = torch.full((4,), -1.0)
+    partition.ds_numel = 4
+    param = torch.nn.Parameter(torch.empty(0))
+    param.ds_tensor, param.ds_shape, param.ds_numel = partition, torch.Size([7, 1]), 7
+    param.ds_status = SimpleNamespace()  # not AVAILABLE: no gathered copy to write
+    for rank, expected in [(0, [0.0, 1.0, 2.0, 3.0]), (1, [4.0, 5.0, 6.0, 0.0])]:
+        original = zero3._partition_rank
+        zero3._partition_rank = lambda p, r=rank: r
+        try:
+            zero3.load_partitioned(param, value)
+        finally:
+            zero3._partition_rank = original
+        assert partition.tolist() == expected
+    with pytest.raises(ValueError, match="shape"):
+        zero3.load_partitioned(param, torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    ("zero", "expected"),
+    [
+        ({"stage": 4}, "must be 0, 1, 2 or 3"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, "offload_param.device = 'nvme'"),
+        ({"stage": 3, "zero_hpz_partition_size": 8}, "zero_hpz_partition_size"),
+    ],
+)
+def test_zero3_settings_a_worker_cannot_honour_are_refused(zero, expected):
+    from userdp.clients.deepspeed_config import deepspeed_json_problem
+
+    assert expected in deepspeed_json_problem({"zero_optimization": zero})
+    ok = {"stage": 3, "offload_param": {"device": "cpu"}}
+    assert deepspeed_json_problem({"zero_optimization": ok}) is None
