@@ -8,6 +8,7 @@ bucketing/reduction hooks, so no unclipped unit gradient is ever reduced across 
 worker the ranks split the UNITS (a unit is never split) and :func:`all_reduce_result` sums the
 clipped task sums and statistics. ZeRO-1/2 require an optimizer: a torch SGD with lr 0 is
 passed and never stepped (the coordinator owns the update; the worker only copies parameters).
+ZeRO-3 gets none: DeepSpeed then only partitions and gathers parameters.
 """
 
 from __future__ import annotations
@@ -126,13 +127,18 @@ def wrap_with_deepspeed(
     config, notes = deepspeed_config(zero_stage, bf16, user_config)
     if notes:
         log.warning("model.deepspeed_config: userdp overrides %s", "; ".join(notes))
-    if config["zero_optimization"]["stage"] > 0:
+    if config["zero_optimization"]["stage"] in (1, 2):  # ZeRO-3 runs without one: parameter
+        # partitioning only, no fp32 master partitions and no gradient hooks (clients/zero3.py)
         trainable = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(trainable, lr=0.0)
     try:
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     except AssertionError as exc:  # DeepSpeed reports configuration problems as assertions
         raise EngineError(f"deepspeed.initialize refused the worker model: {exc}") from exc
+    if config["zero_optimization"]["stage"] == 3:
+        from userdp.clients.zero3 import partition_summary
+
+        log.info("ZeRO-3: %s", partition_summary(engine.module))
     placed = next(engine.module.parameters()).device.type
     if placed != device:
         raise EngineError(

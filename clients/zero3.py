@@ -54,6 +54,15 @@ def any_partitioned(params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor])
     return any(is_partitioned(p) for p in values)
 
 
+def partition_summary(module: torch.nn.Module) -> str:
+    """One line for the worker's log: how much of the model this rank holds at rest."""
+    params = list(module.parameters())
+    held = sum(p.ds_tensor.numel() if is_partitioned(p) else p.numel() for p in params)
+    total = sum(param_numel(p) for p in params)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return f"rank {rank} holds {held:,} of the model's {total:,} parameter elements"
+
+
 class Lockstep:
     """Agreement among a ZeRO-3 worker's ranks on how many passes of each kind to run (see the
     module docstring). Every rank must make the same calls in the same order."""

@@ -47,6 +47,28 @@ def rank_config(stage_or_json: str, engine_name: str, options: dict):
     )
 
 
+def spy_deepspeed_collectives() -> dict[str, int]:
+    """Count every collective DeepSpeed issues through its communication backend, by name (the
+    engine's own reduction of clipped sums calls torch.distributed directly and is not counted)."""
+    from collections import Counter
+
+    import deepspeed.comm.comm as ds_comm
+
+    counts: Counter = Counter()
+    for name in dir(ds_comm.cdb):
+        if name.startswith(("all_", "reduce", "broadcast", "gather", "scatter", "send", "recv")):
+            original = getattr(ds_comm.cdb, name)
+            if not callable(original):
+                continue
+
+            def spy(*args, _original=original, _name=name, **kwargs):
+                counts[_name] += 1
+                return _original(*args, **kwargs)
+
+            setattr(ds_comm.cdb, name, spy)
+    return counts
+
+
 def reference_model(config, seed: int):
     """The worker's model as ``build_engine`` builds it, without DeepSpeed."""
     from userdp.clients.model import build_model, model_shape
@@ -86,14 +108,10 @@ def main(
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     reductions = []
     optimizer = engine.deepspeed_engine.optimizer
-    if zero_stage == 3:  # ZeRO-3's gradient hook reduce-scatters a parameter's .grad
-        original3 = optimizer.reduce_ready_partitions_and_remove_grads
-
-        def spy3(param):
-            reductions.append(param)
-            return original3(param)
-
-        optimizer.reduce_ready_partitions_and_remove_grads = spy3
+    ds_collectives = spy_deepspeed_collectives()
+    if zero_stage == 3:  # parameter partitioning only: no optimizer, so no gradient hooks
+        assert type(optimizer).__name__ == "DeepSpeedZeRoOffload", type(optimizer)
+        assert not hasattr(optimizer, "reduce_ready_partitions_and_remove_grads")
     elif zero_stage > 0:
         original = optimizer.process_gradients
 
@@ -117,10 +135,16 @@ def main(
         engine.clipped_sum(units, clip)
         version = reference_model(config, int(opts["apply_seed"])).named_parameters()
         load_parameters(engine.module, {name: p.detach() for name, p in version})
+    before = dict(ds_collectives)
     result = engine.clipped_sum(units, clip)
     during = len(reductions)
+    collectives_during = {
+        name: count - before.get(name, 0)
+        for name, count in ds_collectives.items()
+        if count > before.get(name, 0)
+    }
     grads_untouched = all(p.grad is None for p in engine.module.parameters())
-    if zero_stage > 0:  # positive control: an ordinary backward does reach ZeRO's hooks
+    if 0 < zero_stage < 3:  # positive control: an ordinary backward does reach ZeRO's hooks
         ids = torch.as_tensor(units[0].examples[0], dtype=torch.long)[None]
         engine.deepspeed_engine.backward(engine.module(input_ids=ids, labels=ids).loss)
     out = Path(out_dir)
@@ -129,6 +153,8 @@ def main(
         rank=rank,
         world=world,
         reductions_during_clipped_sum=during,
+        deepspeed_collectives_during_clipped_sum=collectives_during,
+        deepspeed_collectives_in_all=dict(ds_collectives),
         reductions_after_plain_backward=len(reductions),
         grads_untouched=grads_untouched,
         zero_stage=zero_stage,

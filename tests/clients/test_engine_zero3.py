@@ -1,7 +1,8 @@
 """ZeRO-3 workers: two gloo ranks with partitioned parameters give the single-process ``loop``
 engine's clipped sum, for GPT-2-, Llama- and Qwen2-style models, full fine-tuning and LoRA, per
-user and per example; no unclipped gradient reaches ZeRO-3's reduce-scatter; a model version is
-applied to each rank's partition only; settings a ZeRO-3 worker cannot honour are refused."""
+user and per example; DeepSpeed reduces nothing during a clipped sum (it only gathers
+parameters); a model version is applied to each rank's partition only; settings a ZeRO-3 worker
+cannot honour are refused."""
 
 from __future__ import annotations
 
@@ -44,10 +45,15 @@ def check_zero3_against_loop(tmp_path: Path, engine: str, options: dict) -> list
             assert rank_stats[key] == getattr(reference.stats, key), key
         for key in ("norm_min", "norm_max", "norm_sum", "norm_sum_sq", "loss_sum"):
             assert rank_stats[key] == pytest.approx(getattr(reference.stats, key), rel=1e-5), key
-        # no unclipped gradient crossed ranks: ZeRO-3's reduce-scatter hook never ran during
-        # the clipped sums, and it does run for a plain backward (the spy sees reductions)
-        assert rank_stats["reductions_during_clipped_sum"] == 0
-        assert rank_stats["reductions_after_plain_backward"] > 0
+        # no unclipped gradient crossed ranks: the stage-3 worker has no gradient hooks (no
+        # optimizer), and during the clipped sum DeepSpeed issued no reduction of any kind
+        # (the spy does see its traffic: it counted the parameter gathers of the run; with
+        # parameters released after use, also during the clipped sum)
+        collectives = rank_stats["deepspeed_collectives_during_clipped_sum"]
+        assert not [name for name in collectives if "reduce" in name], collectives
+        assert rank_stats["deepspeed_collectives_in_all"].get("all_gather_into_tensor", 0) > 0
+        if options.get("deepspeed") == RELEASE_AFTER_USE:
+            assert collectives.get("all_gather_into_tensor", 0) > 0, collectives
         assert rank_stats["grads_untouched"]
         # each rank holds half of every parameter (padded to an even length)
         assert rank_stats["partition_elements"] * 2 >= rank_stats["model_elements"]

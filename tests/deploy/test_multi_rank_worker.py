@@ -3,15 +3,18 @@
 coordinator over gRPC. Without noise (the test-only switch), the run ends with the same model as
 the in-process reference run of the same config, so every released step is the clipped sum of
 each sampled unit counted once; the coordinator's drain ends both ranks and the launcher with
-status 0."""
+status 0. At ZeRO stage 3 the two ranks hold half of each parameter and the run ends with the same
+model as the in-process run of the same config at stage 0."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,13 +36,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(tmp_path: Path, port: int):
+def _config(tmp_path: Path, port: int, zero_stage: int = 0, steps: int = 2):
     return parse_config(
         {
             "data": {"demo_users": 40, "seq_len": 32, "eval_fraction": 0.1},
-            "model": {"preset": "gpt2-tiny"},
+            "model": {"preset": "gpt2-tiny", "zero_stage": zero_stage},
             "strategy": {
-                "steps": 2,
+                "steps": steps,
                 "sampling_prob": 0.3,
                 "group_size": 2,
                 "engine": "vectorized",
@@ -64,24 +67,55 @@ def _launcher(render_chart) -> list[str]:
     return [str(Path(sys.executable).parent / "torchrun"), *command[1:]]
 
 
-@pytest.mark.slow
-def test_the_charts_two_rank_worker_serves_a_coordinator_like_one_process(
-    tmp_path: Path, render_chart
-) -> None:
-    port, health_port = _free_port(), _free_port()
-    config = _config(tmp_path, port)
+def _start_worker(
+    tmp_path: Path, config, render_chart, health_port: int, log_path: Path
+) -> subprocess.Popen:
+    """The chart's two-rank worker ``w0`` for ``config``, in a session of its own (so that the
+    launcher and its ranks can be killed together), its output in ``log_path``."""
     worker_config = tmp_path / "worker.toml"
     worker_config.write_text(config_toml(config))
     shards = prepare_run(config).shard_dir
-    argv = _launcher(render_chart) + ["worker", "--coordinator", f"127.0.0.1:{port}"]
+    argv = _launcher(render_chart) + [
+        "worker",
+        "--coordinator",
+        f"127.0.0.1:{config.coordinator.port}",
+    ]
     argv += ["--shards", str(shards), "--config", str(worker_config), "--worker-id", "w0"]
     argv += ["--health-port", str(health_port), "--reconnect-timeout", "600"]
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
     env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log_file:
-        worker = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _in_process_reference(tmp_path: Path, config):
+    """The noiseless in-process run of ``config`` at ZeRO stage 0 (the same model and units)."""
+    return run(
+        config.model_copy(
+            update={
+                "coordinator": config.coordinator.model_copy(update={"port": 0}),
+                "model": config.model.model_copy(update={"zero_stage": 0}),
+            }
+        ),
+        tmp_path / "local",
+        mode="in-process",
+        quiet=True,
+        test_only_disable_noise=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_the_charts_two_rank_worker_serves_a_coordinator_like_one_process(
+    tmp_path: Path, render_chart, zero_stage: int
+) -> None:
+    port, health_port = _free_port(), _free_port()
+    config = _config(tmp_path, port, zero_stage)
+    log_path = tmp_path / "worker.log"
+    worker = _start_worker(tmp_path, config, render_chart, health_port, log_path)
     ready: list[bool] = []
     stop_probing = threading.Event()
 
@@ -106,19 +140,62 @@ def test_the_charts_two_rank_worker_serves_a_coordinator_like_one_process(
     assert returncode == 0, output[-4000:]
     assert ready, "rank 0 never served the readiness probe"
     assert "[rank 1]: stopped by rank 0" in output, output[-4000:]
+    if zero_stage == 3:  # each rank holds half of the parameters at rest
+        assert "ZeRO-3: rank 1 holds" in output, output[-4000:]
     assert ranked.steps_done == 2
 
-    reference = run(
-        config.model_copy(
-            update={"coordinator": config.coordinator.model_copy(update={"port": 0})}
-        ),
-        tmp_path / "local",
-        mode="in-process",
-        quiet=True,
-        test_only_disable_noise=True,
-    )
+    reference = _in_process_reference(tmp_path, config)
     assert reference.steps_done == 2
     initial = prepare_run(config).trainable
     for name, value in ranked.params.items():
         torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.equal(value, initial[name]), f"{name} did not move"
+
+
+@pytest.mark.slow
+def test_a_zero3_worker_killed_mid_run_is_replaced_and_the_run_ends_as_in_process(
+    tmp_path: Path, render_chart
+) -> None:
+    """SIGKILL to the launcher and both ranks of a stage-3 worker once the ledger has a step; a
+    new worker with the same id joins, is resynced with the whole model (written into its
+    partitions), the coordinator re-issues what was lost, and the noiseless run ends with the
+    in-process run's model."""
+    port, health_port = _free_port(), _free_port()
+    config = _config(tmp_path, port, zero_stage=3, steps=3)
+    outcome: dict = {}
+
+    def coordinate() -> None:
+        outcome["ranked"] = run(
+            config, tmp_path / "ranks", mode="external", quiet=True, test_only_disable_noise=True
+        )
+
+    runner = threading.Thread(target=coordinate, daemon=True)
+    runner.start()
+    first = _start_worker(tmp_path, config, render_chart, health_port, tmp_path / "first.log")
+    ledger = tmp_path / "ranks" / "ledger.jsonl"
+    second = None
+    try:
+        deadline = time.monotonic() + 600
+        while not (ledger.exists() and len(ledger.read_text().splitlines()) >= 2):
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no step was charged within 600 s"
+            time.sleep(0.5)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        second = _start_worker(tmp_path, config, render_chart, health_port, tmp_path / "second.log")
+        runner.join(timeout=900)
+        assert not runner.is_alive(), "the run did not finish after the worker was replaced"
+        returncode = second.wait(timeout=180)  # drained at the end of the run
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    output = (tmp_path / "second.log").read_text(errors="replace")
+    assert returncode == 0, output[-4000:]
+    assert "ZeRO-3: rank 1 holds" in output, output[-4000:]
+    ranked = outcome["ranked"]
+    assert ranked.steps_done == 3
+    reference = _in_process_reference(tmp_path, config)
+    for name, value in ranked.params.items():
+        torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6, msg=name)
