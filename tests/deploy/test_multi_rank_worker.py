@@ -14,9 +14,9 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from userdp.proto.channels import WORKER_HEALTH_SERVICE
@@ -70,8 +70,7 @@ def _launcher(render_chart) -> list[str]:
 def _start_worker(
     tmp_path: Path, config, render_chart, health_port: int, log_path: Path
 ) -> subprocess.Popen:
-    """The chart's two-rank worker ``w0`` for ``config``, in a session of its own (so that the
-    launcher and its ranks can be killed together), its output in ``log_path``."""
+    """The chart's two-rank worker ``w0`` for ``config``, its output in ``log_path``."""
     worker_config = tmp_path / "worker.toml"
     worker_config.write_text(config_toml(config))
     shards = prepare_run(config).shard_dir
@@ -86,9 +85,22 @@ def _start_worker(
     env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     with open(log_path, "wb") as log_file:
-        return subprocess.Popen(
-            argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it, as a container's end does (torchrun
+    starts its ranks in sessions of their own, so its process group alone would miss them)."""
+    try:
+        tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for process in tree:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
 
 
 def _in_process_reference(tmp_path: Path, config):
@@ -154,48 +166,46 @@ def test_the_charts_two_rank_worker_serves_a_coordinator_like_one_process(
 
 @pytest.mark.slow
 def test_a_zero3_worker_killed_mid_run_is_replaced_and_the_run_ends_as_in_process(
-    tmp_path: Path, render_chart
+    tmp_path: Path, render_chart, monkeypatch
 ) -> None:
-    """SIGKILL to the launcher and both ranks of a stage-3 worker once the ledger has a step; a
-    new worker with the same id joins, is resynced with the whole model (written into its
-    partitions), the coordinator re-issues what was lost, and the noiseless run ends with the
-    in-process run's model."""
-    port, health_port = _free_port(), _free_port()
-    config = _config(tmp_path, port, zero_stage=3, steps=3)
-    outcome: dict = {}
+    """SIGKILL to the launcher and both ranks of a stage-3 worker as the coordinator starts
+    gathering step 2 (it has sent that step's tasks or is about to); a new worker with the same
+    id joins, is resynced with the whole model (written into its partitions), the coordinator
+    re-issues what was lost, and the noiseless run ends with the in-process run's model."""
+    from userdp.server.fleet import Fleet
 
-    def coordinate() -> None:
-        outcome["ranked"] = run(
+    port, health_port = _free_port(), _free_port()
+    steps, kill_at = 4, 2
+    config = _config(tmp_path, port, zero_stage=3, steps=steps)
+    workers: list[subprocess.Popen] = []
+    gather = Fleet.gather
+
+    def gather_killing_the_worker_once(fleet, collect, spec):
+        if collect.step == kill_at and len(workers) == 1:
+            _kill_tree(workers[0])
+            second_log = tmp_path / "second.log"
+            workers.append(_start_worker(tmp_path, config, render_chart, health_port, second_log))
+        return gather(fleet, collect, spec)
+
+    monkeypatch.setattr(Fleet, "gather", gather_killing_the_worker_once)
+    workers.append(
+        _start_worker(tmp_path, config, render_chart, health_port, tmp_path / "first.log")
+    )
+    try:
+        ranked = run(
             config, tmp_path / "ranks", mode="external", quiet=True, test_only_disable_noise=True
         )
-
-    runner = threading.Thread(target=coordinate, daemon=True)
-    runner.start()
-    first = _start_worker(tmp_path, config, render_chart, health_port, tmp_path / "first.log")
-    ledger = tmp_path / "ranks" / "ledger.jsonl"
-    second = None
-    try:
-        deadline = time.monotonic() + 600
-        while not (ledger.exists() and len(ledger.read_text().splitlines()) >= 2):
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no step was charged within 600 s"
-            time.sleep(0.5)
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-        second = _start_worker(tmp_path, config, render_chart, health_port, tmp_path / "second.log")
-        runner.join(timeout=900)
-        assert not runner.is_alive(), "the run did not finish after the worker was replaced"
-        returncode = second.wait(timeout=180)  # drained at the end of the run
+        assert len(workers) == 2, "the worker was never killed"
+        returncode = workers[1].wait(timeout=180)  # drained at the end of the run
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for proc in workers:
+            _kill_tree(proc)
+    first = (tmp_path / "first.log").read_text(errors="replace")
     output = (tmp_path / "second.log").read_text(errors="replace")
+    assert workers[0].returncode != 0 and "drained by coordinator" not in first, first[-4000:]
     assert returncode == 0, output[-4000:]
-    assert "ZeRO-3: rank 1 holds" in output, output[-4000:]
-    ranked = outcome["ranked"]
-    assert ranked.steps_done == 3
+    assert "ZeRO-3: rank 1 holds" in output and "drained by coordinator" in output, output[-4000:]
+    assert ranked.steps_done == steps
     reference = _in_process_reference(tmp_path, config)
     for name, value in ranked.params.items():
         torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6, msg=name)
