@@ -23,7 +23,8 @@ are reduced exactly as at stages 0-2 (:func:`userdp.clients.distributed.all_redu
 
 A model version arrives as whole tensors; :func:`load_partitioned` copies into each rank's
 partition only its own slice (and into the gathered tensor too while DeepSpeed keeps one, as it
-does for small "persistent" parameters), so no rank materializes a parameter it does not own.
+does for small "persistent" parameters): no rank gathers a parameter to write it. (The version
+itself still reaches every rank whole, from rank 0's broadcast.)
 """
 
 from __future__ import annotations
