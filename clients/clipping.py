@@ -108,6 +108,18 @@ class Accumulator:
         return TaskSum(self.host_sums(), self.stats, self.skipped_examples)
 
 
+class Discard(Accumulator):
+    """An accumulator that counts and computes clip factors but keeps no sums: for the dummy
+    passes of ZeRO-3's lockstep (:mod:`userdp.clients.zero3`), whose result is thrown away, so
+    that they allocate no model-sized buffer."""
+
+    def __post_init__(self) -> None:
+        self.sums = {}
+
+    def add(self, name: str, value: torch.Tensor, scale: float = 1.0) -> None:
+        return None
+
+
 def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
     """Σ ‖t‖² in float64 (inf on overflow, NaN if any entry is NaN)."""
     total = 0.0

@@ -92,6 +92,7 @@ from userdp.clients.batching import (
 from userdp.clients.capture import GENERIC, Capture, Layout
 from userdp.clients.clipping import (
     Accumulator,
+    Discard,
     add_clipped_unit,
     chunk_passes,
     run_dummy_chunk_passes,
@@ -360,7 +361,7 @@ def vectorized_clipped_sum(
         if real:
             batch, target = make_batch(local, batches[i], device, pad_id), acc
         else:  # lockstep only: a dummy pass, its sums thrown away
-            batch, target = make_batch(dummy, [0], device, pad_id), Accumulator(params, 1.0)
+            batch, target = make_batch(dummy, [0], device, pad_id), Discard(params, 1.0)
         run_check = check if lockstep is not None else verify
         passed = _micro_batch(
             module, params, batch, target, probes, run_check, tensor_cores, workspace

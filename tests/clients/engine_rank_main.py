@@ -7,7 +7,8 @@ with ``build_engine`` (DeepSpeed, gloo on CPU), counts every call of the ZeRO op
 gradient-reduction hook, computes the clipped sum of a fixed unit list and writes rank 0's result
 (safetensors + JSON). A positive control then runs a plain ``.backward()`` to show the spy works.
 OPTIONS_JSON (:func:`rank_config`): ``model`` (a ``[model]`` table: preset, path, lora_rank),
-``units`` ("user": up to 4 examples each; "example": one each), ``clip`` (the clip norm,
+``units`` ("user": up to 4 examples each; "example": one each; "uneven": three units of one
+micro-batch each), ``clip`` (the clip norm,
 default 3.5), ``deepspeed`` (a DeepSpeed JSON
 object written next to the results and used instead of the stage) and ``apply_seed`` (after a
 first task, every rank applies the whole model built with this seed as a model version, then
@@ -79,8 +80,16 @@ def reference_model(config, seed: int):
 
 
 def rank_units(options: dict):
-    from tests.clients.engine_fixtures import random_units
+    import numpy as np
+    from userdp.clients.engine import Unit
 
+    from tests.clients.engine_fixtures import SEQ_LEN, random_units
+
+    if options.get("units") == "uneven":  # one unit per micro-batch: 2 of them on one rank, 1 on
+        # the other, which must run a dummy micro-batch pass to stay in step (clients/zero3.py)
+        return [
+            Unit(f"u{i}", [np.arange(3 + i, 3 + i + SEQ_LEN) for _ in range(2)]) for i in range(3)
+        ]
     if options.get("units", "user") == "example":
         return random_units(9, seed=31, max_examples=1)
     return random_units(7, seed=31, max_examples=4)

@@ -67,6 +67,7 @@ def check_zero3_against_loop(tmp_path: Path, engine: str, options: dict) -> list
         ("vectorized", {"preset": "gpt2-tiny"}, "user", None),
         ("vectorized", {"preset": "llama-tiny", "lora_rank": 4}, "example", RELEASE_AFTER_USE),
         ("loop", {"preset": "llama-tiny"}, "user", RELEASE_AFTER_USE),
+        ("vectorized", {"preset": "gpt2-tiny"}, "uneven", RELEASE_AFTER_USE),
         pytest.param(
             "vectorized",
             {"preset": "gpt2-tiny", "lora_rank": 4},
