@@ -79,6 +79,18 @@ def check_zero3_against_loop(tmp_path: Path, engine: str, options: dict) -> list
             "vectorized", {"preset": "llama-tiny"}, "example", None, marks=pytest.mark.slow
         ),
         pytest.param("loop", {"preset": "gpt2-tiny"}, "example", None, marks=pytest.mark.slow),
+        pytest.param(  # parameter partitions in host memory (on CPU ranks: where they were)
+            "vectorized",
+            {"preset": "gpt2-tiny"},
+            "user",
+            {
+                "zero_optimization": {
+                    **RELEASE_AFTER_USE["zero_optimization"],
+                    "offload_param": {"device": "cpu"},
+                }
+            },
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_two_zero3_ranks_equal_the_single_process_loop(tmp_path, engine, model, units, deepspeed):
