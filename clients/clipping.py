@@ -27,7 +27,7 @@ from userdp.clients.batching import (
     make_batch,
     token_losses,
 )
-from userdp.clients.zero3 import Lockstep, dummy_unit, param_numel, param_shape
+from userdp.clients.zero3 import Lockstep, param_numel, param_shape
 from userdp.proto.results import TaskSum
 from userdp.strategies.unit_stats import UnitStats
 
@@ -169,14 +169,15 @@ def loop_clipped_sum(
     token_budget: int,
     pad_id: int,
     lockstep: Lockstep | None = None,
-    max_positions: int | None = None,
 ) -> None:
     """The reference engine: per unit, exact gradient, exact norm, clip, add.
 
     ``lockstep`` (ZeRO-3, :mod:`userdp.clients.zero3`): every rank runs as many chunk passes as
-    the rank with the most, the extra ones on a dummy unit (``max_positions`` bounds it)."""
-    mine = sum(chunk_passes(prepared[i], token_budget) for i in indices)
-    most = lockstep.most([mine])[0] if lockstep is not None else mine  # agreed before any pass
+    the rank with the most, the extra ones on the lockstep's dummy unit."""
+    extra = 0
+    if lockstep is not None:  # agreed before any pass
+        mine = sum(chunk_passes(prepared[i], token_budget) for i in indices)
+        extra = lockstep.most([mine])[0] - mine
     for index in indices:
         if not prepared[index].examples:
             acc.record(0.0, 0.0, 0)
@@ -185,7 +186,8 @@ def loop_clipped_sum(
             module, params, prepared, index, token_budget, pad_id
         )
         add_clipped_unit(acc, grads, loss_sum, tokens)
-    run_dummy_chunk_passes(module, params, most - mine, token_budget, pad_id, max_positions)
+    if lockstep is not None:
+        run_dummy_chunk_passes(module, params, lockstep, extra, token_budget, pad_id)
 
 
 def chunk_passes(unit: PreparedUnit, token_budget: int) -> int:
@@ -196,15 +198,14 @@ def chunk_passes(unit: PreparedUnit, token_budget: int) -> int:
 def run_dummy_chunk_passes(
     module: torch.nn.Module,
     params: dict[str, torch.Tensor],
+    lockstep: Lockstep,
     count: int,
     token_budget: int,
     pad_id: int,
-    max_positions: int | None,
 ) -> None:
-    """``count`` chunk passes on a dummy unit, their gradients thrown away (ZeRO-3 lockstep)."""
-    dummy = [dummy_unit(pad_id, max_positions)]
+    """``count`` chunk passes on the lockstep's dummy unit, their gradients thrown away."""
     for _ in range(count):
-        unit_gradient(module, params, dummy, 0, token_budget, pad_id)
+        unit_gradient(module, params, lockstep.dummy, 0, token_budget, pad_id)
 
 
 def add_clipped_unit(

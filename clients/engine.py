@@ -217,7 +217,7 @@ class ClippingEngine:
         acc.skipped_examples = sum(prepared[i].skipped for i in mine)
         lockstep = None
         if world_size > 1 and any_partitioned(self.params):  # ZeRO-3 (clients/zero3.py)
-            lockstep = Lockstep(self.device)
+            lockstep = Lockstep(self.device, self.pad_id, self.max_positions)
             if local_steps:
                 raise EngineError(
                     "DP-FedAvg (strategy.local_steps >= 1) takes SGD steps on a private copy of "
@@ -247,7 +247,6 @@ class ClippingEngine:
                 budget,
                 self.pad_id,
                 lockstep,
-                self.max_positions,
             )
         else:
             probe_source = None
@@ -265,7 +264,6 @@ class ClippingEngine:
                 verify=not self.attribution_verified,
                 tensor_cores=self.tensor_core_matmul,
                 lockstep=lockstep,
-                max_positions=self.max_positions,
             )
             self.attribution_verified = self.attribution_verified or verified
         return acc.result()

@@ -120,7 +120,6 @@ from userdp.clients.unit_gradients import (
 from userdp.clients.zero3 import (
     Lockstep,
     any_partitioned,
-    dummy_unit,
     is_partitioned,
     param_shape,
 )
@@ -328,7 +327,6 @@ def vectorized_clipped_sum(
     verify: bool = False,
     tensor_cores: bool = False,
     lockstep: Lockstep | None = None,
-    max_positions: int | None = None,
 ) -> bool:
     """Add clip(g_u)·… of ``prepared[indices]`` to ``acc``: exact norms, or sketched norms when
     ``probes`` is given. Units over the token budget run through the loop path (chunked, exact
@@ -337,9 +335,8 @@ def vectorized_clipped_sum(
     ``verify``: check the hooks' attribution against one plain batch gradient on the first
     all-finite micro-batch (one extra backward); returns whether that check ran.
     ``lockstep`` (ZeRO-3, :mod:`userdp.clients.zero3`): every rank runs as many micro-batch
-    passes and chunk passes as the rank with the most, the extra ones on a dummy unit
-    (``max_positions`` bounds it), and runs the attribution check's backwards on the same
-    passes as the others."""
+    passes and chunk passes as the rank with the most, the extra ones on the lockstep's dummy
+    unit, and runs the attribution check's backwards on the same passes as the others."""
     local = [prepared[i] for i in indices]
     batches, oversized = pack_units(local, token_budget)
     verified = False
@@ -352,7 +349,6 @@ def vectorized_clipped_sum(
     passes, all_chunks = len(batches), chunks
     if lockstep is not None:
         passes, all_chunks = lockstep.most([len(batches), chunks])
-    dummy = [dummy_unit(pad_id, max_positions)]
     check = verify
     for i in range(passes):
         if lockstep is not None and check:  # while any rank still has to check, all do
@@ -361,7 +357,8 @@ def vectorized_clipped_sum(
         if real:
             batch, target = make_batch(local, batches[i], device, pad_id), acc
         else:  # lockstep only: a dummy pass, its sums thrown away
-            batch, target = make_batch(dummy, [0], device, pad_id), Discard(params, 1.0)
+            batch = make_batch(lockstep.dummy, [0], device, pad_id)
+            target = Discard(params, 1.0)
         run_check = check if lockstep is not None else verify
         passed = _micro_batch(
             module, params, batch, target, probes, run_check, tensor_cores, workspace
@@ -373,7 +370,5 @@ def vectorized_clipped_sum(
         grads, loss_sum, tokens = unit_gradient(module, params, local, j, token_budget, pad_id)
         add_clipped_unit(acc, grads, loss_sum, tokens)
     if lockstep is not None:
-        run_dummy_chunk_passes(
-            module, params, all_chunks - chunks, token_budget, pad_id, max_positions
-        )
+        run_dummy_chunk_passes(module, params, lockstep, all_chunks - chunks, token_budget, pad_id)
     return verified

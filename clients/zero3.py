@@ -15,8 +15,8 @@ sequence of module calls whatever the data:
 
 A rank's units give it some number of passes of each kind; :class:`Lockstep` all-reduces the
 largest count of each kind, and a rank with fewer runs the rest on a two-token dummy unit whose
-result goes to a scratch accumulator and is thrown away (:func:`dummy_unit`). Per-unit norms and
-book-keeping products need a weight's shape, never its values (:func:`param_shape` reads
+sums are never kept (:func:`dummy_unit`, :class:`userdp.clients.clipping.Discard`). Per-unit
+norms and book-keeping products need a weight's shape, never its values (:func:`param_shape` reads
 DeepSpeed's ``ds_shape``), and they run on the activations and output gradients each rank holds
 for its own units, so a unit is never split and nothing unclipped leaves a rank: the clipped sums
 are reduced exactly as at stages 0-2 (:func:`userdp.clients.distributed.all_reduce_result`).
@@ -68,8 +68,10 @@ class Lockstep:
     """Agreement among a ZeRO-3 worker's ranks on how many passes of each kind to run (see the
     module docstring). Every rank must make the same calls in the same order."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pad_id: int, max_positions: int | None) -> None:
         self.device = device
+        self.dummy = [dummy_unit(pad_id, max_positions)]
+        """The units of a dummy pass (:func:`dummy_unit`), as a ``prepared`` list."""
 
     def most(self, counts: Sequence[int]) -> list[int]:
         """The largest of each count over the ranks (one all-reduce)."""
