@@ -17,7 +17,7 @@ loss weights make the sum over chunks exactly the unit's gradient.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +87,10 @@ class Accumulator:
             view.zero_().add_(value, alpha=scale)
         self._unwritten.discard(name)
 
+    def end_round(self) -> None:
+        """The end of one pass of the ZeRO-3 lockstep: nothing to do for a whole buffer (see
+        :class:`userdp.clients.sharded_sums.ShardedAccumulator`)."""
+
     def host_sums(self) -> dict[str, torch.Tensor]:
         """The sums as CPU float32 tensors (views of one host buffer). On CPU, the accumulator's
         own buffer (no copy; an accumulator is done once its result is taken). From CUDA: one
@@ -135,10 +139,12 @@ def unit_gradient(
     index: int,
     token_budget: int,
     pad_id: int,
+    between_chunks: Callable[[], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], float, int]:
     """One unit's gradient (float32, by parameter name), its summed token loss and its tokens.
 
-    The unit's examples are processed in chunks of padded cost ≤ ``token_budget``."""
+    The unit's examples are processed in chunks of padded cost ≤ ``token_budget``;
+    ``between_chunks`` runs after each chunk but the last (ZeRO-3 ends a round there)."""
     device = next(iter(params.values())).device
     names, tensors = list(params), list(params.values())
     grads = {
@@ -146,8 +152,10 @@ def unit_gradient(
         for n, p in params.items()
     }
     loss_sum, tokens = 0.0, 0
-    unit = prepared[index]
-    for chunk in chunk_examples(unit.examples, token_budget):
+    chunks = chunk_examples(prepared[index].examples, token_budget)
+    for number, chunk in enumerate(chunks, start=1):
+        if number > 1 and between_chunks is not None:
+            between_chunks()
         batch = make_batch(prepared, [index], device, pad_id, example_indices=chunk)
         losses = token_losses(module, batch)
         weighted = (losses * batch.weights).sum()
@@ -183,11 +191,12 @@ def loop_clipped_sum(
             acc.record(0.0, 0.0, 0)
             continue
         grads, loss_sum, tokens = unit_gradient(
-            module, params, prepared, index, token_budget, pad_id
+            module, params, prepared, index, token_budget, pad_id, acc.end_round
         )
         add_clipped_unit(acc, grads, loss_sum, tokens)
+        acc.end_round()
     if lockstep is not None:
-        run_dummy_chunk_passes(module, params, lockstep, extra, token_budget, pad_id)
+        run_dummy_chunk_passes(module, params, lockstep, extra, token_budget, pad_id, acc)
 
 
 def chunk_passes(unit: PreparedUnit, token_budget: int) -> int:
@@ -202,10 +211,13 @@ def run_dummy_chunk_passes(
     count: int,
     token_budget: int,
     pad_id: int,
+    acc: Accumulator,
 ) -> None:
-    """``count`` chunk passes on the lockstep's dummy unit, their gradients thrown away."""
+    """``count`` chunk passes on the lockstep's dummy unit, their gradients thrown away; each
+    ends an (empty) round of ``acc``."""
     for _ in range(count):
         unit_gradient(module, params, lockstep.dummy, 0, token_budget, pad_id)
+        acc.end_round()
 
 
 def add_clipped_unit(

@@ -193,6 +193,14 @@ def all_reduce_result(result: TaskSum, device: torch.device) -> TaskSum:
     names = sorted(result.sums)
     flat = torch.cat([result.sums[n].reshape(-1) for n in names]).to(device)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    sums = flat_views(flat.cpu(), {name: result.sums[name].shape for name in names})
+    return all_reduce_statistics(TaskSum(sums, result.stats, result.skipped_examples), device)
+
+
+def all_reduce_statistics(result: TaskSum, device: torch.device) -> TaskSum:
+    """``result`` with the ranks' statistics summed (min/max for the norm extremes) and its sums
+    as they are (already reduced: ZeRO-3's shards, :mod:`userdp.clients.sharded_sums`)."""
+    dist = torch.distributed
     mine = result.stats
     totals = torch.tensor(
         [
@@ -215,7 +223,6 @@ def all_reduce_result(result: TaskSum, device: torch.device) -> TaskSum:
     lo, hi = lo.to(device), hi.to(device)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    sums = flat_views(flat.cpu(), {name: result.sums[name].shape for name in names})
     count, nonfinite, clipped, norm_sum, norm_sum_sq, loss_sum, tokens, skipped = totals.tolist()
     stats = UnitStats(
         count=int(count),
@@ -228,4 +235,4 @@ def all_reduce_result(result: TaskSum, device: torch.device) -> TaskSum:
         loss_sum=loss_sum,
         tokens=int(tokens),
     )
-    return TaskSum(sums, stats, skipped_examples=int(skipped))
+    return TaskSum(result.sums, stats, skipped_examples=int(skipped))

@@ -26,7 +26,9 @@ With ``local_steps ≥ 1`` (DP-FedAvg) the clipped quantity is each unit's local
 and wraps it with DeepSpeed (:mod:`userdp.clients.distributed`). Inside one worker with
 torch.distributed initialized (world size > 1), ``clipped_sum`` is a collective: every rank must
 call it with the same units; ranks split the units and all-reduce the clipped sums, after
-all-reducing a failure flag so that one rank's error fails the call on every rank. A worker's
+all-reducing a failure flag so that one rank's error fails the call on every rank. Under ZeRO-3
+the clipped sums are instead reduce-scattered to the partition owners as each pass ends and
+gathered to rank 0 at the end (:mod:`userdp.clients.sharded_sums`). A worker's
 ranks are driven by :mod:`userdp.clients.ranks` (rank 0 broadcasts each task to the others).
 An engine is not thread-safe: the vectorized engines attach hooks to the shared module per call.
 """
@@ -42,6 +44,7 @@ from userdp.clients.clipping import Accumulator, loop_clipped_sum
 from userdp.clients.deepspeed_config import read_deepspeed_json
 from userdp.clients.distributed import (
     all_reduce_result,
+    all_reduce_statistics,
     raise_if_any_rank_failed,
     split_units,
     world,
@@ -50,6 +53,7 @@ from userdp.clients.distributed import (
 from userdp.clients.fedavg import fedavg_clipped_sum
 from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.model import build_model, model_shape
+from userdp.clients.sharded_sums import ShardedAccumulator
 from userdp.clients.sketch import SKETCHES, GaussianProbes
 from userdp.clients.zero3 import Lockstep, any_partitioned
 from userdp.proto.results import TaskSum
@@ -151,6 +155,8 @@ class ClippingEngine:
         local_steps ≥ 1: DP-FedAvg (:mod:`userdp.clients.fedavg`): the clipped quantity is each
             unit's model delta after ``local_steps`` SGD steps (``local_lr``, batches of
             ``local_batch_size`` examples, 0 = all); norms are exact whatever ``engine`` says.
+        Under ZeRO-3 only rank 0 (the one that sends the result) gets the sums; the other ranks
+        get the statistics and an empty ``sums``.
         probe_seed: TESTS ONLY — seeds the randomized engine's probes; production draws them from
             an ``os.urandom``-seeded generator on every call."""
         if not (clip_norm > 0 and clip_norm < float("inf")):
@@ -158,7 +164,7 @@ class ClippingEngine:
         rank, world_size = world()
         error: Exception | None = None
         try:
-            result = self._local_clipped_sum(
+            acc = self._local_clipped_sum(
                 units,
                 clip_norm,
                 engine,
@@ -183,10 +189,12 @@ class ClippingEngine:
                 f"rank {rank}: another rank of this worker failed on the same task (its log has "
                 "the error); this task's result is discarded on every rank",
             )
-            return all_reduce_result(result, self.device)
+            if isinstance(acc, ShardedAccumulator):  # reduce-scattered already; rank 0 gathers
+                return all_reduce_statistics(acc.result(), self.device)
+            return all_reduce_result(acc.result(), self.device)
         if error is not None:
             raise error
-        return result
+        return acc.result()
 
     def _local_clipped_sum(
         self,
@@ -202,7 +210,7 @@ class ClippingEngine:
         estimator: str | None,
         rank: int,
         world_size: int,
-    ) -> TaskSum:
+    ) -> Accumulator:
         """This rank's share of :meth:`clipped_sum` (all of it in a single process)."""
         name = self._engine_name(engine) if engine else self.engine
         budget = int(token_budget) if token_budget else self.token_budget
@@ -213,17 +221,19 @@ class ClippingEngine:
         if world_size > 1:
             costs = [max(1, u.positions) for u in prepared]
             mine = split_units(costs, world_size)[rank]
-        acc = Accumulator(self.params, float(clip_norm))
-        acc.skipped_examples = sum(prepared[i].skipped for i in mine)
         lockstep = None
         if world_size > 1 and any_partitioned(self.params):  # ZeRO-3 (clients/zero3.py)
-            lockstep = Lockstep(self.device, self.pad_id, self.max_positions)
             if local_steps:
                 raise EngineError(
                     "DP-FedAvg (strategy.local_steps >= 1) takes SGD steps on a private copy of "
                     "the whole model per unit, which a ZeRO-3 worker does not hold: use "
                     "model.zero_stage <= 2"
                 )
+            lockstep = Lockstep(self.device, self.pad_id, self.max_positions)
+            acc: Accumulator = ShardedAccumulator(self.params, float(clip_norm))
+        else:
+            acc = Accumulator(self.params, float(clip_norm))
+        acc.skipped_examples = sum(prepared[i].skipped for i in mine)
         if local_steps:
             fedavg_clipped_sum(
                 self.module,
@@ -266,7 +276,7 @@ class ClippingEngine:
                 lockstep=lockstep,
             )
             self.attribution_verified = self.attribution_verified or verified
-        return acc.result()
+        return acc
 
 
 def build_engine(

@@ -303,15 +303,16 @@ def _clip_and_add(
         keep = keep.to(device)
     token_factor = unit_factor[layout.position_unit][keep][:, None]
     with record_function("userdp.bookkeeping"):
-        # book-keeping: Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the finite units' tokens
-        for name, uses in weights.items():
-            scaled = [(f.select(keep), r[keep] * token_factor) for f, r in uses]  # float32
-            acc.add(name, materialize(scaled, param_shape(params[name])))
-        # retained per-unit gradients: Σ_u c_u M_u over the finite units
-        for name, per_unit in retained.items():
-            acc.add(
-                name, per_unit.clipped_sum(unit_factor, kept).reshape(param_shape(params[name]))
-            )
+        # in the parameters' order: under ZeRO-3 each add is a collective (clients/sharded_sums.py)
+        for name in params:
+            if name in weights:
+                # book-keeping: Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the finite units' tokens
+                uses = weights[name]
+                scaled = [(f.select(keep), r[keep] * token_factor) for f, r in uses]  # float32
+                acc.add(name, materialize(scaled, param_shape(params[name])))
+            if name in retained:  # retained per-unit gradients: Σ_u c_u M_u, finite units
+                per_unit = retained[name].clipped_sum(unit_factor, kept)
+                acc.add(name, per_unit.reshape(param_shape(params[name])))
     return verified
 
 
@@ -363,12 +364,17 @@ def vectorized_clipped_sum(
         passed = _micro_batch(
             module, params, batch, target, probes, run_check, tensor_cores, workspace
         )
+        acc.end_round()
         if passed and real:  # a one-unit dummy cannot show units' tokens mixing
             verify = False
             verified = True
     for j in oversized:
-        grads, loss_sum, tokens = unit_gradient(module, params, local, j, token_budget, pad_id)
+        grads, loss_sum, tokens = unit_gradient(
+            module, params, local, j, token_budget, pad_id, acc.end_round
+        )
         add_clipped_unit(acc, grads, loss_sum, tokens)
+        acc.end_round()
     if lockstep is not None:
-        run_dummy_chunk_passes(module, params, lockstep, all_chunks - chunks, token_budget, pad_id)
+        extra = all_chunks - chunks
+        run_dummy_chunk_passes(module, params, lockstep, extra, token_budget, pad_id, acc)
     return verified

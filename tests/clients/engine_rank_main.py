@@ -70,6 +70,22 @@ def spy_deepspeed_collectives() -> dict[str, int]:
     return counts
 
 
+def spy_reduce_scatters() -> list[float]:
+    """Record the squared norm of every tensor this rank hands to a reduce-scatter (ZeRO-3's
+    clipped sums, clients/sharded_sums.py), in call order."""
+    import torch
+
+    inputs: list[float] = []
+    original = torch.distributed.reduce_scatter_tensor
+
+    def spy(output, tensor, *args, **kwargs):
+        inputs.append(float(tensor.double().pow(2).sum()))
+        return original(output, tensor, *args, **kwargs)
+
+    torch.distributed.reduce_scatter_tensor = spy
+    return inputs
+
+
 def reference_model(config, seed: int):
     """The worker's model as ``build_engine`` builds it, without DeepSpeed."""
     from userdp.clients.model import build_model, model_shape
@@ -145,6 +161,7 @@ def main(
         version = reference_model(config, int(opts["apply_seed"])).named_parameters()
         load_parameters(engine.module, {name: p.detach() for name, p in version})
     before = dict(ds_collectives)
+    scattered = spy_reduce_scatters()
     result = engine.clipped_sum(units, clip)
     during = len(reductions)
     collectives_during = {
@@ -173,6 +190,8 @@ def main(
             p.ds_tensor.numel() for p in engine.module.parameters() if hasattr(p, "ds_tensor")
         ),
         model_elements=sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
+        trainable_parameters=len(engine.params),
+        reduce_scatter_squared_norms=scattered,
     )
     (out / f"stats-{rank}.json").write_text(json.dumps(stats))
     save_file({k: v.contiguous() for k, v in result.sums.items()}, str(out / f"sums-{rank}.st"))

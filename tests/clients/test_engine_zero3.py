@@ -1,11 +1,12 @@
 """ZeRO-3 workers: two gloo ranks with partitioned parameters give the single-process ``loop``
 engine's clipped sum, for GPT-2-, Llama- and Qwen2-style models, full fine-tuning and LoRA, per
 user and per example; DeepSpeed reduces nothing during a clipped sum (it only gathers
-parameters); a model version is applied to each rank's partition only; settings a ZeRO-3 worker
+parameters) and what the ranks reduce-scatter is clipped, pass by pass; a model version is applied to each rank's partition only; settings a ZeRO-3 worker
 cannot honour are refused."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,18 @@ def check_zero3_against_loop(tmp_path: Path, engine: str, options: dict) -> list
         reference_model(config, seed), engine="loop", token_budget=64
     ).clipped_sum(units, float(options.get("clip", 3.5)))
     assert reference.stats.count == len(units) and reference.stats.clipped > 0
-    for rank, rank_stats in enumerate(stats):
+    # the sums reach rank 0, which sends them; the other rank returns statistics only
+    assert_sums_close(load_file(str(tmp_path / "sums-0.st")), reference.sums, rtol=1e-5)
+    assert not load_file(str(tmp_path / "sums-1.st"))
+    # the clipped sums were reduce-scattered pass by pass: every rank made the same number of
+    # reduce-scatters, one per trainable parameter per round
+    calls = [len(rank_stats["reduce_scatter_squared_norms"]) for rank_stats in stats]
+    assert calls[0] == calls[1] > 0 and calls[0] % stats[0]["trainable_parameters"] == 0, calls
+    for rank_stats in stats:
         assert rank_stats["world"] == 2 and rank_stats["zero_stage"] == 3
-        assert_sums_close(load_file(str(tmp_path / f"sums-{rank}.st")), reference.sums, rtol=1e-5)
+        assert max(round_norms(rank_stats)) <= float(options.get("clip", 3.5)) * len(units) * (
+            1 + 1e-5
+        )
         for key in ("count", "nonfinite", "clipped", "tokens"):
             assert rank_stats[key] == getattr(reference.stats, key), key
         for key in ("norm_min", "norm_max", "norm_sum", "norm_sum_sq", "loss_sum"):
@@ -59,6 +69,30 @@ def check_zero3_against_loop(tmp_path: Path, engine: str, options: dict) -> list
         assert rank_stats["partition_elements"] * 2 >= rank_stats["model_elements"]
         assert rank_stats["partition_elements"] * 2 <= rank_stats["model_elements"] + 2 * 64
     return stats
+
+
+def round_norms(rank_stats: dict) -> list[float]:
+    """The norm of what a rank handed to the reduce-scatters of each round (one pass's adds)."""
+    squared = rank_stats["reduce_scatter_squared_norms"]
+    size = rank_stats["trainable_parameters"]
+    return [math.sqrt(sum(squared[i : i + size])) for i in range(0, len(squared), size)]
+
+
+@pytest.mark.parametrize("engine", ["vectorized", "loop"])
+def test_only_clipped_sums_cross_ranks(tmp_path, engine):
+    """With a clip norm far below every unit's gradient norm, one unclipped unit in a round would
+    push that round's reduce-scatter inputs past C·(units); each round stays within it."""
+    clip = 0.01
+    options = {"model": {"preset": "gpt2-tiny"}, "units": "user", "clip": clip}
+    options["deepspeed"] = RELEASE_AFTER_USE
+    units = rank_units(options)
+    reference = ClippingEngine(
+        reference_model(rank_config("3", "loop", options), 0), engine="loop", token_budget=64
+    ).clipped_sum(units, clip)
+    # the check is sharp: one unclipped unit exceeds the bound even against all the others
+    assert reference.stats.norm_min > 2 * len(units) * clip
+    stats = check_zero3_against_loop(tmp_path, engine, options)
+    assert all(len(round_norms(rank_stats)) > 1 for rank_stats in stats)
 
 
 @pytest.mark.parametrize(

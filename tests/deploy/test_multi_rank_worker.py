@@ -1,22 +1,23 @@
-"""The chart's worker with ``workers.gpus > 1``, run on CPU: its launcher command (``torchrun ...
---no-python userdp``) starts a 2-rank ``userdp worker`` (DeepSpeed, gloo) that serves a real
-coordinator over gRPC. Without noise (the test-only switch), the run ends with the same model as
-the in-process reference run of the same config, so every released step is the clipped sum of
-each sampled unit counted once; the coordinator's drain ends both ranks and the launcher with
-status 0. At ZeRO stage 3 the two ranks hold half of each parameter and the run ends with the same
-model as the in-process run of the same config at stage 0."""
+"""Multi-rank workers on CPU (DeepSpeed, gloo), serving a real coordinator over gRPC.
+
+The chart's worker with ``workers.gpus > 1``: its launcher command (``torchrun ... --no-python
+userdp``) starts a 2-rank ``userdp worker``. Without noise (the test-only switch), the run ends
+with the same model as the in-process reference run of the same config, so every released step
+is the clipped sum of each sampled unit counted once; the coordinator's drain ends both ranks and
+the launcher with status 0. At ZeRO stage 3 the two ranks hold half of each parameter and the
+run ends with the same model as the in-process run of the same config at stage 0; so does
+``simulate`` with two such workers (``workers.ranks = 2``), through a killed worker and a
+resume."""
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from userdp.proto.channels import WORKER_HEALTH_SERVICE
@@ -24,6 +25,7 @@ from userdp.proto.channels import WORKER_HEALTH_SERVICE
 from userdp.config import parse_config
 from userdp.kubernetes.probe import probe
 from userdp.run.components import prepare_run
+from userdp.run.grpc_workers import kill_tree
 from userdp.run.launch import run
 from userdp.run.outputs import config_toml
 
@@ -86,21 +88,6 @@ def _start_worker(
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     with open(log_path, "wb") as log_file:
         return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every process under it, as a container's end does (torchrun
-    starts its ranks in sessions of their own, so its process group alone would miss them)."""
-    try:
-        tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for process in tree:
-        try:
-            process.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
 
 
 def _in_process_reference(tmp_path: Path, config):
@@ -182,7 +169,7 @@ def test_a_zero3_worker_killed_mid_run_is_replaced_and_the_run_ends_as_in_proces
 
     def gather_killing_the_worker_once(fleet, collect, spec):
         if collect.step == kill_at and len(workers) == 1:
-            _kill_tree(workers[0])
+            kill_tree(workers[0])
             second_log = tmp_path / "second.log"
             workers.append(_start_worker(tmp_path, config, render_chart, health_port, second_log))
         return gather(fleet, collect, spec)
@@ -199,7 +186,7 @@ def test_a_zero3_worker_killed_mid_run_is_replaced_and_the_run_ends_as_in_proces
         returncode = workers[1].wait(timeout=180)  # drained at the end of the run
     finally:
         for proc in workers:
-            _kill_tree(proc)
+            kill_tree(proc)
     first = (tmp_path / "first.log").read_text(errors="replace")
     output = (tmp_path / "second.log").read_text(errors="replace")
     assert workers[0].returncode != 0 and "drained by coordinator" not in first, first[-4000:]
@@ -208,4 +195,63 @@ def test_a_zero3_worker_killed_mid_run_is_replaced_and_the_run_ends_as_in_proces
     assert ranked.steps_done == steps
     reference = _in_process_reference(tmp_path, config)
     for name, value in ranked.params.items():
+        torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_simulate_with_two_zero3_workers_of_two_ranks_survives_a_kill_and_resumes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``simulate`` (gRPC) with two workers of two ranks each at ZeRO stage 3, every shard held
+    by both. Worker 0 (launcher and both ranks) is SIGKILLed as the coordinator starts gathering
+    step 1, whose tasks worker 1 then computes; the run is interrupted after step 2 and run
+    again, which resumes from its checkpoint with fresh workers for step 3. Without noise the
+    run ends with the in-process run's model, each step in the ledger once."""
+    import json
+
+    from userdp.server.fleet import Fleet
+
+    from userdp.run import grpc_workers
+    from userdp.run.loop import RunLoop
+
+    base = _config(tmp_path, _free_port(), zero_stage=3, steps=4)
+    workers = base.workers.model_copy(update={"count": 2, "ranks": 2, "replicas": 2})
+    config = base.model_copy(update={"workers": workers})
+    spawned: list[subprocess.Popen] = []
+    spawn, gather, on_step = grpc_workers._spawn_workers, Fleet.gather, RunLoop.on_step
+
+    def spawn_and_keep(loop, address):
+        spawned[:] = spawn(loop, address)
+        return spawned
+
+    killed: list[int] = []
+
+    def gather_killing_worker_0_once(fleet, collect, spec):
+        if collect.step == 1 and not killed:
+            kill_tree(spawned[0])
+            killed.append(spawned[0].returncode)
+        return gather(fleet, collect, spec)
+
+    def interrupt_after_step_2(self, step, *args):
+        on_step(self, step, *args)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpc_workers, "_spawn_workers", spawn_and_keep)
+    monkeypatch.setattr(Fleet, "gather", gather_killing_worker_0_once)
+    monkeypatch.setattr(RunLoop, "on_step", interrupt_after_step_2)
+    out = tmp_path / "sim"
+    first = run(config, out, mode="grpc", quiet=True, test_only_disable_noise=True)
+    assert killed and first.steps_done == 3
+    survivor = (out / "logs" / "worker-1.log").read_text(errors="replace")
+    assert "ZeRO-3: rank 1 holds" in survivor, survivor[-4000:]
+    monkeypatch.setattr(RunLoop, "on_step", on_step)
+    second = run(config, out, mode="grpc", quiet=True, test_only_disable_noise=True)
+    assert second.steps_done == 4
+    assert all(proc.poll() is not None for proc in spawned)  # drained or stopped, ranks too
+    ledger = (out / "ledger.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in ledger if '"step"' in line] == [0, 1, 2, 3]
+    reference = _in_process_reference(tmp_path, config)
+    assert reference.steps_done == 4
+    for name, value in second.params.items():
         torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6, msg=name)

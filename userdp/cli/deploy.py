@@ -152,7 +152,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument("--values", required=True, help="output values file ('-' = stdout)")
     render.add_argument("--image", help="container image REPOSITORY[:TAG] built from deploy/")
     render.add_argument(
-        "--gpus", type=int, help="GPUs per worker (default: 1 if workers.device = cuda, else 0)"
+        "--gpus",
+        type=int,
+        help="GPUs (ranks) per worker pod (default: workers.ranks if workers.device = cuda, else 0)",
     )
     render.add_argument(
         "--auth",

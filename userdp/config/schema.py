@@ -240,6 +240,12 @@ class WorkersConfig(_Section):
     replicas: PositiveInt = 1
     """How many workers hold each shard; > 1 lets a step finish when a worker dies."""
     device: Literal["cpu", "cuda"] = "cpu"
+    ranks: PositiveInt = 1
+    """Processes (ranks) per worker that ``simulate`` starts, under torch's own launcher
+    (``python -m torch.distributed.run --standalone``): each worker's ranks form their own
+    process group, split its units and reduce their clipped sums; with ``model.zero_stage = 3``
+    they partition the model. One rank per GPU on CUDA. A deployment sets its ranks with the
+    chart's ``workers.gpus`` (``userdp deploy render --gpus``) instead."""
     token_budget: PositiveInt = 8192
     """Tokens per micro-batch; bounds worker memory."""
     tensor_core_matmul: StrictBool = False

@@ -150,8 +150,8 @@ def render_values(
                 kept.setdefault(section, {})[key] = value
             else:
                 notes.append(f"{section}.{key} = {value!r} is set by the chart: {managed}")
-    if gpus is None:
-        gpus = 1 if config.workers.device == "cuda" else 0
+    if gpus is None:  # a CPU worker pod runs one rank
+        gpus = config.workers.ranks if config.workers.device == "cuda" else 0
     if gpus < 0:
         raise ValueError(f"--gpus must be >= 0, got {gpus}")
     if auth is None:

@@ -1,8 +1,9 @@
 """The ``grpc`` and ``external`` transports of :func:`userdp.run.launch.run`: a running coordinator,
 the worker processes it serves, and shutting both down.
 
-``grpc`` (``simulate``) spawns ``workers.count`` ``userdp worker`` processes on loopback, each
-holding its share of the shards (:func:`_worker_assignments`), logging to ``RUN/logs/``, and
+``grpc`` (``simulate``) spawns ``workers.count`` ``userdp worker`` processes on loopback (each of
+``workers.ranks`` ranks under torch's launcher), each holding its share of the shards
+(:func:`_worker_assignments`), logging to ``RUN/logs/``, and
 fails fast when one exits before it is ready (:func:`_check_workers_alive`). ``external``
 (``train``) spawns nothing: it prints the address and waits for a deployment's workers.
 :func:`serve_workers` drives the coordinator's steps into the run loop and, whatever happens,
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from userdp.run.loop import RunLoop, shut_down
@@ -54,14 +56,17 @@ def _spawn_workers(loop: RunLoop, address: str) -> list[subprocess.Popen]:
     logs = loop.out / "logs"
     logs.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
-    env["PYTHONUNBUFFERED"] = "1"  # each worker is its own single-rank process group
-    threads = max(1, (os.cpu_count() or 1) // len(held))
+    env["PYTHONUNBUFFERED"] = "1"  # each worker is its own process group
+    ranks = config.workers.ranks
+    threads = max(1, (os.cpu_count() or 1) // (len(held) * ranks))
     env.setdefault("OMP_NUM_THREADS", str(threads))
+    launcher = [sys.executable, "-m"]
+    if ranks > 1:  # torch's launcher: a free rendezvous port per worker, ranks' output here
+        launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m"]
     procs = []
     for i, names in enumerate(held):
         cmd = [
-            sys.executable,
-            "-m",
+            *launcher,
             "userdp.cli",
             "worker",
             "--coordinator",
@@ -107,6 +112,9 @@ def _check_workers_alive(procs: list[subprocess.Popen]) -> None:
 
 
 def _stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """SIGTERM each worker process (a launcher passes it to its ranks), then SIGKILL what is
+    left after ``timeout``: the process and everything under it (the launcher starts its ranks
+    in sessions of their own, so its process group alone would miss them)."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -115,8 +123,22 @@ def _stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
         try:
             proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            kill_tree(proc)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process under it, and reap it."""
+    try:
+        root = psutil.Process(proc.pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        tree = []
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
 
 
 def serve_workers(loop: RunLoop, running: Any, spawn: bool) -> tuple[dict[str, torch.Tensor], str]:
