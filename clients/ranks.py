@@ -8,10 +8,13 @@ sends results. :class:`BroadcastCompute` is the
 version and task to the other ranks, which run :func:`follow`, then computes it with them. A
 task's clipped sum is the engine's collective
 (:meth:`userdp.clients.engine.ClippingEngine.clipped_sum`: each rank takes a share of whole units,
-the clipped sums are all-reduced once), and rank 0 sends that result as it is.
+the clipped sums are all-reduced once, or at ZeRO-3 reduce-scattered and gathered to rank 0), and
+rank 0 sends that result as it is.
 
 Between ranks a command is a JSON header (``kind``: model, task, idle or stop) and its payloads,
 each a byte string broadcast from rank 0 (the task's protobuf, a tensor's raw bytes; no pickle).
+A model version sends a ZeRO-3 parameter that DeepSpeed holds released as one scatter instead,
+each rank receiving only its slice (:func:`send_model_version`).
 ``idle`` is sent every ``keepalive_s`` so a follower waiting for the next command never reaches the
 process group's timeout while the coordinator sends nothing; ``stop`` ends the followers, and rank 0
 sends it on every exit path (drained, refused, unreachable, an error), after which all ranks
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 from userdp.clients.batching import EngineError
 from userdp.clients.distributed import raise_if_any_rank_failed
+from userdp.clients.zero3 import load_slice, rank_slice, slice_elements
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.results import TaskSum
 from userdp.proto.tensors import WireTensor
@@ -79,6 +84,17 @@ class RankChannel:
         payloads = [self._broadcast(None) for _ in range(int(header.pop("payloads")))]
         return header, payloads
 
+    def scatter(self, parts: Sequence[torch.Tensor] | None, length: int = 0) -> bytearray:
+        """Rank 0: one byte string per rank (``parts``, uint8 tensors of one length; its own is
+        dropped). Ranks > 0: this rank's string of ``length`` bytes."""
+        dist = torch.distributed
+        if parts is not None:
+            length = parts[0].numel()
+        mine = torch.empty(length, dtype=torch.uint8, device=self.device)
+        inputs = None if parts is None else [p.to(self.device) for p in parts]
+        dist.scatter(mine, inputs, src=0)
+        return bytearray() if parts is not None else bytearray(mine.cpu().numpy())
+
     def _broadcast(self, data: bytes | bytearray | None) -> bytearray:
         """One byte string from rank 0 (``data``) to every rank (``None`` there, which gets it
         back): its length, then its bytes."""
@@ -120,11 +136,7 @@ class BroadcastCompute:
     def apply_model(self, tensors: Mapping[str, WireTensor], full: bool) -> None:
         with self._lock:
             self._running()
-            names = [[name, t.dtype, list(t.shape)] for name, t in tensors.items()]
-            self.channel.send(
-                {"kind": "model", "full": bool(full), "tensors": names},
-                [t.data for t in tensors.values()],
-            )
+            send_model_version(self.channel, self.local.engine.module, tensors, full)
             error = _attempt(self.local.apply_model, tensors, full)
             raise_if_any_rank_failed(error, self.device, _APPLY_FAILED)
 
@@ -181,11 +193,8 @@ def follow(compute: Any) -> None:
         if kind == "idle":
             continue
         if kind == "model":
-            tensors = {
-                name: WireTensor(dtype, tuple(shape), data)
-                for (name, dtype, shape), data in zip(header["tensors"], payloads, strict=True)
-            }
-            error = _attempt(compute.apply_model, tensors, header["full"])
+            whole, slices = receive_model_version(channel, header, payloads)
+            error = _attempt(_apply_version, compute, whole, slices, header["full"])
             raise_if_any_rank_failed(error, device, _APPLY_FAILED)
         elif kind == "task":
             task = pb.Task.FromString(bytes(payloads[0]))
@@ -195,6 +204,57 @@ def follow(compute: Any) -> None:
                 log.warning("task %s failed on every rank: %s", task.task_id, exc)
         else:
             raise EngineError(f"rank {rank}: unknown command {kind!r} from rank 0")
+
+
+def send_model_version(
+    channel: RankChannel, module: torch.nn.Module, tensors: Mapping[str, WireTensor], full: bool
+) -> None:
+    """Rank 0: a model version to the other ranks. A ZeRO-3 parameter that can take it slice by
+    slice (:func:`userdp.clients.zero3.slice_elements`) is scattered, so each rank receives only
+    its slice; every other tensor is broadcast whole."""
+    params = dict(module.named_parameters())
+    entries, whole, sliced = [], [], []
+    for name, tensor in tensors.items():
+        size = slice_elements(params.get(name))
+        entries.append([name, tensor.dtype, list(tensor.shape), size])
+        (sliced if size else whole).append((tensor, size))
+    header = {"kind": "model", "full": bool(full), "tensors": entries}
+    channel.send(header, [tensor.data for tensor, _ in whole])
+    world = torch.distributed.get_world_size()
+    for tensor, size in sliced:
+        flat = torch.frombuffer(bytearray(tensor.data), dtype=torch.uint8)
+        width = flat.numel() // max(1, math.prod(tensor.shape))  # bytes per element
+        channel.scatter([rank_slice(flat, size * width, r) for r in range(world)])
+
+
+def receive_model_version(
+    channel: RankChannel, header: Mapping[str, Any], payloads: Sequence[bytearray]
+) -> tuple[dict[str, WireTensor], dict[str, WireTensor]]:
+    """Ranks > 0: the whole tensors and this rank's slices (1-D) of :func:`send_model_version`."""
+    entries = header["tensors"]
+    whole_entries = [entry for entry in entries if not entry[3]]
+    whole = {
+        name: WireTensor(dtype, tuple(shape), data)
+        for (name, dtype, shape, _), data in zip(whole_entries, payloads, strict=True)
+    }
+    slices = {}
+    for name, dtype, shape, size in entries:
+        if size:
+            width = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+            slices[name] = WireTensor(dtype, (size,), channel.scatter(None, size * width))
+    return whole, slices
+
+
+def _apply_version(
+    compute: Any, whole: Mapping[str, WireTensor], slices: Mapping[str, WireTensor], full: bool
+) -> None:
+    params = dict(compute.engine.module.named_parameters())
+    unknown = sorted(set(slices) - set(params))
+    if unknown:
+        raise KeyError(f"the model has no parameters named {unknown[:3]}")
+    compute.apply_model(whole, full)
+    for name, part in slices.items():
+        load_slice(params[name], part.torch())
 
 
 def leave_process_group() -> None:

@@ -21,10 +21,12 @@ DeepSpeed's ``ds_shape``), and they run on the activations and output gradients 
 for its own units, so a unit is never split and nothing unclipped leaves a rank: the clipped sums
 are reduced exactly as at stages 0-2 (:func:`userdp.clients.distributed.all_reduce_result`).
 
-A model version arrives as whole tensors; :func:`load_partitioned` copies into each rank's
-partition only its own slice (and into the gathered tensor too while DeepSpeed keeps one, as it
-does for small "persistent" parameters): no rank gathers a parameter to write it. (The version
-itself still reaches every rank whole, from rank 0's broadcast.)
+A model version arrives at rank 0 as whole tensors (the coordinator's stream). Rank 0 sends each
+of the other ranks only its slice of a partitioned parameter (:func:`slice_elements`,
+:func:`rank_slice`; :mod:`userdp.clients.ranks`) and every rank writes its slice into its
+partition (:func:`load_slice`, :func:`load_partitioned`); a parameter whose gathered tensor
+DeepSpeed holds (small "persistent" parameters, once used) goes whole to every rank, which
+writes the gathered tensor too. No rank gathers a parameter to write it.
 """
 
 from __future__ import annotations
@@ -95,29 +97,66 @@ def _partition_rank(param: torch.Tensor) -> int:
     return torch.distributed.get_rank(group=group)
 
 
-def load_partitioned(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy the whole tensor ``value`` into a ZeRO-3 parameter: this rank's slice into its
-    partition, and the whole of it into the gathered tensor when DeepSpeed holds one."""
+def _gathered(param: torch.Tensor) -> bool:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    if tuple(value.shape) != tuple(param.ds_shape):
-        raise ValueError(
-            f"a tensor of shape {list(value.shape)} for a parameter of shape {list(param.ds_shape)}"
-        )
+    return param.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def _refuse_secondary(param: torch.Tensor) -> None:
     if getattr(param, "ds_secondary_tensor", None) is not None:
         raise EngineError(
             "ZeRO++ hierarchical partitions (zero_hpz_partition_size > 1) are not supported: a "
             "model version would have to reach the secondary copies too; remove that key"
         )
+
+
+def slice_elements(param: torch.Tensor | None) -> int:
+    """Elements of each rank's slice when a model version can reach ``param`` slice by slice
+    (a ZeRO-3 parameter whose gathered tensor DeepSpeed does not hold now); 0 when it needs the
+    whole tensor."""
+    if param is None or not is_partitioned(param) or _gathered(param):
+        return 0
+    return int(param.ds_tensor.ds_numel)
+
+
+def rank_slice(flat: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """Elements ``[rank·size, (rank+1)·size)`` of the 1-D ``flat``, zero-padded to ``size``."""
+    start = min(size * rank, flat.numel())
+    part = flat.narrow(0, start, max(0, min(size, flat.numel() - start)))
+    if part.numel() == size:
+        return part
+    return torch.cat([part, part.new_zeros(size - part.numel())])
+
+
+def load_slice(param: torch.Tensor, part: torch.Tensor) -> None:
+    """Copy this rank's slice ``part`` (1-D, the partition's length, zero padding included) of a
+    model version into a ZeRO-3 parameter's partition."""
+    _refuse_secondary(param)
     partition = param.ds_tensor
-    size = partition.ds_numel
-    start = size * _partition_rank(param)
+    if part.numel() != partition.ds_numel:
+        raise ValueError(
+            f"a slice of {part.numel()} elements for a partition of {partition.ds_numel}"
+        )
+    if _gathered(param):  # rank 0 saw it released: the ranks disagree about this parameter
+        raise EngineError(
+            "a model version came as a slice for a parameter this rank holds gathered"
+        )
+    with torch.no_grad():
+        partition.narrow(0, 0, part.numel()).copy_(part)
+
+
+def load_partitioned(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the whole tensor ``value`` into a ZeRO-3 parameter: this rank's slice into its
+    partition, and the whole of it into the gathered tensor when DeepSpeed holds one."""
+    if tuple(value.shape) != tuple(param.ds_shape):
+        raise ValueError(
+            f"a tensor of shape {list(value.shape)} for a parameter of shape {list(param.ds_shape)}"
+        )
+    _refuse_secondary(param)
+    partition = param.ds_tensor
     flat = value.reshape(-1)
     with torch.no_grad():
-        held = max(0, min(size, flat.numel() - start))
-        if held:
-            partition.narrow(0, 0, held).copy_(flat.narrow(0, start, held))
-        if held < size:
-            partition.narrow(0, held, size - held).zero_()
-        if param.ds_status == ZeroParamStatus.AVAILABLE and param.numel() == flat.numel():
+        partition.copy_(rank_slice(flat, partition.ds_numel, _partition_rank(param)))
+        if _gathered(param) and param.numel() == flat.numel():
             param.data.copy_(value.to(dtype=param.dtype, device=param.device).view(param.shape))

@@ -86,6 +86,42 @@ def spy_reduce_scatters() -> list[float]:
     return inputs
 
 
+def apply_version_as_a_worker(engine, version: dict) -> dict:
+    """Rank 0 sends ``version`` (as the wire delivers it) to the other ranks through the ranks'
+    channel and applies it; the others receive and apply what reaches them. Returns the bytes
+    this rank received and the version's whole size."""
+    import torch
+    from userdp.clients.engine import Unit
+    from userdp.clients.ranks import (
+        RankChannel,
+        _apply_version,
+        receive_model_version,
+        send_model_version,
+    )
+    from userdp.clients.worker_service import EngineCompute
+    from userdp.proto.tensors import decode_chunks, tensors_chunks
+
+    compute = EngineCompute(None, engine, Unit)
+    channel = RankChannel(engine.device)
+    wire = decode_chunks(tensors_chunks(version))
+    total = sum(len(bytes(t.data)) for t in wire.values())
+    if torch.distributed.get_rank() == 0:
+        send_model_version(channel, engine.module, wire, True)
+        compute.apply_model(wire, True)
+        return {"version_bytes_received": total, "version_bytes": total}
+    header, payloads = channel.receive()
+    whole, slices = receive_model_version(channel, header, payloads)
+    _apply_version(compute, whole, slices, True)
+    got = sum(len(bytes(t.data)) for t in [*whole.values(), *slices.values()])
+    standing_for = sum(len(bytes(wire[name].data)) for name in slices)
+    return {
+        "version_bytes_received": got,
+        "version_bytes": total,
+        "version_bytes_sent_as_slices": standing_for,
+        "version_slice_bytes": sum(len(bytes(t.data)) for t in slices.values()),
+    }
+
+
 def reference_model(config, seed: int):
     """The worker's model as ``build_engine`` builds it, without DeepSpeed."""
     from userdp.clients.model import build_model, model_shape
@@ -153,13 +189,12 @@ def main(
             raise RuntimeError(f"injected failure on rank {rank}")
 
         engine_module.loop_clipped_sum = engine_module.vectorized_clipped_sum = broken
+    received = {}
     if "apply_seed" in opts:  # a model version after a first task (which leaves DeepSpeed's
-        # persistent parameters gathered), applied the way a worker applies one
-        from userdp.clients.model import load_parameters
-
+        # persistent parameters gathered), applied the way a worker's ranks apply one
         engine.clipped_sum(units, clip)
         version = reference_model(config, int(opts["apply_seed"])).named_parameters()
-        load_parameters(engine.module, {name: p.detach() for name, p in version})
+        received = apply_version_as_a_worker(engine, {n: p.detach() for n, p in version})
     before = dict(ds_collectives)
     scattered = spy_reduce_scatters()
     result = engine.clipped_sum(units, clip)
@@ -191,6 +226,7 @@ def main(
         ),
         model_elements=sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
         trainable_parameters=len(engine.params),
+        **received,
         reduce_scatter_squared_norms=scattered,
     )
     (out / f"stats-{rank}.json").write_text(json.dumps(stats))

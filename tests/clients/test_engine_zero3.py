@@ -147,7 +147,13 @@ def test_qwen2_folder_on_zero3_after_a_model_version(tmp_path, units):
         "apply_seed": 7,
         "clip": 1.0,
     }
-    check_zero3_against_loop(tmp_path, "vectorized", options)
+    stats = check_zero3_against_loop(tmp_path, "vectorized", options)
+    # the parameters DeepSpeed had released (most of the model) reached rank 1 as its half only
+    mine = stats[1]
+    sliced, received = mine["version_bytes_sent_as_slices"], mine["version_slice_bytes"]
+    assert sliced > mine["version_bytes"] / 2
+    assert sliced / 2 <= received <= sliced / 2 + 4 * mine["trainable_parameters"]
+    assert mine["version_bytes_received"] == mine["version_bytes"] - sliced + received
 
 
 def test_model_version_after_persistent_gather(tmp_path):
@@ -155,7 +161,9 @@ def test_model_version_after_persistent_gather(tmp_path):
     must reach that gathered copy as well as the partition, or the next task runs on the old
     weights."""
     options = {"model": {"preset": "gpt2-tiny"}, "units": "user", "apply_seed": 5}
-    check_zero3_against_loop(tmp_path, "vectorized", options)
+    stats = check_zero3_against_loop(tmp_path, "vectorized", options)
+    # all of a tiny model's parameters are persistent: gathered, so they were sent whole
+    assert stats[1]["version_bytes_received"] == stats[1]["version_bytes"]
 
 
 def test_load_partitioned_writes_only_this_ranks_slice_and_zero_padding():
