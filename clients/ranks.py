@@ -238,7 +238,7 @@ def receive_model_version(
         for (name, dtype, shape, _), data in zip(whole_entries, payloads, strict=True)
     }
     slices = {}
-    for name, dtype, shape, size in entries:
+    for name, dtype, _shape, size in entries:
         if size:
             width = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
             slices[name] = WireTensor(dtype, (size,), channel.scatter(None, size * width))
