@@ -11,8 +11,8 @@ users split over the ranks) and report, per rank:
   each parameter's sum, reduce-scattered as each pass ends, ``clients/sharded_sums.py``);
 - ``sent_mb``: the whole sum in host memory for the coordinator stream, which at stage 3 only
   rank 0 holds (gathered at the end of the task; every rank returns it at stage 2);
-- ``rss_mb``: resident memory after the task, and ``peak_rss_mb``: the process's peak (which
-  includes building the whole model before DeepSpeed partitions it).
+- ``rss_mb``: resident memory after the task, and ``peak_rss_mb``: the process's peak (at
+  stage 3 with N > 1 the model is built partitioned, ``deepspeed.zero.Init``; at stage 2 whole).
 
 Goal (docs/models.md, "ZeRO-3"): at stage 3, parameters + clipped-sum accumulator per rank ≤
 (model + its float32 sums)/N + one element per parameter of padding. The anchor is stage 2 on the

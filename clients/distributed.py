@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -94,6 +95,47 @@ def deepspeed_config(
     return config, notes
 
 
+def prepare_deepspeed(device: str, on_phase: Callable[[str], None] | None = None) -> None:
+    """What DeepSpeed needs before its first use in a worker: its accelerator (CPU for
+    ``device = "cpu"``, unless ``DS_ACCELERATOR`` is set), its comm op built or loaded
+    (:mod:`userdp.clients.deepspeed_ops`) and the rendezvous environment of a single process."""
+    phase = on_phase or (lambda name: None)
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    phase("building DeepSpeed ops")  # the reporter repeats it while the build runs
+    build_startup_ops()
+    if not torch.distributed.is_initialized():
+        _default_env()
+
+
+@contextmanager
+def partitioned_build(
+    zero_stage: int, bf16: bool, user_config: dict[str, Any] | None = None
+) -> Iterator[None]:
+    """At ZeRO stage 3 with more than one rank, models built inside this context are built
+    partitioned: transformers' ``from_pretrained`` / ``from_config`` run under
+    ``deepspeed.zero.Init`` (each parameter partitioned as its module is created, a folder's
+    weights loaded module by module into the partitions), so no rank holds the whole model.
+    transformers reads that from a process-wide DeepSpeed config, set here and unset on exit, so
+    that no other model of the process is built partitioned. Otherwise it does nothing."""
+    config, _ = deepspeed_config(zero_stage, bf16, user_config)
+    if config["zero_optimization"]["stage"] != 3 or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        yield
+        return
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed()
+    alive = HfDeepSpeedConfig(config)  # transformers keeps only a weak reference to it
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del alive
+
+
 def wrap_with_deepspeed(
     module: torch.nn.Module,
     zero_stage: int,
@@ -113,16 +155,10 @@ def wrap_with_deepspeed(
     or built, healing a lock left by a killed build, before ``deepspeed.initialize`` would wait on
     it. ``on_phase`` hears the start-up phases (worker progress reports)."""
     phase = on_phase or (lambda name: None)
-    if device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    prepare_deepspeed(device, on_phase)
     import deepspeed
 
-    phase("building DeepSpeed ops")  # the reporter repeats it while the build runs
-    build_startup_ops()
     phase("initializing DeepSpeed")
-
-    if not torch.distributed.is_initialized():
-        _default_env()
     optimizer = None
     config, notes = deepspeed_config(zero_stage, bf16, user_config)
     if notes:

@@ -35,6 +35,7 @@ An engine is not thread-safe: the vectorized engines attach hooks to the shared 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +46,8 @@ from userdp.clients.deepspeed_config import read_deepspeed_json
 from userdp.clients.distributed import (
     all_reduce_result,
     all_reduce_statistics,
+    partitioned_build,
+    prepare_deepspeed,
     raise_if_any_rank_failed,
     split_units,
     world,
@@ -304,18 +307,22 @@ def build_engine(
     device = torch.device(config.workers.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("workers.device = 'cuda' but no CUDA device is visible; use 'cpu'")
+    bf16, user_json = (
+        config.model.dtype == "bf16",
+        read_deepspeed_json(config.model.deepspeed_config),
+    )
+    building = contextlib.nullcontext()
+    if use_deepspeed:  # ZeRO-3 over ranks: the model is built partitioned
+        prepare_deepspeed(device.type, on_phase)
+        building = partitioned_build(config.model.zero_stage, bf16, user_json)
     if on_phase is not None:
         on_phase("loading model")
-    module = build_model(config.model, shape, seed)
+    with building:
+        module = build_model(config.model, shape, seed)
     ds_engine = None
     if use_deepspeed:
         ds_engine = wrap_with_deepspeed(
-            module,
-            config.model.zero_stage,
-            config.model.dtype == "bf16",
-            device.type,
-            on_phase,
-            read_deepspeed_json(config.model.deepspeed_config),
+            module, config.model.zero_stage, bf16, device.type, on_phase, user_json
         )
         module = ds_engine.module
     else:

@@ -69,23 +69,39 @@ def build_model(model_config: Any, shape: ModelShape, seed: int | None = 0) -> t
                 f"tokenizer has {shape.vocab_size} ids: re-shard with the model's tokenizer"
             )
     else:
-        model = _preset_model(model_config.preset, shape).to(dtype)
+        model = _preset_model(model_config.preset, shape, dtype)
     if model_config.lora_rank > 0:
         model = _with_lora(model, model_config)
     model.eval()  # no dropout; train/eval mode does not change gradients otherwise
     return model
 
 
-def _preset_model(name: str, shape: ModelShape) -> torch.nn.Module:
+def _preset_model(name: str, shape: ModelShape, dtype: torch.dtype) -> torch.nn.Module:
     """A freshly initialized preset with the shards' vocabulary. Dropout is off: a user's
     gradient must be a function of the model and the user's data only, so that every clipping
-    engine computes the same quantity."""
+    engine computes the same quantity. Under a ZeRO-3 build (:mod:`userdp.clients.distributed`,
+    ``partitioned_build``) it is built partitioned, through transformers' ``from_config``."""
+    import transformers
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    config = _preset_config(name, shape)
+    cls = (
+        transformers.LlamaForCausalLM
+        if config.model_type == "llama"
+        else transformers.GPT2LMHeadModel
+    )
+    if is_deepspeed_zero3_enabled():
+        return cls._from_config(config, dtype=dtype)
+    return cls(config).to(dtype)
+
+
+def _preset_config(name: str, shape: ModelShape) -> Any:
     import transformers
 
     family, layers, width, heads = PRESETS[name]
     ids = {"bos_token_id": shape.eos_id, "eos_token_id": shape.eos_id, "pad_token_id": shape.pad_id}
     if family == "llama":
-        config = transformers.LlamaConfig(
+        return transformers.LlamaConfig(
             vocab_size=shape.vocab_size,
             max_position_embeddings=max(shape.seq_len, 8),
             hidden_size=width,
@@ -97,8 +113,7 @@ def _preset_model(name: str, shape: ModelShape) -> torch.nn.Module:
             attention_dropout=0.0,
             **ids,
         )
-        return transformers.LlamaForCausalLM(config)
-    config = transformers.GPT2Config(
+    return transformers.GPT2Config(
         vocab_size=shape.vocab_size,
         n_positions=max(shape.seq_len, 8),
         n_embd=width,
@@ -109,7 +124,6 @@ def _preset_model(name: str, shape: ModelShape) -> torch.nn.Module:
         attn_pdrop=0.0,
         **ids,
     )
-    return transformers.GPT2LMHeadModel(config)
 
 
 def lora_targets(model: torch.nn.Module, model_config: Any) -> list[str] | str:

@@ -21,7 +21,9 @@ DeepSpeed's ``ds_shape``), and they run on the activations and output gradients 
 for its own units, so a unit is never split and nothing unclipped leaves a rank: the clipped sums
 are reduced exactly as at stages 0-2 (:func:`userdp.clients.distributed.all_reduce_result`).
 
-A model version arrives at rank 0 as whole tensors (the coordinator's stream). Rank 0 sends each
+The model is built partitioned (``deepspeed.zero.Init`` through transformers' DeepSpeed
+integration: :func:`userdp.clients.distributed.partitioned_build`), so no rank holds it whole at
+start-up either. A model version arrives at rank 0 as whole tensors (the coordinator's stream). Rank 0 sends each
 of the other ranks only its slice of a partitioned parameter (:func:`slice_elements`,
 :func:`rank_slice`; :mod:`userdp.clients.ranks`) and every rank writes its slice into its
 partition (:func:`load_slice`, :func:`load_partitioned`); a parameter whose gathered tensor

@@ -164,6 +164,20 @@ def main(
         stage_or_json = str(Path(out_dir) / f"ds-{os.environ['RANK']}.json")
         Path(stage_or_json).write_text(json.dumps(opts["deepspeed"]))
     config = rank_config(stage_or_json, engine_name, opts)
+    built = {}
+    build_model = engine_module.build_model
+
+    def build_and_measure(*args, **kwargs):  # what a rank holds once the model is built
+        module = build_model(*args, **kwargs)
+        sliced = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
+        built["built_partitions"] = sum(p.ds_tensor.numel() for p in sliced)
+        built["built_partitioned_elements"] = sum(p.ds_numel for p in sliced)
+        built["built_whole_elements"] = sum(
+            p.numel() for p in module.parameters() if not hasattr(p, "ds_tensor")
+        )
+        return module
+
+    engine_module.build_model = build_and_measure
     engine = build_engine(config, byte_manifest())
     zero_stage = engine.deepspeed_engine.zero_optimization_stage()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -194,6 +208,10 @@ def main(
         # persistent parameters gathered), applied the way a worker's ranks apply one
         engine.clipped_sum(units, clip)
         version = reference_model(config, int(opts["apply_seed"])).named_parameters()
+        received = apply_version_as_a_worker(engine, {n: p.detach() for n, p in version})
+    elif zero_stage == 3:  # built partitioned, with weights of its own: the coordinator's
+        # initial model version (the reference's) replaces them, as in a run
+        version = reference_model(config, 0).named_parameters()
         received = apply_version_as_a_worker(engine, {n: p.detach() for n, p in version})
     before = dict(ds_collectives)
     scattered = spy_reduce_scatters()
@@ -226,6 +244,7 @@ def main(
         ),
         model_elements=sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
         trainable_parameters=len(engine.params),
+        **built,
         **received,
         reduce_scatter_squared_norms=scattered,
     )

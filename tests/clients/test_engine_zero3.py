@@ -65,9 +65,19 @@ def check_zero3_against_loop(tmp_path: Path, engine: str, options: dict) -> list
         if options.get("deepspeed") == RELEASE_AFTER_USE:
             assert collectives.get("all_gather_into_tensor", 0) > 0, collectives
         assert rank_stats["grads_untouched"]
-        # each rank holds half of every parameter (padded to an even length)
+        # each rank holds half of every parameter (padded to an even length), and did from the
+        # moment the model was built (LoRA's adapters are partitioned later, by DeepSpeed)
         assert rank_stats["partition_elements"] * 2 >= rank_stats["model_elements"]
         assert rank_stats["partition_elements"] * 2 <= rank_stats["model_elements"] + 2 * 64
+        built = rank_stats["built_partitions"] * 2
+        assert rank_stats["built_partitioned_elements"] <= built
+        assert built <= rank_stats["built_partitioned_elements"] + 2 * 64
+        whole = rank_stats["built_whole_elements"]
+        assert (
+            whole < 0.05 * rank_stats["model_elements"]
+            if "lora_rank" in options["model"]
+            else whole == 0
+        )
     return stats
 
 
