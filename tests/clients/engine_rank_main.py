@@ -215,7 +215,8 @@ def main(
         received = apply_version_as_a_worker(engine, {n: p.detach() for n, p in version})
     before = dict(ds_collectives)
     scattered = spy_reduce_scatters()
-    result = engine.clipped_sum(units, clip)
+    seeded = {"probe_seed": int(opts["probe_seed"])} if "probe_seed" in opts else {}
+    result = engine.clipped_sum(units, clip, **seeded)
     during = len(reductions)
     collectives_during = {
         name: count - before.get(name, 0)

@@ -166,6 +166,26 @@ def test_qwen2_folder_on_zero3_after_a_model_version(tmp_path, units):
     assert mine["version_bytes_received"] == mine["version_bytes"] - sliced + received
 
 
+def test_randomized_engine_on_zero3_gives_its_stage_0_result(tmp_path):
+    """The randomized engine (Hutchinson estimates from seeded probes) on two stage-3 ranks gives
+    what the same two ranks give at stage 0 with the same probes: the estimates, clip factors and
+    clipped sums do not depend on where the weights live."""
+    options = {"model": {"preset": "gpt2-tiny"}, "units": "user", "probe_seed": 3, "clip": 1.0}
+    (tmp_path / "zero").mkdir()
+    (tmp_path / "three").mkdir()
+    zero = run_ranks(tmp_path / "zero", 2, 0, "randomized", options)
+    three = run_ranks(
+        tmp_path / "three", 2, 3, "randomized", {**options, "deepspeed": RELEASE_AFTER_USE}
+    )
+    expected = load_file(str(tmp_path / "zero" / "sums-0.st"))
+    assert_sums_close(load_file(str(tmp_path / "three" / "sums-0.st")), expected, rtol=1e-5)
+    assert zero[0]["clipped"] == three[0]["clipped"] > 0
+    for key in ("count", "tokens", "nonfinite"):
+        assert zero[0][key] == three[0][key], key
+    for key in ("norm_min", "norm_max", "norm_sum", "loss_sum"):
+        assert three[0][key] == pytest.approx(zero[0][key], rel=1e-5), key
+
+
 def test_model_version_after_persistent_gather(tmp_path):
     """DeepSpeed's default keeps small parameters gathered after their first use: a model version
     must reach that gathered copy as well as the partition, or the next task runs on the old
