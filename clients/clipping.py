@@ -56,6 +56,9 @@ class Accumulator:
     sums: dict[str, torch.Tensor] = field(init=False)
     stats: UnitStats = field(default_factory=UnitStats)
     skipped_examples: int = 0
+    device: torch.device | None = None
+    """Where the sums live; default: the parameters' device. A single-rank ZeRO-3 worker whose
+    parameters are offloaded to host memory keeps them there too (the engine decides)."""
 
     def __post_init__(self) -> None:
         # one flat float32 buffer with a view per parameter: the result leaves the device in
@@ -63,7 +66,9 @@ class Accumulator:
         # a parameter's first :meth:`add` writes its whole view, and :meth:`host_sums` zeroes
         # the views no unit added to, so the buffer is written once instead of zeroed first.
         size = sum(param_numel(p) for p in self.params.values())
-        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        device = self.device
+        if device is None:
+            device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         self.flat = torch.empty(size, dtype=torch.float32, device=device)
         self.sums = flat_views(self.flat, {name: param_shape(p) for name, p in self.params.items()})
         self._unwritten = set(self.sums)
@@ -77,7 +82,8 @@ class Accumulator:
         return clip_factor(norm, self.clip_norm)
 
     def add(self, name: str, value: torch.Tensor, scale: float = 1.0) -> None:
-        view, value = self.sums[name], value.to(torch.float32)
+        view = self.sums[name]
+        value = value.to(device=view.device, dtype=torch.float32)
         if name not in self._unwritten:
             view.add_(value, alpha=scale)
             return

@@ -58,7 +58,7 @@ from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.model import build_model, model_shape
 from userdp.clients.sharded_sums import ShardedAccumulator
 from userdp.clients.sketch import SKETCHES, GaussianProbes
-from userdp.clients.zero3 import Lockstep, any_partitioned
+from userdp.clients.zero3 import Lockstep, any_partitioned, offload_device
 from userdp.proto.results import TaskSum
 
 __all__ = [
@@ -235,7 +235,7 @@ class ClippingEngine:
             lockstep = Lockstep(self.device, self.pad_id, self.max_positions)
             acc: Accumulator = ShardedAccumulator(self.params, float(clip_norm))
         else:
-            acc = Accumulator(self.params, float(clip_norm))
+            acc = Accumulator(self.params, float(clip_norm), device=offload_device(self.params))
         acc.skipped_examples = sum(prepared[i].skipped for i in mine)
         if local_steps:
             fedavg_clipped_sum(

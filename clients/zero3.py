@@ -59,6 +59,17 @@ def any_partitioned(params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor])
     return any(is_partitioned(p) for p in values)
 
 
+def offload_device(params: Mapping[str, torch.Tensor]) -> torch.device | None:
+    """The host device where ZeRO-3 keeps the partitions of parameters offloaded off the compute
+    device (``offload_param``), or None: a single-rank worker keeps its whole clipped sums there
+    too, so that a model larger than its device's memory is not undone by a model-sized sum on
+    the device."""
+    for param in params.values():
+        if is_partitioned(param) and param.ds_tensor.device != param.device:
+            return param.ds_tensor.device
+    return None
+
+
 def partition_summary(module: torch.nn.Module) -> str:
     """One line for the worker's log: how much of the model this rank holds at rest."""
     params = list(module.parameters())
