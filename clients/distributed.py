@@ -112,14 +112,16 @@ def prepare_deepspeed(device: str, on_phase: Callable[[str], None] | None = None
 def partitioned_build(
     zero_stage: int, bf16: bool, user_config: dict[str, Any] | None = None
 ) -> Iterator[None]:
-    """At ZeRO stage 3 with more than one rank, models built inside this context are built
-    partitioned: transformers' ``from_pretrained`` / ``from_config`` run under
+    """At ZeRO stage 3 with more than one rank, or with parameters offloaded to host memory
+    (``offload_param``), models built inside this context are built partitioned: transformers' ``from_pretrained`` / ``from_config`` run under
     ``deepspeed.zero.Init`` (each parameter partitioned as its module is created, a folder's
     weights loaded module by module into the partitions), so no rank holds the whole model.
     transformers reads that from a process-wide DeepSpeed config, set here and unset on exit, so
     that no other model of the process is built partitioned. Otherwise it does nothing."""
     config, _ = deepspeed_config(zero_stage, bf16, user_config)
-    if config["zero_optimization"]["stage"] != 3 or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    zero = config["zero_optimization"]
+    offloaded = (zero.get("offload_param") or {}).get("device", "none") != "none"
+    if zero["stage"] != 3 or (int(os.environ.get("WORLD_SIZE", "1")) < 2 and not offloaded):
         yield
         return
     import deepspeed

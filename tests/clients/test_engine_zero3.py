@@ -186,6 +186,28 @@ def test_randomized_engine_on_zero3_gives_its_stage_0_result(tmp_path):
         assert three[0][key] == pytest.approx(zero[0][key], rel=1e-5), key
 
 
+def test_one_rank_with_parameters_offloaded_builds_partitioned_and_equals_the_loop(tmp_path):
+    """One device with ``offload_param``: the model is built partitioned (into host memory on a
+    GPU), a model version reaches the partitions, and the clipped sum is the loop engine's."""
+    offload = {
+        "zero_optimization": {
+            **RELEASE_AFTER_USE["zero_optimization"],
+            "offload_param": {"device": "cpu"},
+        }
+    }
+    options = {"model": {"preset": "llama-tiny"}, "units": "user", "deepspeed": offload}
+    (stats,) = run_ranks(tmp_path, 1, 3, "vectorized", options)
+    config = rank_config("3", "loop", options)
+    reference = ClippingEngine(
+        reference_model(config, 0), engine="loop", token_budget=64
+    ).clipped_sum(rank_units(options), 3.5)
+    assert_sums_close(load_file(str(tmp_path / "sums-0.st")), reference.sums, rtol=1e-5)
+    assert stats["zero_stage"] == 3 and stats["world"] == 1
+    assert stats["built_partitioned_elements"] == stats["model_elements"]
+    assert stats["built_whole_elements"] == 0
+    assert stats["count"] == reference.stats.count and stats["clipped"] == reference.stats.clipped
+
+
 def test_model_version_after_persistent_gather(tmp_path):
     """DeepSpeed's default keeps small parameters gathered after their first use: a model version
     must reach that gathered copy as well as the partition, or the next task runs on the old
