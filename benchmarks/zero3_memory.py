@@ -11,6 +11,8 @@ users split over the ranks) and report, per rank:
   each parameter's sum, reduce-scattered as each pass ends, ``clients/sharded_sums.py``);
 - ``sent_mb``: the whole sum in host memory for the coordinator stream, which at stage 3 only
   rank 0 holds (gathered at the end of the task; every rank returns it at stage 2);
+- ``built_rss_mb``: resident memory once the engine is built (the model partitioned at stage 3),
+  before any task;
 - ``rss_mb``: resident memory after the task, and ``peak_rss_mb``: the process's peak (at
   stage 3 with N > 1 the model is built partitioned, ``deepspeed.zero.Init``; at stage 2 whole).
 
@@ -59,6 +61,7 @@ def rank_main(out: str, preset: str, stage: int, seq_len: int) -> None:
         }
     )
     engine = build_engine(config, byte_manifest())
+    built_rss = psutil.Process().memory_info().rss
     from userdp.clients.clipping import Accumulator
 
     accumulators = []
@@ -93,6 +96,7 @@ def rank_main(out: str, preset: str, stage: int, seq_len: int) -> None:
         "sums_mb": sums / MB,
         "sent_mb": sent / MB,
         "trainable_mb": sum(4 * getattr(p, "ds_numel", p.numel()) for p in params) / MB,
+        "built_rss_mb": built_rss / MB,
         "rss_mb": psutil.Process().memory_info().rss / MB,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "units": result.stats.count,
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                     "sums_mb_per_rank": max(r["sums_mb"] for r in per_rank),
                     "held_mb_per_rank": held["param_mb"] + held["sums_mb"],
                     "sent_mb_rank0": per_rank[0]["sent_mb"],
+                    "built_rss_mb_per_rank": max(r["built_rss_mb"] for r in per_rank),
                     "rss_mb_per_rank": max(r["rss_mb"] for r in per_rank),
                     "peak_rss_mb_per_rank": max(r["peak_rss_mb"] for r in per_rank),
                     "goal_held_mb": goal_mb if stage == 3 else None,
@@ -174,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "| stage | ranks | params / rank MB | clipped sums / rank MB | params + sums / rank MB "
-        "| goal | rank 0's sum to send MB | RSS after task MB | peak RSS MB |"
+        "| goal | rank 0's sum to send MB | RSS after build MB | RSS after task MB | peak RSS MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         goal = (
             f"≤ {row['goal_held_mb']:.1f} ({'met' if row['met'] else 'not met'})"
@@ -186,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {row['stage']} | {row['ranks']} | {row['param_mb_per_rank']:.1f} | "
             f"{row['sums_mb_per_rank']:.1f} | {row['held_mb_per_rank']:.1f} | {goal} | "
-            f"{row['sent_mb_rank0']:.1f} | {row['rss_mb_per_rank']:.0f} | "
+            f"{row['sent_mb_rank0']:.1f} | {row['built_rss_mb_per_rank']:.0f} | "
+            f"{row['rss_mb_per_rank']:.0f} | "
             f"{row['peak_rss_mb_per_rank']:.0f} |"
         )
     print(f"\nModel: {preset}, {rows[0]['model_mb']:.1f} MB of parameters (fp32).")
