@@ -143,7 +143,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "simulate",
         help="run a config end to end on this machine: coordinator + worker processes over gRPC",
         description=(
-            "Start the coordinator and workers.count worker processes on loopback, run "
+            "Start the coordinator and workers.count worker processes on loopback (each of "
+            "workers.ranks ranks under torch's launcher), run "
             "strategy.steps DP steps (sigma calibrated to privacy.epsilon first), and write the "
             "run folder: model/, privacy_report.{json,md}, metrics.jsonl, plots/, config.toml, "
             "ledger.jsonl. Ctrl-C (SIGINT) or SIGTERM stops cleanly; the same command resumes."
