@@ -163,6 +163,16 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    from userdp.clients.clipping import Accumulator
+
+    placed = []
+    result_of = Accumulator.result
+
+    def kept(self):  # where the task's accumulator kept the sums
+        placed.append(str(self.flat.device))
+        return result_of(self)
+
+    Accumulator.result = kept
     result: list = []
     private_s = timed(lambda: result.append(clipper.clipped_sum(units, 1.0)))
     rows = args.token_budget // args.seq_len
@@ -177,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
 
     forward_s = timed(forward)
     peak_device = torch.cuda.max_memory_allocated() if cuda else None
-    sums = result[-1].sums
     row = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "layers": layers,
@@ -188,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_gb": device_bytes / GB if device_bytes else None,
         "peak_device_gb": peak_device / GB if peak_device is not None else None,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
-        "sums_on": str(next(iter(sums.values())).device),
+        "sums_accumulated_on": placed[-1],
         "build_s": build_s,
         "tokens": tokens,
         "private_tokens_per_s": tokens / private_s,

@@ -99,13 +99,19 @@ def prepare_deepspeed(device: str, on_phase: Callable[[str], None] | None = None
     """What DeepSpeed needs before its first use in a worker: its accelerator (CPU for
     ``device = "cpu"``, unless ``DS_ACCELERATOR`` is set), its comm op built or loaded
     (:mod:`userdp.clients.deepspeed_ops`) and the rendezvous environment of a single process."""
+    global _ops_ready
     phase = on_phase or (lambda name: None)
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    phase("building DeepSpeed ops")  # the reporter repeats it while the build runs
-    build_startup_ops()
+    if not _ops_ready:  # build_engine prepares before the model is built, then wraps it
+        phase("building DeepSpeed ops")  # the reporter repeats it while the build runs
+        build_startup_ops()
+        _ops_ready = True
     if not torch.distributed.is_initialized():
         _default_env()
+
+
+_ops_ready = False
 
 
 @contextmanager

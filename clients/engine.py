@@ -225,13 +225,13 @@ class ClippingEngine:
             costs = [max(1, u.positions) for u in prepared]
             mine = split_units(costs, world_size)[rank]
         lockstep = None
+        if local_steps and any_partitioned(self.params):
+            raise EngineError(
+                "DP-FedAvg (strategy.local_steps >= 1) takes SGD steps on a private copy of "
+                "the whole model per unit, which a ZeRO-3 worker does not hold: use "
+                "model.zero_stage <= 2"
+            )
         if world_size > 1 and any_partitioned(self.params):  # ZeRO-3 (clients/zero3.py)
-            if local_steps:
-                raise EngineError(
-                    "DP-FedAvg (strategy.local_steps >= 1) takes SGD steps on a private copy of "
-                    "the whole model per unit, which a ZeRO-3 worker does not hold: use "
-                    "model.zero_stage <= 2"
-                )
             lockstep = Lockstep(self.device, self.pad_id, self.max_positions)
             acc: Accumulator = ShardedAccumulator(self.params, float(clip_norm))
         else:

@@ -305,14 +305,17 @@ def _clip_and_add(
     with record_function("userdp.bookkeeping"):
         # in the parameters' order: under ZeRO-3 each add is a collective (clients/sharded_sums.py)
         for name in params:
+            shape, total = param_shape(params[name]), None
             if name in weights:
                 # book-keeping: Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the finite units' tokens
                 uses = weights[name]
                 scaled = [(f.select(keep), r[keep] * token_factor) for f, r in uses]  # float32
-                acc.add(name, materialize(scaled, param_shape(params[name])))
+                total = materialize(scaled, shape)
             if name in retained:  # retained per-unit gradients: Σ_u c_u M_u, finite units
-                per_unit = retained[name].clipped_sum(unit_factor, kept)
-                acc.add(name, per_unit.reshape(param_shape(params[name])))
+                part = retained[name].clipped_sum(unit_factor, kept).reshape(shape)
+                total = part if total is None else total + part
+            if total is not None:  # one add per parameter and pass
+                acc.add(name, total)
     return verified
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -136,8 +135,8 @@ class BroadcastCompute:
     def apply_model(self, tensors: Mapping[str, WireTensor], full: bool) -> None:
         with self._lock:
             self._running()
-            send_model_version(self.channel, self.local.engine.module, tensors, full)
-            error = _attempt(self.local.apply_model, tensors, full)
+            error = send_model_version(self.channel, self.local.engine.module, tensors, full)
+            error = error or _attempt(self.local.apply_model, tensors, full)
             raise_if_any_rank_failed(error, self.device, _APPLY_FAILED)
 
     def compute(self, task: pb.Task) -> TaskSum:
@@ -208,23 +207,48 @@ def follow(compute: Any) -> None:
 
 def send_model_version(
     channel: RankChannel, module: torch.nn.Module, tensors: Mapping[str, WireTensor], full: bool
-) -> None:
+) -> BaseException | None:
     """Rank 0: a model version to the other ranks. A ZeRO-3 parameter that can take it slice by
-    slice (:func:`userdp.clients.zero3.slice_elements`) is scattered, so each rank receives only
-    its slice; every other tensor is broadcast whole."""
+    slice (:func:`userdp.clients.zero3.slice_elements`; partitioned over all the ranks, and the
+    tensor of its shape) is scattered, so each rank receives only its slice; every other tensor
+    is broadcast whole (a wrong shape then fails on every rank, in ``load_partitioned``). Every
+    scatter completes even when rank 0 cannot slice a tensor (zeros go out instead, so the ranks
+    stay in step): that error is returned, for the caller to fail the version on every rank."""
     params = dict(module.named_parameters())
+    world = torch.distributed.get_world_size()
     entries, whole, sliced = [], [], []
     for name, tensor in tensors.items():
-        size = slice_elements(params.get(name))
+        size = _slice_size(params.get(name), tensor, world)
         entries.append([name, tensor.dtype, list(tensor.shape), size])
         (sliced if size else whole).append((tensor, size))
     header = {"kind": "model", "full": bool(full), "tensors": entries}
     channel.send(header, [tensor.data for tensor, _ in whole])
-    world = torch.distributed.get_world_size()
+    error: BaseException | None = None
     for tensor, size in sliced:
-        flat = torch.frombuffer(bytearray(tensor.data), dtype=torch.uint8)
-        width = flat.numel() // max(1, math.prod(tensor.shape))  # bytes per element
-        channel.scatter([rank_slice(flat, size * width, r) for r in range(world)])
+        length = size * _width(tensor.dtype)
+        parts = None
+        if error is None:
+            try:
+                flat = torch.frombuffer(bytearray(tensor.data), dtype=torch.uint8)
+                parts = [rank_slice(flat, length, r) for r in range(world)]
+            except Exception as exc:  # noqa: BLE001 - returned; the scatters go on with zeros
+                error = exc
+        channel.scatter(parts or [torch.zeros(length, dtype=torch.uint8)] * world)
+    return error
+
+
+def _slice_size(param: torch.Tensor | None, tensor: WireTensor, world: int) -> int:
+    size = slice_elements(param)
+    if not size or tuple(tensor.shape) != tuple(param.ds_shape):
+        return 0
+    if torch.distributed.get_world_size(getattr(param, "ds_process_group", None)) != world:
+        return 0  # partitioned over part of the worker: every rank takes the whole tensor
+    return size
+
+
+def _width(dtype: str) -> int:
+    """Bytes per element of a wire dtype."""
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 def receive_model_version(
@@ -240,8 +264,7 @@ def receive_model_version(
     slices = {}
     for name, dtype, _shape, size in entries:
         if size:
-            width = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-            slices[name] = WireTensor(dtype, (size,), channel.scatter(None, size * width))
+            slices[name] = WireTensor(dtype, (size,), channel.scatter(None, size * _width(dtype)))
     return whole, slices
 
 

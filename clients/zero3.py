@@ -19,11 +19,12 @@ sums are never kept (:func:`dummy_unit`, :class:`userdp.clients.clipping.Discard
 norms and book-keeping products need a weight's shape, never its values (:func:`param_shape` reads
 DeepSpeed's ``ds_shape``), and they run on the activations and output gradients each rank holds
 for its own units, so a unit is never split and nothing unclipped leaves a rank: the clipped sums
-are reduced exactly as at stages 0-2 (:func:`userdp.clients.distributed.all_reduce_result`).
+are reduce-scattered to the partition owners pass by pass and gathered to rank 0 at the end
+(:mod:`userdp.clients.sharded_sums`).
 
 The model is built partitioned (``deepspeed.zero.Init`` through transformers' DeepSpeed
-integration: :func:`userdp.clients.distributed.partitioned_build`), so no rank holds it whole at
-start-up either. A model version arrives at rank 0 as whole tensors (the coordinator's stream). Rank 0 sends each
+integration: :func:`userdp.clients.distributed.partitioned_build`; with more than one rank, or
+one rank with ``offload_param``), so no rank holds it whole at start-up either. A model version arrives at rank 0 as whole tensors (the coordinator's stream). Rank 0 sends each
 of the other ranks only its slice of a partitioned parameter (:func:`slice_elements`,
 :func:`rank_slice`; :mod:`userdp.clients.ranks`) and every rank writes its slice into its
 partition (:func:`load_slice`, :func:`load_partitioned`); a parameter whose gathered tensor

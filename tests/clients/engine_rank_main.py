@@ -10,9 +10,12 @@ OPTIONS_JSON (:func:`rank_config`): ``model`` (a ``[model]`` table: preset, path
 ``units`` ("user": up to 4 examples each; "example": one each; "uneven": three units of one
 micro-batch each), ``clip`` (the clip norm,
 default 3.5), ``deepspeed`` (a DeepSpeed JSON
-object written next to the results and used instead of the stage) and ``apply_seed`` (after a
-first task, every rank applies the whole model built with this seed as a model version, then
-computes the task again on it).
+object written next to the results and used instead of the stage), ``apply_seed`` (after a
+first task, the model built with this seed goes to the ranks as a worker sends a model version,
+``clients/ranks.py``: slices of released ZeRO-3 parameters, whole tensors otherwise; then the
+task is computed again on it) and ``probe_seed`` (the randomized engine's probes). At stage 3
+the engine is built partitioned with weights of its own, so the reference model (seed 0) is
+first sent the same way, as the coordinator's initial model version.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ def apply_version_as_a_worker(engine, version: dict) -> dict:
     wire = decode_chunks(tensors_chunks(version))
     total = sum(len(bytes(t.data)) for t in wire.values())
     if torch.distributed.get_rank() == 0:
-        send_model_version(channel, engine.module, wire, True)
+        assert send_model_version(channel, engine.module, wire, True) is None
         compute.apply_model(wire, True)
         return {"version_bytes_received": total, "version_bytes": total}
     header, payloads = channel.receive()
@@ -179,6 +182,9 @@ def main(
 
     engine_module.build_model = build_and_measure
     engine = build_engine(config, byte_manifest())
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    assert not is_deepspeed_zero3_enabled()  # the partitioned build did not leak past the engine
     zero_stage = engine.deepspeed_engine.zero_optimization_stage()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     reductions = []

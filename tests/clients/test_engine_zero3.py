@@ -208,6 +208,26 @@ def test_one_rank_with_parameters_offloaded_builds_partitioned_and_equals_the_lo
     assert stats["count"] == reference.stats.count and stats["clipped"] == reference.stats.clipped
 
 
+def test_offloaded_partitions_keep_the_clipped_sums_in_host_memory():
+    """TEST DOUBLE of a ZeRO-3 parameter (a placeholder on another device than its partition, as
+    on a GPU with ``offload_param``): the accumulator goes where the partitions are, and an add
+    from the placeholders' device lands there."""
+    from userdp.clients.clipping import Accumulator
+    from userdp.clients.zero3 import offload_device
+
+    placeholder = torch.nn.Parameter(torch.empty(0, device="meta"))
+    placeholder.ds_tensor, placeholder.ds_numel = torch.zeros(2), 4
+    placeholder.ds_shape = torch.Size([2, 2])
+    params = {"w": placeholder}
+    assert offload_device(params) == torch.device("cpu")
+    acc = Accumulator(params, 1.0, device=offload_device(params))
+    assert acc.flat.device.type == "cpu" and acc.flat.numel() == 4
+    acc.add("w", torch.ones(2, 2, dtype=torch.bfloat16), 0.5)
+    assert acc.host_sums()["w"].tolist() == [[0.5, 0.5], [0.5, 0.5]]
+    placeholder.ds_tensor = torch.zeros(2, device="meta")  # partitions on the compute device
+    assert offload_device(params) is None
+
+
 def test_model_version_after_persistent_gather(tmp_path):
     """DeepSpeed's default keeps small parameters gathered after their first use: a model version
     must reach that gathered copy as well as the partition, or the next task runs on the old

@@ -244,8 +244,9 @@ class WorkersConfig(_Section):
     """Processes (ranks) per worker that ``simulate`` starts, under torch's own launcher
     (``python -m torch.distributed.run --standalone``): each worker's ranks form their own
     process group, split its units and reduce their clipped sums; with ``model.zero_stage = 3``
-    they partition the model. One rank per GPU on CUDA. A deployment sets its ranks with the
-    chart's ``workers.gpus`` (``userdp deploy render --gpus``) instead."""
+    they partition the model. On CUDA rank r of every worker uses GPU r (the workers of one
+    machine share its GPUs). A deployment sets its ranks with the chart's ``workers.gpus``
+    (``userdp deploy render --gpus``) instead."""
     token_budget: PositiveInt = 8192
     """Tokens per micro-batch; bounds worker memory."""
     tensor_core_matmul: StrictBool = False

@@ -58,6 +58,11 @@ def _spawn_workers(loop: RunLoop, address: str) -> list[subprocess.Popen]:
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
     env["PYTHONUNBUFFERED"] = "1"  # each worker is its own process group
     ranks = config.workers.ranks
+    if config.workers.device == "cuda" and ranks > torch.cuda.device_count():
+        raise ValueError(
+            f"workers.ranks = {ranks} with workers.device = 'cuda' needs {ranks} GPUs (one per "
+            f"rank); this machine has {torch.cuda.device_count()}: lower workers.ranks"
+        )
     threads = max(1, (os.cpu_count() or 1) // (len(held) * ranks))
     env.setdefault("OMP_NUM_THREADS", str(threads))
     launcher = [sys.executable, "-m"]
