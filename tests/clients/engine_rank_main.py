@@ -122,6 +122,7 @@ def apply_version_as_a_worker(engine, version: dict) -> dict:
         "version_bytes": total,
         "version_bytes_sent_as_slices": standing_for,
         "version_slice_bytes": sum(len(bytes(t.data)) for t in slices.values()),
+        "version_sliced_tensors": len(slices),
     }
 
 
