@@ -6,6 +6,7 @@ cannot honour are refused."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -72,12 +73,15 @@ def check_zero3_against_loop(tmp_path: Path, engine: str, options: dict) -> list
         built = rank_stats["built_partitions"] * 2
         assert rank_stats["built_partitioned_elements"] <= built
         assert built <= rank_stats["built_partitioned_elements"] + 2 * 64
+        # LoRA's adapters are created after the partitioned build; with offload_param one GPT-2
+        # tensor (8,192 of 126,400 elements) comes out of zero.Init whole and is partitioned by
+        # deepspeed.initialize
         whole = rank_stats["built_whole_elements"]
-        assert (
-            whole < 0.05 * rank_stats["model_elements"]
-            if "lora_rank" in options["model"]
-            else whole == 0
-        )
+        offloaded = "offload_param" in json.dumps(options.get("deepspeed", {}))
+        if "lora_rank" in options["model"] or offloaded:
+            assert whole < 0.1 * rank_stats["model_elements"]
+        else:
+            assert whole == 0
     return stats
 
 
