@@ -43,24 +43,15 @@ VOCAB = 259  # the byte tokenizer's ids (tests/clients/engine_fixtures.py)
 
 
 def llama_config(layers: int, width: int, heads: int, seq_len: int):
-    import transformers
+    """The Llama presets' shape (``clients/model.py``) with this many layers and this width."""
+    from userdp.clients.model import ModelShape, preset_config
 
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        max_position_embeddings=max(seq_len, 8),
-        hidden_size=width,
-        intermediate_size=(8 * width // 3 + 63) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-    )
+    return preset_config("llama", layers, width, heads, ModelShape(VOCAB, seq_len))
 
 
 def parameters(layers: int, width: int, heads: int) -> int:
     """Parameters of :func:`llama_config` (embedding, untied head, blocks, final norm)."""
-    mlp = (8 * width // 3 + 63) // 64 * 64
+    mlp = llama_config(1, width, heads, 8).intermediate_size
     kv = width * max(1, heads // 2) // heads
     block = 2 * width * width + 2 * width * kv + 3 * width * mlp + 2 * width
     return layers * block + 2 * VOCAB * width + width

@@ -84,7 +84,7 @@ def _preset_model(name: str, shape: ModelShape, dtype: torch.dtype) -> torch.nn.
     import transformers
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    config = _preset_config(name, shape)
+    config = preset_config(*PRESETS[name], shape)
     cls = (
         transformers.LlamaForCausalLM
         if config.model_type == "llama"
@@ -95,10 +95,12 @@ def _preset_model(name: str, shape: ModelShape, dtype: torch.dtype) -> torch.nn.
     return cls(config).to(dtype)
 
 
-def _preset_config(name: str, shape: ModelShape) -> Any:
+def preset_config(family: str, layers: int, width: int, heads: int, shape: ModelShape) -> Any:
+    """The transformers config of a preset shape (:data:`userdp.clients.presets.PRESETS`'s
+    columns): Llama with an untied head, grouped-query attention and a SwiGLU MLP, or GPT-2; no
+    dropout."""
     import transformers
 
-    family, layers, width, heads = PRESETS[name]
     ids = {"bos_token_id": shape.eos_id, "eos_token_id": shape.eos_id, "pad_token_id": shape.pad_id}
     if family == "llama":
         return transformers.LlamaConfig(
