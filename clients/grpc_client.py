@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from userdp.clients.group_plane import WorkerGroup
 from userdp.clients.task_runner import ModelReceiver, TaskCompute, TaskRunner
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.channels import (
@@ -196,11 +197,14 @@ class WorkerClient(TaskRunner):
         self.sessions = 0
         self._stop = threading.Event()
         self._call: Any = None
+        self._group: WorkerGroup | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def stop(self) -> None:
         self._stop.set()
+        if self._group is not None:
+            self._group.close()
         call = self._call
         if call is not None:
             call.cancel()
@@ -319,11 +323,16 @@ class WorkerClient(TaskRunner):
                 elif kind == "model_part":
                     model.add(message.model_part)
                 elif kind == "model_commit":
-                    applied = self._apply(model, message.model_commit)
+                    commit = message.model_commit
+                    tensors = self._receive_version(model, commit)
                     model = ModelReceiver()
-                    ack = pb.ModelAck(model_version=self.model_version, rejected=not applied)
+                    ack = pb.ModelAck(model_version=self.model_version, rejected=tensors is None)
                     outbox.put(pb.WorkerMessage(model_ack=ack))
-                    self._set_ready(message.model_commit.model_version)
+                    self._set_ready(commit.model_version)
+                    if self._group is not None:
+                        self._group.source_applied(commit.model_version, tensors)
+                elif kind in ("group_join", "group_reduce", "group_model"):
+                    self._group_message(kind, getattr(message, kind), outbox)
                 elif kind == "drain":
                     log.info(
                         "worker %s: drained by coordinator (%s)",
@@ -347,6 +356,18 @@ class WorkerClient(TaskRunner):
             self._call = None
             channel.close()
         return welcomed
+
+    def _group_message(self, kind: str, message: Any, outbox: queue.Queue) -> None:
+        """The collective data plane's messages (:mod:`userdp.clients.group_plane`)."""
+        if self._group is None:
+            host = self.target.removeprefix("dns:///").rsplit(":", 1)[0].strip("[]")
+            self._group = WorkerGroup(self, host)
+        if kind == "group_join":
+            self._group.join(message)
+        elif kind == "group_reduce":
+            self._group.reduce(message, outbox.put, self.session_chunk_bytes)
+        else:
+            self._group.model(message, outbox.put)
 
     def _set_ready(self, coordinator_version: int) -> None:
         if self.health is not None:

@@ -87,28 +87,54 @@ class TaskRunner:
         self.model_version = -1
         self.tasks_done = 0
         self._model_lock = threading.Lock()
+        self._held: dict[str, tuple[int, Mapping]] = {}
+        self._held_lock = threading.Lock()
 
-    def _apply(self, model: ModelReceiver, commit: pb.ModelCommit) -> bool:
-        """Apply a model version if it is consistent; return whether it was applied."""
+    def _receive_version(
+        self, model: ModelReceiver, commit: pb.ModelCommit
+    ) -> Mapping[str, WireTensor] | None:
+        """Apply a model version if it is consistent: its tensors when it was, else None."""
         try:
             tensors = model.finish(commit)
         except TensorDecodeError as exc:
             log.warning(
                 "worker %s: bad model version %d: %s", self.worker_id, commit.model_version, exc
             )
-            return False
-        if not commit.full and self.model_version != commit.model_version - 1:
+            return None
+        return tensors if self.apply_tensors(tensors, commit.full, commit.model_version) else None
+
+    def apply_tensors(self, tensors: Mapping[str, WireTensor], full: bool, version: int) -> bool:
+        """Apply ``version`` (an update only on top of the version before it); whether it was."""
+        if not full and self.model_version != version - 1:
             log.info(
                 "worker %s: update %d does not follow held version %d; waiting for a resync",
                 self.worker_id,
-                commit.model_version,
+                version,
                 self.model_version,
             )
             return False
         with self._model_lock:
-            self.compute.apply_model(tensors, commit.full)
-            self.model_version = commit.model_version
+            self.compute.apply_model(tensors, full)
+            self.model_version = version
         return True
+
+    def _hold(self, task: pb.Task, task_sum: TaskSum) -> None:
+        """Keep a task's sum for the group's reduce (the collective data plane); sums of earlier
+        steps are dropped: a step's reduce comes before the next step's tasks."""
+        with self._held_lock:
+            for key in [k for k, (step, _) in self._held.items() if step < task.step]:
+                del self._held[key]
+            self._held[f"{task.task_id}/{task.attempt}"] = (task.step, task_sum.sums)
+
+    def take_held(self, step: int, keys: list[str]) -> list[Mapping] | None:
+        """Remove and return the held sums ``keys`` of ``step``; None when one is missing."""
+        with self._held_lock:
+            found = [self._held.get(key) for key in keys]
+            if any(entry is None or entry[0] != step for entry in found):
+                return None
+            for key in keys:
+                del self._held[key]
+        return [sums for _, sums in found]
 
     def _task_loop(self, tasks: queue.Queue, outbox: queue.Queue, cancelled: set) -> None:
         """Run the tasks of ``tasks`` until a None arrives, putting the worker's messages on
@@ -125,24 +151,29 @@ class TaskRunner:
                     reason = (
                         f"stale model: task wants {task.model_version}, have {self.model_version}"
                     )
-                    outbox.put(_failed(task, reason))
+                    outbox.put(task_failed(task, reason))
                     continue
                 try:
                     task_sum = self.compute.compute(task)
                 except Exception as exc:  # report, never hang the coordinator's step
                     log.exception("worker %s: task %s failed", self.worker_id, task.task_id)
-                    outbox.put(_failed(task, f"{type(exc).__name__}: {exc}"))
+                    outbox.put(task_failed(task, f"{type(exc).__name__}: {exc}"))
                     continue
             if (task.task_id, task.attempt) in cancelled:
                 continue
-            for message in result_parts(task, task_sum.sums, self.session_chunk_bytes):
-                outbox.put(message)
-            result = result_proto(task, task_sum, time.perf_counter() - started)
+            if task.hold:
+                self._hold(task, task_sum)
+            else:
+                for message in result_parts(task, task_sum.sums, self.session_chunk_bytes):
+                    outbox.put(message)
+            seconds = time.perf_counter() - started
+            result = result_proto(task, task_sum, seconds, held=task.hold)
             outbox.put(pb.WorkerMessage(result=result))
             self.tasks_done += 1
 
 
-def _failed(task: pb.Task, reason: str) -> pb.WorkerMessage:
+def task_failed(task: pb.Task, reason: str) -> pb.WorkerMessage:
+    """The ``TaskFailed`` message for ``task``."""
     return pb.WorkerMessage(
         task_failed=pb.TaskFailed(task_id=task.task_id, attempt=task.attempt, reason=reason)
     )

@@ -61,9 +61,13 @@ def task_proto(
     model_version: int,
     units: Sequence[str],
     deadline_s: float,
+    *,
+    hold: bool = False,
 ) -> pb.Task:
-    """The wire ``Task`` for ``units`` of a step whose workers are told ``spec``."""
+    """The wire ``Task`` for ``units`` of a step whose workers are told ``spec``; ``hold``: the
+    worker keeps the sum for the group's reduce (the collective data plane)."""
     return pb.Task(
+        hold=hold,
         task_id=task_id,
         attempt=attempt,
         step=step,
@@ -195,14 +199,18 @@ def _stats_from_result(result: pb.Result) -> UnitStats:
     )
 
 
-def result_proto(task: pb.Task, task_sum: TaskSum, compute_seconds: float) -> pb.Result:
-    """The ``Result`` closing a task's parts: the task's labels and the task sum's statistics."""
+def result_proto(
+    task: pb.Task, task_sum: TaskSum, compute_seconds: float, *, held: bool = False
+) -> pb.Result:
+    """The ``Result`` closing a task's parts: the task's labels and the task sum's statistics.
+    ``held``: no parts precede it; the sum stays on the worker for the group's reduce."""
     return pb.Result(
         task_id=task.task_id,
         attempt=task.attempt,
         step=task.step,
         model_version=task.model_version,
-        num_tensors=len(task_sum.sums),
+        held=held,
+        num_tensors=0 if held else len(task_sum.sums),
         **_stats_fields(task_sum.stats),
         compute_seconds=compute_seconds,
         unit_ids=task.unit_ids,
@@ -223,4 +231,5 @@ def result_from_proto(
         unit_ids=tuple(result.unit_ids),
         task_sum=TaskSum(tensors, _stats_from_result(result)),
         compute_seconds=result.compute_seconds,
+        held=result.held,
     )

@@ -56,3 +56,6 @@ class TaskResult:
     unit_ids: tuple[str, ...]
     task_sum: TaskSum
     compute_seconds: float = 0.0
+    held: bool = False
+    """The collective data plane: the sum stayed on the worker (``task_sum.sums`` is empty)
+    until the group's reduce."""

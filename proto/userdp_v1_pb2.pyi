@@ -109,7 +109,7 @@ class NormStats(_message.Message):
     def __init__(self, min: _Optional[float] = ..., max: _Optional[float] = ..., sum: _Optional[float] = ..., sum_sq: _Optional[float] = ...) -> None: ...
 
 class Result(_message.Message):
-    __slots__ = ("task_id", "attempt", "step", "model_version", "num_tensors", "count", "nonfinite", "clipped", "norms", "loss_sum", "tokens", "compute_seconds", "unit_ids")
+    __slots__ = ("task_id", "attempt", "step", "model_version", "num_tensors", "count", "nonfinite", "clipped", "norms", "loss_sum", "tokens", "compute_seconds", "unit_ids", "held")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class Result(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UNIT_IDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     step: int
@@ -136,7 +137,8 @@ class Result(_message.Message):
     tokens: int
     compute_seconds: float
     unit_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., model_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., count: _Optional[int] = ..., nonfinite: _Optional[int] = ..., clipped: _Optional[int] = ..., norms: _Optional[_Union[NormStats, _Mapping]] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., unit_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    held: bool
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., model_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., count: _Optional[int] = ..., nonfinite: _Optional[int] = ..., clipped: _Optional[int] = ..., norms: _Optional[_Union[NormStats, _Mapping]] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., unit_ids: _Optional[_Iterable[str]] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class TaskFailed(_message.Message):
     __slots__ = ("task_id", "attempt", "reason")
@@ -229,7 +231,7 @@ class Selection(_message.Message):
     def __init__(self, strategy: _Optional[str] = ..., group_size: _Optional[int] = ..., seq_len: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "attempt", "step", "model_version", "unit_ids", "clip_norm", "engine", "selection", "deadline_s", "selection_seed", "padded_size")
+    __slots__ = ("task_id", "attempt", "step", "model_version", "unit_ids", "clip_norm", "engine", "selection", "deadline_s", "selection_seed", "padded_size", "hold")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +243,7 @@ class Task(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     SELECTION_SEED_FIELD_NUMBER: _ClassVar[int]
     PADDED_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     step: int
@@ -252,7 +255,8 @@ class Task(_message.Message):
     deadline_s: float
     selection_seed: int
     padded_size: int
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., model_version: _Optional[int] = ..., unit_ids: _Optional[_Iterable[str]] = ..., clip_norm: _Optional[float] = ..., engine: _Optional[_Union[EngineOptions, _Mapping]] = ..., selection: _Optional[_Union[Selection, _Mapping]] = ..., deadline_s: _Optional[float] = ..., selection_seed: _Optional[int] = ..., padded_size: _Optional[int] = ...) -> None: ...
+    hold: bool
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., model_version: _Optional[int] = ..., unit_ids: _Optional[_Iterable[str]] = ..., clip_norm: _Optional[float] = ..., engine: _Optional[_Union[EngineOptions, _Mapping]] = ..., selection: _Optional[_Union[Selection, _Mapping]] = ..., deadline_s: _Optional[float] = ..., selection_seed: _Optional[int] = ..., padded_size: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class CancelTask(_message.Message):
     __slots__ = ("task_id", "attempt")
@@ -288,18 +292,84 @@ class Drain(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GroupJoin(_message.Message):
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "store_prefix", "backend", "timeout_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    store_prefix: str
+    backend: str
+    timeout_s: float
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class GroupReduce(_message.Message):
+    __slots__ = ("step", "generation", "task_id", "attempt", "model_version", "held", "tensors")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    generation: int
+    task_id: str
+    attempt: int
+    model_version: int
+    held: _containers.RepeatedScalarFieldContainer[str]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., model_version: _Optional[int] = ..., held: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class GroupModel(_message.Message):
+    __slots__ = ("model_version", "generation", "source", "tensors")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    generation: int
+    source: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, model_version: _Optional[int] = ..., generation: _Optional[int] = ..., source: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "task", "cancel", "model_part", "model_commit", "drain")
+    __slots__ = ("welcome", "task", "cancel", "model_part", "model_commit", "drain", "group_join", "group_reduce", "group_model")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PART_FIELD_NUMBER: _ClassVar[int]
     MODEL_COMMIT_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_JOIN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_REDUCE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_MODEL_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     task: Task
     cancel: CancelTask
     model_part: ModelPart
     model_commit: ModelCommit
     drain: Drain
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., cancel: _Optional[_Union[CancelTask, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., model_commit: _Optional[_Union[ModelCommit, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    group_join: GroupJoin
+    group_reduce: GroupReduce
+    group_model: GroupModel
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., cancel: _Optional[_Union[CancelTask, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., model_commit: _Optional[_Union[ModelCommit, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., group_join: _Optional[_Union[GroupJoin, _Mapping]] = ..., group_reduce: _Optional[_Union[GroupReduce, _Mapping]] = ..., group_model: _Optional[_Union[GroupModel, _Mapping]] = ...) -> None: ...

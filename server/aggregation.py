@@ -18,6 +18,14 @@ contributes exactly once; :meth:`StepGather.result` re-checks that before anythi
 
 The running sum is kept in float64 so the released sum does not depend on arrival order beyond
 float64 rounding. Memory is one model-sized buffer, whatever the number of tasks.
+
+Under the collective data plane (``collective=True``) a task's sum stays on its worker: the
+result carries the units and statistics only (``held``) and is judged as above, except its
+tensors. Once every group is done, :meth:`StepGather.held_by` names each worker's accepted sums,
+the workers reduce exactly those, and :meth:`StepGather.offer_reduced` checks the one reduced sum
+(names, shapes, finite values, and ‖sum‖ ≤ the bound of all the step's counted units) before
+:meth:`StepGather.result` returns it. A result of the other plane (a streamed sum when the task
+said hold, or a held one when it did not) is rejected.
 """
 
 from __future__ import annotations
@@ -118,8 +126,10 @@ class StepGather:
         clip_norm: float,
         *,
         estimate_probes: int = 0,
+        collective: bool = False,
     ) -> None:
-        """``estimate_probes`` > 0: units were clipped by norms ESTIMATED with that many Gaussian
+        """``collective``: the collective data plane (the module docstring).
+        ``estimate_probes`` > 0: units were clipped by norms ESTIMATED with that many Gaussian
         probes (randomized clipping), so a unit may legitimately contribute C·Z with Z > 1
         (covered by its accountant): the norm bound is :func:`contribution_bound`'s for k
         probes instead of count·C."""
@@ -127,6 +137,9 @@ class StepGather:
         self.model_version = model_version
         self.clip_norm = float(clip_norm)
         self.estimate_probes = int(estimate_probes)
+        self.collective = bool(collective)
+        self._held: dict[str, list[str]] = {}
+        self._reduced = False
         self.template = dict(template)
         self._groups = {g.group_id: _GroupState(g) for g in groups}
         self._tasks: dict[str, _TaskState] = {}
@@ -231,6 +244,12 @@ class StepGather:
         if not task.live:
             return Verdict(False, False, f"duplicate or late: task {task.task_id} is closed")
         problem = self._check(result, task.unit_ids)
+        if problem is None and result.held != self.collective:
+            problem = (
+                "the sum was held on the worker, but this step streams sums"
+                if result.held
+                else "the sum was streamed, but this step reduces held sums in the group"
+            )
         if problem is not None:
             self.fail(task.task_id, task.attempt, problem)
             return Verdict(False, True, problem)
@@ -239,6 +258,8 @@ class StepGather:
             if unit in self._contributed:
                 raise ExactlyOnceViolation(f"step {self.step}: unit {unit!r} counted twice")
         self._contributed.update(task.unit_ids)
+        if result.held:
+            self._held.setdefault(task.worker, []).append(f"{task.task_id}/{task.attempt}")
         for name, value in tensors.items():
             self._sums[name].add_(value.to(torch.float64))
         task.live = False
@@ -258,6 +279,15 @@ class StepGather:
         n, count, nonfinite = len(unit_ids), stats.count, stats.nonfinite
         if count < 0 or nonfinite < 0 or count + nonfinite != n:
             return f"count {count} + nonfinite {nonfinite} != {n} units"
+        if result.held:
+            return "a held result carries tensors" if tensors else None
+        return self._check_sum(tensors, count, allow_float32=False)
+
+    def _check_sum(
+        self, tensors: Mapping[str, WireTensor | torch.Tensor], count: int, allow_float32: bool
+    ) -> str | None:
+        """Names, dtypes, shapes, finite values and the norm bound of ``count`` clipped units
+        (``allow_float32``: a reduced sum may be float32 whatever the parameter's dtype)."""
         if set(tensors) != set(self.template):
             missing = sorted(set(self.template) - set(tensors))[:3]
             extra = sorted(set(tensors) - set(self.template))[:3]
@@ -267,7 +297,8 @@ class StepGather:
             value = tensors[name]
             dtype = value.dtype if isinstance(value, WireTensor) else str(value.dtype)[6:]
             shape = tuple(value.shape)
-            if dtype != spec.dtype or dtype not in FLOAT_DTYPES:
+            expected = {spec.dtype, "float32"} if allow_float32 else {spec.dtype}
+            if dtype not in expected or dtype not in FLOAT_DTYPES:
                 return f"tensor {name!r} has dtype {dtype}, expected {spec.dtype}"
             if shape != spec.shape:
                 return f"tensor {name!r} has shape {list(shape)}, expected {list(spec.shape)}"
@@ -283,9 +314,34 @@ class StepGather:
                 else "count*clip_norm"
             )
             return (
-                f"task sum norm {math.sqrt(squared):.6g} exceeds {what} = {bound:.6g} "
+                f"sum norm {math.sqrt(squared):.6g} exceeds {what} = {bound:.6g} "
                 "(units not clipped)"
             )
+        return None
+
+    # ---- the collective data plane ---------------------------------------------------------------
+
+    def template_tensors(self) -> dict[str, torch.Tensor]:
+        """The step's sum tensors (their names, order and shapes are the template's)."""
+        return dict(self._sums)
+
+    def held_by(self) -> dict[str, list[str]]:
+        """Worker id → its accepted held sums ("task_id/attempt"), once every group is done."""
+        if not self.complete():
+            raise RuntimeError(f"step {self.step}: shard groups not done")
+        return {worker: list(keys) for worker, keys in self._held.items()}
+
+    def offer_reduced(self, tensors: Mapping[str, WireTensor | torch.Tensor]) -> str | None:
+        """Check the group's reduced sum of every accepted held sum and take it as the step's
+        sum; returns the problem (nothing taken) or None."""
+        if not (self.collective and self.complete()) or self._reduced:
+            return "no reduced sum is expected for this step now"
+        problem = self._check_sum(tensors, self.stats.count, allow_float32=True)
+        if problem is not None:
+            return f"reduced sum: {problem}"
+        for name, value in tensors.items():
+            self._sums[name].copy_(_as_torch(value).to(torch.float64))
+        self._reduced = True
         return None
 
     # ---- completion -----------------------------------------------------------------------------
@@ -300,6 +356,8 @@ class StepGather:
             raise RuntimeError(f"step {self.step}: shard groups not done")
         if self._contributed != set(self._unit_owner):
             raise ExactlyOnceViolation(f"step {self.step}: contributed units != cohort units")
+        if self.collective and not self._reduced:
+            raise RuntimeError(f"step {self.step}: the group's reduced sum has not arrived")
         return CohortSum(self._sums, self.stats)
 
 

@@ -59,6 +59,7 @@ from userdp.proto.codec import task_proto as task_proto  # the simulator imports
 from userdp.server.aggregation import StepGather, template_of
 from userdp.server.checkpoint import restore_latest, save_checkpoint
 from userdp.server.fleet import Fleet, StepAborted
+from userdp.server.group_plane import GroupPlane
 from userdp.server.planning import plan_groups
 from userdp.server.population import Population
 from userdp.server.publisher import ModelPublisher
@@ -170,7 +171,10 @@ class Coordinator:
         options: ExecutionOptions | None = None,
         fault_hook: Callable[[str, int], None] | None = None,
         test_only_disable_noise: bool = False,
+        group: GroupPlane | None = None,
     ) -> None:
+        """``group``: the collective data plane (:mod:`userdp.server.group_plane`); None = every
+        worker streams its sums to this process and receives each version from it."""
         self.strategy = strategy
         self.options = options
         self.ledger = ledger
@@ -183,7 +187,9 @@ class Coordinator:
         self.settings = settings
         self.fault_hook = fault_hook
         self._no_noise = bool(test_only_disable_noise)
-        self.fleet = Fleet(registry, publisher, frozenset(population.shard_sha256), settings)
+        self.fleet = Fleet(
+            registry, publisher, frozenset(population.shard_sha256), settings, plane=group
+        )
         self.template = template_of(params)
         self.step = 0
         self.reports: list[StepReport] = []
@@ -291,6 +297,7 @@ class Coordinator:
                 self.template,
                 spec.clip_norm,
                 estimate_probes=spec.probes if spec.engine == "randomized" else 0,
+                collective=self.fleet.plane is not None,
             )
             phase("gather")
             self.fleet.gather(collect, spec)

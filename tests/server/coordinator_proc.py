@@ -38,15 +38,15 @@ def main(directory: str, steps: str) -> int:
     loop = make_loopback(out, strategy=uls_strategy(), no_noise=False)
     compute = RecordingCompute(out / "received.txt")
     client = loop.add_worker("w0", ALL, compute=compute)
-    original = client._apply
+    original = client._receive_version
 
-    def apply_and_record(model, commit):
-        applied = original(model, commit)
-        if applied:
+    def receive_and_record(model, commit):
+        tensors = original(model, commit)
+        if tensors is not None:
             compute.record(commit.model_version, commit.full)
-        return applied
+        return tensors
 
-    client._apply = apply_and_record
+    client._receive_version = receive_and_record
     loop.coordinator.wait_for_workers()
     print(f"start {loop.coordinator.step} {loop.coordinator.model_version}", flush=True)
     loop.coordinator.run(int(steps))

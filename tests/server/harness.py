@@ -15,6 +15,7 @@ from userdp.clients.grpc_client import Backoff, WorkerClient
 from userdp.proto.channels import DEFAULT_MAX_MESSAGE_BYTES
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings
+from userdp.server.group_plane import GroupPlane
 from userdp.server.grpc_server import RunningServer, serve
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import WorkerRegistry
@@ -125,7 +126,10 @@ def make_loopback(
     publisher_chunk_bytes=64,
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
     params=None,
+    group=None,
 ) -> Loopback:
+    """A coordinator serving on loopback; ``group``: a
+    :class:`~userdp.server.group_plane.GroupSettings` for the collective data plane."""
     population = population or toy.toy_population()
     registry = WorkerRegistry()
     publisher = ModelPublisher(chunk_bytes=publisher_chunk_bytes)
@@ -151,6 +155,7 @@ def make_loopback(
         or CoordinatorSettings(step_deadline_s=30, task_deadline_s=10, worker_startup_s=300),
         fault_hook=fault_hook,
         test_only_disable_noise=no_noise,
+        group=GroupPlane(group) if group is not None else None,
     )
     try:
         coordinator.resume()

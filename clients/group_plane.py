@@ -1,0 +1,285 @@
+"""A worker's part in the collective data plane: the workers' process group, its reduce and its
+model broadcast.
+
+Under the collective data plane (``coordinator.data_plane = "collective"``, docs/protocol.md) the
+coordinator forms a process group of the step's workers: one torch.distributed gloo group per
+membership (a *generation*), rendezvousing in the coordinator's key-value store (a TCPStore).
+The group is a :class:`torch.distributed.ProcessGroupGloo` of its own, apart from the default
+process group, which a multi-rank worker keeps for its own ranks (only rank 0, the rank that
+talks to the coordinator, joins it).
+
+:class:`WorkerGroup` runs the group's operations on one thread, in the order the coordinator's
+stream delivered them, so every member issues the same collectives in the same order:
+
+- ``GroupJoin``: build the generation's group (the previous one is dropped).
+- ``GroupReduce``: add up the held task sums the coordinator accepted (float32, one flat buffer)
+  and reduce them to rank 0, which sends the reduced sum as an ordinary result. A member that
+  cannot contribute (a held sum missing) still joins the reduce and raises the buffer's last
+  element, the failure count, so rank 0 reports the reduce failed instead of sending a sum that
+  lacks units. A member whose collective fails reports ``TaskFailed`` for the reduce.
+- ``GroupModel``: rank 0 (the *source*) receives a model version over gRPC and broadcasts its
+  raw bytes; the others receive them and apply them as if they had arrived over gRPC, then
+  acknowledge. A header broadcast first says whether the source has the version, so a source
+  that could not apply it never makes the others wait or apply garbage.
+
+A collective that does not complete (a member died) fails after the group's timeout; the
+coordinator then aborts the step and forms a new generation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from userdp.clients.task_runner import task_failed
+from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.codec import result_parts, result_proto
+from userdp.proto.results import TaskSum
+from userdp.proto.tensors import WireTensor
+
+log = logging.getLogger(__name__)
+
+Outbox = Callable[[pb.WorkerMessage], None]
+
+
+def _device() -> Any:
+    """The gloo transport device: the interface named by ``GLOO_SOCKET_IFNAME`` (as
+    torch.distributed's own gloo groups read it), else the one the host name resolves to."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+def join_group(
+    host: str, port: int, prefix: str, rank: int, world_size: int, timeout_s: float
+) -> dist.ProcessGroupGloo:
+    """This process's member of a gloo group of ``world_size`` that rendezvouses in the TCPStore
+    at ``host:port`` under ``prefix`` (blocks until every member has joined, or the timeout)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [_device()]
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, options)
+
+
+def _shape(meta: pb.TensorMeta) -> tuple[int, ...]:
+    return tuple(int(d) for d in meta.shape)
+
+
+class WorkerGroup:
+    """This worker's membership in the workers' process group (see the module docstring)."""
+
+    def __init__(self, runner: Any, default_host: str) -> None:
+        self.runner = runner
+        self.default_host = default_host
+        self.generation = -1
+        self.rank = -1
+        self._group: dist.ProcessGroupGloo | None = None
+        self._error = "no group joined"
+        self._sources: dict[int, pb.GroupModel] = {}
+        self._lock = threading.Lock()
+        self._ops: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="userdp-group", daemon=True)
+        self._thread.start()
+
+    # ---- called from the stream's thread --------------------------------------------------------
+
+    def join(self, message: pb.GroupJoin) -> None:
+        self._ops.put((self._join, (message,)))
+
+    def reduce(self, message: pb.GroupReduce, send: Outbox, chunk_bytes: int) -> None:
+        self._ops.put((self._reduce, (message, send, chunk_bytes)))
+
+    def model(self, message: pb.GroupModel, send: Outbox) -> None:
+        """A version travels through the group: the source waits for its gRPC commit
+        (:meth:`source_applied`), the others receive it now."""
+        if message.source:
+            with self._lock:
+                self._sources[message.model_version] = message
+        else:
+            self._ops.put((self._receive, (message, send)))
+
+    def source_applied(self, version: int, tensors: Mapping[str, WireTensor] | None) -> None:
+        """The source received ``version`` over gRPC (``tensors`` None: it could not apply it);
+        broadcast it when the coordinator said so."""
+        with self._lock:
+            message = self._sources.pop(version, None)
+        if message is not None:
+            self._ops.put((self._broadcast, (message, tensors)))
+
+    def close(self) -> None:
+        self._ops.put(None)
+
+    # ---- the group's thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            op = self._ops.get()
+            if op is None:
+                self._group = None
+                return
+            fn, args = op
+            try:
+                fn(*args)
+            except Exception:  # the coordinator learns of it through the reduce or the ack
+                log.exception("worker %s: group operation failed", self.runner.worker_id)
+
+    def _join(self, message: pb.GroupJoin) -> None:
+        self._group = None  # the previous generation's group, dropped before the rendezvous
+        self.generation, self.rank = message.generation, message.rank
+        host = message.store_host or self.default_host
+        try:
+            self._group = join_group(
+                host,
+                message.store_port,
+                message.store_prefix,
+                message.rank,
+                message.world_size,
+                message.timeout_s,
+            )
+            self._error = ""
+            log.info(
+                "worker %s: rank %d of %d in group generation %d",
+                self.runner.worker_id,
+                message.rank,
+                message.world_size,
+                message.generation,
+            )
+        except Exception as exc:
+            self._error = f"joining group generation {message.generation}: {exc}"
+            log.warning("worker %s: %s", self.runner.worker_id, self._error)
+
+    def _usable(self, generation: int) -> str:
+        """Why this worker cannot take part in a collective of ``generation`` ("" = it can)."""
+        if generation != self.generation:
+            return f"group generation {generation} was not joined (holding {self.generation})"
+        return self._error if self._group is None else ""
+
+    def _reduce(self, message: pb.GroupReduce, send: Outbox, chunk_bytes: int) -> None:
+        task = pb.Task(
+            task_id=message.task_id,
+            attempt=message.attempt,
+            step=message.step,
+            model_version=message.model_version,
+        )
+        problem = self._usable(message.generation)
+        if problem:
+            send(task_failed(task, problem))
+            return
+        sizes = [math.prod(_shape(m)) for m in message.tensors]
+        flat = torch.zeros(sum(sizes) + 1, dtype=torch.float32)  # + the failure count
+        missing = self._add_held(message, flat, sizes)
+        if missing:
+            flat[-1] = 1.0
+            log.warning("worker %s: %s", self.runner.worker_id, missing)
+        options = dist.ReduceOptions()
+        options.rootRank = 0
+        options.reduceOp = dist.ReduceOp.SUM
+        try:
+            self._group.reduce([flat], options).wait()
+        except Exception as exc:
+            self._group, self._error = None, f"reduce of step {message.step} failed: {exc}"
+            send(task_failed(task, self._error))
+            return
+        if self.rank != 0:
+            if missing:
+                send(task_failed(task, missing))
+            return
+        failures = int(flat[-1])
+        if failures:
+            send(task_failed(task, f"{failures} member(s) could not contribute their held sums"))
+            return
+        sums, offset = {}, 0
+        for meta, size in zip(message.tensors, sizes, strict=True):
+            sums[meta.name] = flat[offset : offset + size].view(_shape(meta))
+            offset += size
+        for part in result_parts(task, sums, chunk_bytes):
+            send(part)
+        send(pb.WorkerMessage(result=result_proto(task, TaskSum(sums), 0.0)))
+
+    def _add_held(self, message: pb.GroupReduce, flat: torch.Tensor, sizes: list[int]) -> str:
+        """Add the held sums ``message`` names into ``flat``; the problem, or ""."""
+        held = self.runner.take_held(message.step, list(message.held))
+        if held is None:
+            return f"step {message.step}: a held sum of {list(message.held)} is missing"
+        for sums in held:
+            offset = 0
+            for meta, size in zip(message.tensors, sizes, strict=True):
+                value = sums.get(meta.name)
+                if value is None or value.numel() != size:
+                    return f"step {message.step}: held sum lacks tensor {meta.name!r}"
+                flat[offset : offset + size] += value.reshape(-1).to(torch.float32)
+                offset += size
+        return ""
+
+    def _header(self, version: int, ok: bool) -> torch.Tensor:
+        header = torch.tensor([version, int(ok)], dtype=torch.int64)
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._group.broadcast([header], options).wait()
+        return header
+
+    def _bytes(self, data: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._group.broadcast([data], options).wait()
+
+    def _broadcast(self, message: pb.GroupModel, tensors: Mapping[str, WireTensor] | None) -> None:
+        if self._usable(message.generation):
+            return  # the members fail their receive at the timeout and are resynced
+        try:
+            ok = tensors is not None and all(m.name in tensors for m in message.tensors)
+            self._header(message.model_version, ok)
+            if ok:
+                parts = [np.frombuffer(tensors[m.name].data, np.uint8) for m in message.tensors]
+                self._bytes(torch.from_numpy(np.concatenate(parts)))
+        except Exception as exc:
+            self._group, self._error = None, f"broadcast of version {message.model_version}: {exc}"
+            log.warning("worker %s: %s", self.runner.worker_id, self._error)
+
+    def _receive(self, message: pb.GroupModel, send: Outbox) -> None:
+        version, tensors = message.model_version, None
+        problem = self._usable(message.generation)
+        if not problem:
+            try:
+                header = self._header(version, False)
+                if int(header[0]) != version or not int(header[1]):
+                    problem = f"the group's source did not have version {version}"
+                else:
+                    tensors = self._receive_bytes(message)
+            except Exception as exc:
+                self._group, self._error = None, f"receiving version {version}: {exc}"
+                problem = self._error
+        applied = tensors is not None and self.runner.apply_tensors(tensors, False, version)
+        if problem:
+            log.warning("worker %s: %s", self.runner.worker_id, problem)
+        ack = pb.ModelAck(model_version=self.runner.model_version, rejected=not applied)
+        send(pb.WorkerMessage(model_ack=ack))
+
+    def _receive_bytes(self, message: pb.GroupModel) -> dict[str, WireTensor]:
+        sizes = [math.prod(_shape(m)) * _dtype(m.dtype).itemsize for m in message.tensors]
+        data = torch.empty(sum(sizes), dtype=torch.uint8)
+        self._bytes(data)
+        array, tensors, offset = data.numpy(), {}, 0
+        for meta, size in zip(message.tensors, sizes, strict=True):
+            tensors[meta.name] = WireTensor(meta.dtype, _shape(meta), array[offset : offset + size])
+            offset += size
+        return tensors
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {name!r}")
+    return dtype

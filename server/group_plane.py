@@ -1,0 +1,166 @@
+"""The coordinator's side of the collective data plane: the workers' process group, its reduce
+and its model broadcast.
+
+With ``coordinator.data_plane = "collective"`` model-size tensors do not pass through the
+coordinator once per worker. The coordinator hosts the rendezvous (a torch.distributed TCPStore)
+and keeps gRPC as the control plane; the workers of a step form one gloo process group
+(:mod:`userdp.clients.group_plane`):
+
+- **Generations.** At the start of a gather the step's workers (live, in sync) become the group's
+  members, sorted by id; rank 0 is the *leader*. A new membership, or any failure of the last
+  one, starts a new generation under a fresh prefix of the store (``GroupJoin``).
+- **Reduce.** Tasks go only to members and say ``hold``: a worker keeps its clipped sum and
+  answers with the units and statistics, which the step's
+  :class:`~userdp.server.aggregation.StepGather` judges as usual. When every shard group is done,
+  each member is told which of its held sums were accepted (``GroupReduce``); the members reduce
+  exactly those to the leader, which sends the one reduced sum. The gather checks it (names,
+  shapes, finite, ‖sum‖ ≤ the bound of every counted unit) before it becomes the cohort's sum.
+  The coordinator receives one model-size tensor per step, whatever the number of workers.
+- **Broadcast.** A new version goes over gRPC to the leader only, and through the group to the
+  other members (``GroupModel``); every member acknowledges it as before. A worker that is not a
+  member gets it over gRPC, and a member that could not apply it is resynced, as always.
+- **Faults.** A member lost, a reduce that fails or does not arrive within the group's timeout
+  (plus the time to send the sum), or a bad reduced sum aborts the step
+  (:class:`~userdp.server.fleet.StepAborted`): nothing was noised, charged or released, and the
+  retried step forms a new generation and draws fresh noise.
+
+Noise is still added by the coordinator, once, to the reduced sum (docs/privacy.md, "Trust
+boundary of the collective data plane").
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from userdp.proto import userdp_v1_pb2 as pb
+
+log = logging.getLogger("userdp.server.coordinator")
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """The collective data plane's settings (``coordinator.group_*``)."""
+
+    store_port: int = 0
+    """The TCPStore's port (0 = a free one, for ``simulate``)."""
+    store_host: str = ""
+    """The host workers dial for the store ("" = the host they reach the coordinator at)."""
+    timeout_s: float = 300.0
+    """Every collective of the group fails after this long (a member died)."""
+    store_bind: str = "0.0.0.0"  # noqa: S104 - the store serves workers on other hosts
+    """The address the store listens on."""
+
+
+def tensor_metas(tensors: Mapping[str, torch.Tensor], dtype: str | None = None) -> list:
+    """The ``TensorMeta`` layout of ``tensors`` in their order (``dtype``: override)."""
+    return [
+        pb.TensorMeta(
+            name=name,
+            dtype=dtype or str(t.dtype).removeprefix("torch."),
+            shape=list(t.shape),
+        )
+        for name, t in tensors.items()
+    ]
+
+
+class GroupPlane:
+    """The workers' process group as the coordinator sees it (see the module docstring)."""
+
+    def __init__(self, settings: GroupSettings) -> None:
+        self.settings = settings
+        self.store = dist.TCPStore(
+            settings.store_bind,
+            settings.store_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=settings.timeout_s),
+        )
+        self.port = self.store.port
+        self._nonce = secrets.token_hex(4)  # a restarted coordinator never reuses a prefix
+        self.generation = 0
+        self.members: tuple[str, ...] = ()
+        self.healthy = False
+        self.reduces = 0
+        """Reduces started (each has its own task id)."""
+
+    @property
+    def leader(self) -> str | None:
+        return self.members[0] if self.members else None
+
+    def form(self, sessions: Mapping[str, object]) -> None:
+        """Make ``sessions`` (worker id → session) the members, starting a new generation when
+        they differ from the current ones or the current generation failed."""
+        members = tuple(sorted(sessions))
+        if self.healthy and members == self.members:
+            return
+        self.generation += 1
+        self.members = members
+        self.healthy = bool(members)
+        prefix = f"userdp/{self._nonce}/{self.generation}/"
+        for rank, worker in enumerate(members):
+            join = pb.GroupJoin(
+                generation=self.generation,
+                rank=rank,
+                world_size=len(members),
+                store_host=self.settings.store_host,
+                store_port=self.port,
+                store_prefix=prefix,
+                backend="gloo",
+                timeout_s=self.settings.timeout_s,
+            )
+            sessions[worker].send(pb.CoordinatorMessage(group_join=join))
+        if members:
+            log.info(
+                "workers' group generation %d: %d member(s), leader %s",
+                self.generation,
+                len(members),
+                members[0],
+            )
+
+    def broken(self, reason: str) -> None:
+        """The current generation cannot be used again: the next gather forms a new one."""
+        if self.healthy:
+            log.warning("workers' group generation %d failed: %s", self.generation, reason)
+        self.healthy = False
+
+    def reduce_messages(
+        self, step: int, model_version: int, held: Mapping[str, list[str]], metas: list
+    ) -> tuple[str, dict[str, pb.CoordinatorMessage]]:
+        """(the reduce's task id, worker → its ``GroupReduce``) for every member."""
+        self.reduces += 1
+        task_id = f"{step}.reduce.{self.reduces}"
+        messages = {
+            worker: pb.CoordinatorMessage(
+                group_reduce=pb.GroupReduce(
+                    step=step,
+                    generation=self.generation,
+                    task_id=task_id,
+                    attempt=0,
+                    model_version=model_version,
+                    held=held.get(worker, []),
+                    tensors=metas,
+                )
+            )
+            for worker in self.members
+        }
+        return task_id, messages
+
+    def model_messages(self, version: int, metas: list) -> dict[str, pb.CoordinatorMessage]:
+        """Worker → its ``GroupModel`` for ``version`` (the leader is the source)."""
+        return {
+            worker: pb.CoordinatorMessage(
+                group_model=pb.GroupModel(
+                    model_version=version,
+                    generation=self.generation,
+                    source=rank == 0,
+                    tensors=metas,
+                )
+            )
+            for rank, worker in enumerate(self.members)
+        }

@@ -1,0 +1,149 @@
+"""The collective data plane over loopback: real gRPC control, a real gloo group of thread workers.
+
+- noiseless steps end with the single-process reference model (every unit once, the reduced sum
+  as the gathered one), and after the first step the model versions reach only the leader over
+  gRPC while the other members receive them through the group;
+- a member lost inside the reduce aborts the step (nothing charged), the retried step forms a new
+  generation of the survivors, and the run ends with the reference model and one ledger entry
+  per step;
+- a reduced sum above the bound of the step's counted units is refused (the step aborts).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from userdp.clients.grpc_client import WorkerClient
+from userdp.server.coordinator import CoordinatorSettings
+from userdp.server.group_plane import GroupSettings
+from userdp.server.registry import WorkerSession
+
+from . import toy
+from .harness import make_loopback, reference_params
+from .standins import uls_strategy
+
+# The group's timeout bounds a collective whose member died; the healthy collectives here move
+# a few hundred bytes between threads of one process, far below it even on a loaded machine.
+GROUP = GroupSettings(store_bind="127.0.0.1", timeout_s=60.0)
+SETTINGS = CoordinatorSettings(
+    step_deadline_s=120, task_deadline_s=60, worker_startup_s=300, max_step_retries=2
+)
+
+
+def _assert_reference(loop, steps: int) -> None:
+    expected = reference_params(uls_strategy(), loop.coordinator.population, steps)
+    for name, value in loop.coordinator.params.items():
+        error = float((value - expected[name]).abs().max())
+        # the workers reduce in float32 (the gRPC plane sums in float64): a few float32 ulps
+        assert error <= 1e-5, f"{name!r} differs from the noiseless reference by {error:.3g}"
+    steps_charged = [r["step"] for r in loop.coordinator.ledger.records]
+    assert steps_charged == list(range(steps)), f"ledger holds steps {steps_charged}"
+
+
+def _count_model_parts(monkeypatch) -> Counter:
+    """(worker id, model version) → model parts the coordinator sends it over gRPC."""
+    sent: Counter = Counter()
+    original = WorkerSession.send
+
+    def send(self, message) -> None:
+        if message.WhichOneof("kind") == "model_part":
+            sent[(self.worker_id, message.model_part.model_version)] += 1
+        original(self, message)
+
+    monkeypatch.setattr(WorkerSession, "send", send)
+    return sent
+
+
+def test_collective_plane_matches_the_reference_and_broadcasts_through_the_group(
+    tmp_path, monkeypatch
+):
+    sent = _count_model_parts(monkeypatch)
+    loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP)
+    shards = sorted(loop.coordinator.population.shard_sha256)
+    try:
+        clients = [loop.add_worker(f"w{i}", shards[i::3]) for i in range(3)]
+        loop.coordinator.wait_for_workers()
+        reports = loop.coordinator.run(3)
+        for worker in ("w0", "w1", "w2"):
+            loop.wait_until_ready(worker)
+    finally:
+        loop.close()
+    _assert_reference(loop, 3)
+    assert [r.failed_tasks for r in reports] == [0, 0, 0], [r.failed_tasks for r in reports]
+    plane = loop.coordinator.fleet.plane
+    assert plane.generation == 1 and plane.members == ("w0", "w1", "w2")
+    for version in (1, 2, 3):  # the updates of steps 0, 1 and 2
+        assert sent[("w0", version)] > 0, f"the leader got no version {version} over gRPC"
+        for worker in ("w1", "w2"):
+            assert sent[(worker, version)] == 0, (
+                f"{worker} received version {version} over gRPC, not through the group"
+            )
+    assert [c.model_version for c in clients] == [3, 3, 3]
+
+
+class DyingMember(WorkerClient):
+    """A real worker that dies when told to join its first reduce: its stream and its group
+    end without taking part, as when the process is killed."""
+
+    died = False
+
+    def _group_message(self, kind, message, outbox) -> None:
+        if kind == "group_reduce" and not DyingMember.died:
+            DyingMember.died = True
+            self._group.close()
+            self._group = None
+            self.stop()
+            return
+        super()._group_message(kind, message, outbox)
+
+
+def test_a_member_lost_in_the_reduce_aborts_and_the_step_is_retried_by_a_new_generation(
+    tmp_path,
+):
+    loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP)
+    shards = sorted(loop.coordinator.population.shard_sha256)
+    DyingMember.died = False
+    try:
+        loop.add_worker("a", shards)  # every shard has two holders: the step survives a loss
+        loop.add_worker("b", shards, client_class=DyingMember)
+        loop.add_worker("c", shards)
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(2)
+    finally:
+        loop.close()
+    assert DyingMember.died, "precondition: the member did not die in the reduce"
+    plane = loop.coordinator.fleet.plane
+    assert plane.generation == 2 and plane.members == ("a", "c"), (plane.generation, plane.members)
+    _assert_reference(loop, 2)
+
+
+def test_a_reduced_sum_over_the_bound_aborts_the_step(tmp_path, monkeypatch):
+    from userdp.clients import group_plane
+
+    original = group_plane.WorkerGroup._add_held
+
+    def unclipped(self, message, flat, sizes):
+        problem = original(self, message, flat, sizes)
+        flat[:-1] *= 100.0  # a worker whose sums were never clipped
+        return problem
+
+    monkeypatch.setattr(group_plane.WorkerGroup, "_add_held", unclipped)
+    settings = CoordinatorSettings(
+        step_deadline_s=120, task_deadline_s=60, worker_startup_s=300, max_step_retries=1
+    )
+    loop = make_loopback(tmp_path, settings=settings, group=GROUP)
+    shards = sorted(loop.coordinator.population.shard_sha256)
+    try:
+        loop.add_worker("a", shards)
+        loop.add_worker("b", shards)
+        loop.coordinator.wait_for_workers()
+        from userdp.server.fleet import StepAborted
+
+        with pytest.raises(StepAborted, match="exceeds count"):
+            loop.coordinator.run(1)
+    finally:
+        loop.close()
+    assert list(loop.coordinator.ledger.records) == [], "an aborted step was charged"
+    assert torch.equal(loop.coordinator.params["w"], toy.initial_params()["w"])
