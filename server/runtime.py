@@ -20,6 +20,7 @@ from userdp.proto.channels import TlsFiles, chunk_bytes_within, read_token
 from userdp.server.auth import Authorizer
 from userdp.server.certs import read_coordinator_tls
 from userdp.server.coordinator import Coordinator, CoordinatorSettings
+from userdp.server.group_plane import GroupPlane, GroupSettings
 from userdp.server.grpc_server import RunningServer, serve
 from userdp.server.population import Population
 from userdp.server.publisher import ModelPublisher
@@ -120,6 +121,7 @@ def start_coordinator(
         ),
         options=options,
         test_only_disable_noise=test_only_disable_noise,
+        group=_group_plane(config.coordinator),
     )
     try:
         coordinator.resume()
@@ -127,3 +129,16 @@ def start_coordinator(
         server.stop(grace=0)
         raise
     return RunningCoordinator(coordinator, server)
+
+
+def _group_plane(config: Any) -> GroupPlane | None:
+    """The collective data plane's rendezvous for ``coordinator.data_plane = "collective"``."""
+    if config.data_plane != "collective":
+        return None
+    plane = GroupPlane(
+        GroupSettings(
+            store_port=config.group_port, timeout_s=config.group_timeout_s, store_bind=config.host
+        )
+    )
+    log.info("collective data plane: workers' rendezvous store on port %d", plane.port)
+    return plane

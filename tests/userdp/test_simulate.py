@@ -411,3 +411,27 @@ def test_the_embedded_default_run_learns(tmp_path) -> None:
         assert len(set(row["continuation_ids"])) >= 3, row["continuation"]
         assert row["continuation"].strip(), row
     assert not [c for c in report["caveats"] if "δ" in c or "delta" in c], report["caveats"]
+
+
+def test_collective_data_plane_gives_the_grpc_planes_updates_without_noise(tmp_path) -> None:
+    """``coordinator.data_plane = "collective"``: the worker processes reduce their sums in a
+    gloo group and receive the versions through it; noiseless, the model equals the gRPC data
+    plane's (float32 reduce against the coordinator's float64 sum: a few ulps), and the ledger
+    verifies and the report says the same."""
+    config = small_config(tmp_path, steps=2)
+    collective = config.model_copy(
+        update={
+            "coordinator": config.coordinator.model_copy(update={"data_plane": "collective"}),
+            "workers": config.workers.model_copy(update={"count": 3}),
+        }
+    )
+    a = run(collective, tmp_path / "coll", mode="grpc", quiet=True, test_only_disable_noise=True)
+    b = run(config, tmp_path / "grpc", mode="grpc", quiet=True, test_only_disable_noise=True)
+    assert_same_updates(a, b, config, 2, rtol=1e-5, atol=1e-6)
+    assert cli.main(["ledger", "verify", str(a.run_dir / "ledger.jsonl")]) == 0
+    reports = [json.loads((r.run_dir / "privacy_report.json").read_text()) for r in (a, b)]
+    for key in ("epsilon", "delta", "mechanism", "steps", "noise_multiplier", "caveats"):
+        assert reports[0][key] == reports[1][key], key
+    logs = "".join(p.read_text() for p in sorted((a.run_dir / "logs").glob("worker-*.log")))
+    for rank in range(3):
+        assert f"rank {rank} of 3 in group generation 1" in logs, logs[-2000:]

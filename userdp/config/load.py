@@ -94,6 +94,12 @@ def parse_config(raw: dict[str, Any]) -> Config:
             raise ConfigError(str(exc)) from None
     if config.model.path is None:
         _check_preset_seq_len(config.model.preset, config.data.seq_len)
+    coordinator = config.coordinator
+    if coordinator.data_plane == "collective" and coordinator.group_port == coordinator.port != 0:
+        raise ConfigError(
+            f"coordinator.group_port = {coordinator.group_port} is coordinator.port too: the "
+            "rendezvous store needs a port of its own; set another coordinator.group_port"
+        )
     workers = config.workers
     if workers.replicas > workers.count:
         raise ConfigError(

@@ -233,6 +233,20 @@ class CoordinatorConfig(_Section):
     auth_token_file: str | None = None
     tls_dir: str | None = None
     """Directory with ca.pem, <role>.pem and <role>.key for mTLS (see ``userdp certs``)."""
+    data_plane: Literal["grpc", "collective"] = "grpc"
+    """How model-size tensors move. ``"grpc"``: every worker streams its clipped sums to the
+    coordinator and receives every new model version from it (simple; fits small models and
+    workers that cannot reach each other). ``"collective"``: the step's workers form a
+    torch.distributed gloo process group, reduce their sums to one leader, which alone sends the
+    sum and receives the new version, and broadcast it among themselves: the coordinator's
+    bytes per step do not grow with the number of workers (docs/protocol.md). Workers must reach
+    each other and the coordinator's ``group_port``."""
+    group_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """``data_plane = "collective"``: the port of the coordinator's rendezvous store (a
+    torch.distributed TCPStore); 0 = pick a free port (simulate); a deployment sets a fixed one."""
+    group_timeout_s: Positive = 300.0
+    """``data_plane = "collective"``: a collective of the workers' group fails after this long
+    (a member died); the step is then aborted and retried by a new group."""
 
 
 class WorkersConfig(_Section):
