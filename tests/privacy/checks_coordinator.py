@@ -10,6 +10,11 @@
 - :func:`check_coordinator_resume_draws_fresh_noise`: the coordinator crashes after drawing a
   step's noise but before releasing it; a new process resumes from the checkpoint and replays
   the step: every noise draw of the run (before and after the crash) is independent.
+
+Each check takes ``collective``: run it over the collective data plane (the workers hold their
+sums, reduce them in a gloo group to a leader, and receive versions through the group;
+:mod:`userdp.server.group_plane`), where noise once, exactly once, fresh noise and no
+re-release must hold just the same.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 import torch
 from userdp.clients.grpc_client import WorkerClient
 from userdp.server.coordinator import CoordinatorSettings
+from userdp.server.group_plane import GroupSettings
 from userdp.strategies.builtins import UserLevelSampling
 from userdp.strategies.noise import GaussianNoise, NoiseRng
 from userdp.strategies.optimizers import Sgd
@@ -39,6 +45,8 @@ LR = 0.5
 Q = 0.3
 N_USERS = 40
 SHAPES = {"w": (400, 256), "b": (256,), "e": (3, 7)}
+GROUP = GroupSettings(store_bind="127.0.0.1", timeout_s=60.0)
+"""The collective plane's group: its timeout only ends a collective whose member died."""
 
 
 def _params(shapes=SHAPES) -> dict[str, torch.Tensor]:
@@ -66,9 +74,10 @@ def make_loopback(
     no_noise: bool = False,
     settings: CoordinatorSettings | None = None,
     fault_hook=None,
+    collective: bool = False,
 ) -> Loopback:
     """tests/server/harness.make_loopback with this module's parameters (a model large enough
-    for exact noise statistics, 1 MiB chunks)."""
+    for exact noise statistics, 1 MiB chunks); ``collective``: the collective data plane."""
     return harness.make_loopback(
         tmp_path,
         strategy=strategy,
@@ -78,6 +87,7 @@ def make_loopback(
         settings=settings,
         fault_hook=fault_hook,
         publisher_chunk_bytes=1 << 20,
+        group=GROUP if collective else None,
     )
 
 
@@ -97,13 +107,13 @@ def _seed_with_cohort_gap(population, gap: float = 0.25) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_coordinator_noise_magnitude(tmp_path: Path) -> None:
+def check_coordinator_noise_magnitude(tmp_path: Path, collective: bool = False) -> None:
     """One real coordinator step (2 workers); released − noiseless replay is exactly
     N(0, (lr·σ·C/(qN))²) on every trainable tensor (qN = 12 expected users, realized ≥ 25% off)."""
     population = toy.toy_population(N_USERS, 4)
     seed = _seed_with_cohort_gap(population)
     strategy = _strategy(seed, noise=GaussianNoise(NoiseRng.for_testing(99)))
-    loop = make_loopback(tmp_path, strategy, _params(), population)
+    loop = make_loopback(tmp_path, strategy, _params(), population, collective=collective)
     shards = list(population.shard_sha256)
     try:
         start_worker(loop, "w0", shards, toy.ToyCompute())
@@ -162,7 +172,7 @@ class TimedCompute(toy.ToyCompute):
         return result
 
 
-def check_coordinator_counts_each_unit_once(tmp_path: Path) -> None:
+def check_coordinator_counts_each_unit_once(tmp_path: Path, collective: bool = False) -> None:
     """A slow worker's task times out and is re-issued; its late result arrives while the step
     still gathers (another shard's re-issued task is outstanding). The released model equals the
     noiseless single-process reference and the report counts each unit once."""
@@ -178,6 +188,7 @@ def check_coordinator_counts_each_unit_once(tmp_path: Path) -> None:
         population,
         no_noise=True,
         settings=settings,
+        collective=collective,
     )
     late_log: list = []
     backup_log: list = []
@@ -219,7 +230,7 @@ def check_coordinator_counts_each_unit_once(tmp_path: Path) -> None:
     assert steps == [0], f"ledger records {steps} after one released step"
 
 
-def check_coordinator_resume_draws_fresh_noise(tmp_path: Path) -> None:
+def check_coordinator_resume_draws_fresh_noise(tmp_path: Path, collective: bool = False) -> None:
     """Crash after step 1's noise was drawn (at the ledger phase), resume in a new coordinator with
     a new strategy object from the checkpoint, replay step 1 and run step 2: all four noise draws
     are mutually independent (production noise generator, os.urandom)."""
@@ -247,7 +258,9 @@ def check_coordinator_resume_draws_fresh_noise(tmp_path: Path) -> None:
     population = toy.toy_population(N_USERS, 4)
     shapes = {"w": (64, 64), "b": (64,)}
     shards = list(population.shard_sha256)
-    loop = make_loopback(tmp_path, recording(), _params(shapes), population, fault_hook=crash)
+    loop = make_loopback(
+        tmp_path, recording(), _params(shapes), population, fault_hook=crash, collective=collective
+    )
     try:
         start_worker(loop, "w0", shards, toy.ToyCompute())
         loop.coordinator.wait_for_workers()
@@ -259,7 +272,7 @@ def check_coordinator_resume_draws_fresh_noise(tmp_path: Path) -> None:
             raise AssertionError("precondition: the simulated crash did not happen")
     finally:
         loop.close()
-    loop = make_loopback(tmp_path, recording(), _params(shapes), population)
+    loop = make_loopback(tmp_path, recording(), _params(shapes), population, collective=collective)
     try:
         assert loop.coordinator.step == 1, "resume must replay the unreleased step 1"
         start_worker(loop, "w0", shards, toy.ToyCompute())
@@ -281,7 +294,7 @@ def check_coordinator_resume_draws_fresh_noise(tmp_path: Path) -> None:
     assert steps == [0, 1, 2], f"ledger after resume holds steps {steps}; expected [0, 1, 2]"
 
 
-def check_coordinator_uls_resume_never_rereleases(tmp_path: Path) -> None:
+def check_coordinator_uls_resume_never_rereleases(tmp_path: Path, collective: bool = False) -> None:
     """ULS with a checkpoint every 2 steps: the coordinator crashes after step 2 was charged AND
     broadcast but before the next checkpoint. The resumed coordinator must continue after step
     2 (it stays charged; its update is lost), never release step 2 a second time: across both
@@ -300,7 +313,13 @@ def check_coordinator_uls_resume_never_rereleases(tmp_path: Path) -> None:
     shapes = {"w": (8, 4), "b": (4,)}
     settings = CoordinatorSettings(step_deadline_s=60, task_deadline_s=30, checkpoint_every=2)
     loop = make_loopback(
-        tmp_path, _strategy(0), _params(shapes), population, settings=settings, fault_hook=crash
+        tmp_path,
+        _strategy(0),
+        _params(shapes),
+        population,
+        settings=settings,
+        fault_hook=crash,
+        collective=collective,
     )
     try:
         start_worker(loop, "w0", shards, toy.ToyCompute())
@@ -315,7 +334,14 @@ def check_coordinator_uls_resume_never_rereleases(tmp_path: Path) -> None:
         loop.close()
     journal = read_release_journal(tmp_path / "ckpt")
     assert journal == [0, 1, 2], f"precondition: releases before the crash were {journal}"
-    loop = make_loopback(tmp_path, _strategy(0), _params(shapes), population, settings=settings)
+    loop = make_loopback(
+        tmp_path,
+        _strategy(0),
+        _params(shapes),
+        population,
+        settings=settings,
+        collective=collective,
+    )
     try:
         start_worker(loop, "w0", shards, toy.ToyCompute())
         loop.coordinator.wait_for_workers()

@@ -272,6 +272,32 @@ def mutation_duplicate_discard_disabled(monkeypatch):
 
 
 @pytest.fixture
+def mutation_reduce_takes_every_held_sum(monkeypatch):
+    """Collective data plane: a worker reduces every sum it holds for the step instead of the
+    ones the coordinator accepted, so a late result of a re-issued task counts twice."""
+    from userdp.clients.task_runner import TaskRunner
+
+    def take_held(self, step, keys):
+        with self._held_lock:
+            found = [key for key, (held_step, _) in self._held.items() if held_step == step]
+            return [self._held.pop(key)[1] for key in found]
+
+    monkeypatch.setattr(TaskRunner, "take_held", take_held)
+
+
+@pytest.fixture
+def mutation_noise_added_twice(monkeypatch):
+    """The sum is noised and the noisy sum noised again (a transport that privatizes in its
+    gather and then runs the step's own privatization): noise std √2·σ·C."""
+    original = Strategy.add_noise
+
+    def add_noise(self, step, summed, stats=None):
+        return original(self, step, original(self, step, summed, stats), stats)
+
+    monkeypatch.setattr(Strategy, "add_noise", add_noise)
+
+
+@pytest.fixture
 def mutation_closed_task_results_accepted(monkeypatch):
     """Results of closed (timed-out, failed) tasks are treated as live; only the last-resort
     per-unit guard remains."""

@@ -71,6 +71,21 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "coordinator_exactly_once": coordinator.check_coordinator_counts_each_unit_once,
     "coordinator_resume_fresh_noise": coordinator.check_coordinator_resume_draws_fresh_noise,
     "coordinator_uls_resume_no_rerelease": coordinator.check_coordinator_uls_resume_never_rereleases,
+    **{
+        f"{name}_collective": partial(check, collective=True)
+        for name, check in (
+            ("coordinator_noise_magnitude", coordinator.check_coordinator_noise_magnitude),
+            ("coordinator_exactly_once", coordinator.check_coordinator_counts_each_unit_once),
+            (
+                "coordinator_resume_fresh_noise",
+                coordinator.check_coordinator_resume_draws_fresh_noise,
+            ),
+            (
+                "coordinator_uls_resume_no_rerelease",
+                coordinator.check_coordinator_uls_resume_never_rereleases,
+            ),
+        )
+    },
     "uls_sampler_matches_accountant": _no_tmp(sampling.check_uls_sampler_matches_accountant),
     "els_sampler_matches_accountant": _no_tmp(sampling.check_els_sampler_matches_accountant),
     "els_ranked_sampler_matches_accountant": _no_tmp(
@@ -160,6 +175,15 @@ CASES: list[Case] = [
         "noise_magnitude_uls",
         "noise_magnitude_blt",
         "coordinator_noise_magnitude",
+        "coordinator_noise_magnitude_collective",
+    ),
+    *_cases(
+        "noise added more than once",
+        "mutation_noise_added_twice",
+        NOISE_STD,
+        "noise_magnitude_uls",
+        "coordinator_noise_magnitude",
+        "coordinator_noise_magnitude_collective",
     ),
     *_cases(
         "noise std σ² instead of σ",
@@ -190,6 +214,7 @@ CASES: list[Case] = [
         "noise_magnitude_uls",
         "noise_magnitude_els",
         "coordinator_noise_magnitude",
+        "coordinator_noise_magnitude_collective",
     ),
     *_cases(
         "missing noise",
@@ -197,6 +222,7 @@ CASES: list[Case] = [
         NO_NOISE,
         "noise_magnitude_uls",
         "coordinator_noise_magnitude",
+        "coordinator_noise_magnitude_collective",
     ),
     *_cases(
         "correlated (BLT) noise drawn iid",
@@ -275,6 +301,7 @@ CASES: list[Case] = [
         REUSED,
         "noise_fresh_after_resume",
         "coordinator_resume_fresh_noise",
+        "coordinator_resume_fresh_noise_collective",
     ),
     *_cases(
         "noise reused after resume",
@@ -288,6 +315,7 @@ CASES: list[Case] = [
         "mutation_resume_replays_released_step",
         r"released twice after resume",
         "coordinator_uls_resume_no_rerelease",
+        "coordinator_uls_resume_no_rerelease_collective",
     ),
     # --- exactly once, clipping enforced at the coordinator ------------------------------------
     *_cases(
@@ -296,6 +324,12 @@ CASES: list[Case] = [
         TWICE,
         "exactly_once_gather",
         "coordinator_exactly_once",
+    ),
+    *_cases(
+        "unit counted twice on retry",
+        "mutation_reduce_takes_every_held_sum",
+        TWICE,
+        "coordinator_exactly_once_collective",
     ),
     *_cases(
         "unit counted twice on retry",
@@ -507,6 +541,7 @@ REQUIRED_BUGS = frozenset(
         "noise std off by √B",
         "noise std off by 1/B",
         "noise std σ² instead of σ",
+        "noise added more than once",
         "noise missing on some parameters",
         "noise reused across steps",
         "noise reused on retry",
