@@ -147,3 +147,40 @@ def test_a_reduced_sum_over_the_bound_aborts_the_step(tmp_path, monkeypatch):
         loop.close()
     assert list(loop.coordinator.ledger.records) == [], "an aborted step was charged"
     assert torch.equal(loop.coordinator.params["w"], toy.initial_params()["w"])
+
+
+def test_a_coordinator_crash_between_the_ledger_and_the_update_resumes_consistently(tmp_path):
+    """The coordinator dies after step 1 is charged (ledger appended) but before its update is
+    applied or broadcast. A new coordinator (a new store, so a new group) resumes from the
+    checkpoint: step 1 is replayed, not charged again, the workers are resynced, and the run
+    ends with the noiseless reference and one ledger entry per step."""
+
+    class Crash(Exception):
+        pass
+
+    def crash(phase, step):
+        if (phase, step) == ("update", 1):
+            raise Crash()
+
+    loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP, fault_hook=crash)
+    shards = sorted(loop.coordinator.population.shard_sha256)
+    try:
+        loop.add_worker("a", shards[::2])
+        loop.add_worker("b", shards[1::2])
+        loop.coordinator.wait_for_workers()
+        with pytest.raises(Crash):
+            loop.coordinator.run(3)
+    finally:
+        loop.close()
+    charged = [r["step"] for r in loop.coordinator.ledger.records]
+    assert charged == [0, 1], f"precondition: the crash came after step 1's append ({charged})"
+    loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP)
+    try:
+        assert loop.coordinator.step == 1, "the charged, unreleased step 1 must be replayed"
+        loop.add_worker("a", shards[::2])
+        loop.add_worker("b", shards[1::2])
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(3)
+    finally:
+        loop.close()
+    _assert_reference(loop, 3)
