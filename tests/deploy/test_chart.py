@@ -30,8 +30,13 @@ DATASET = {
     }
 }
 
+# The collective data plane: the workers reduce in a gloo group that meets in the coordinator's
+# rendezvous store.
+COLLECTIVE = {**DEMO, "config": {"coordinator": {"data_plane": "collective"}}}
+
 VARIANTS = {
     "demo": DEMO,
+    "collective": COLLECTIVE,
     "existing-shards": EXISTING_SHARDS,
     "dataset": DATASET,
     "cpu-workers": {**DEMO, "workers": {"gpus": 0, "replicas": 3, "antiAffinity": "none"}},
@@ -337,6 +342,72 @@ def test_coordinator_service_reaches_the_coordinator_port(render_chart) -> None:
     assert _config_of(objects)["coordinator"]["port"] == 7443
 
 
+def test_collective_data_plane_publishes_the_rendezvous_port_and_sets_the_gloo_interface(
+    render_chart,
+) -> None:
+    objects = render_chart(COLLECTIVE)
+    deployment = objects.find("Deployment", "-coordinator")
+    ports = {p["name"]: p for p in objects.container(deployment, "coordinator")["ports"]}
+    assert ports["rendezvous"] == {"name": "rendezvous", "containerPort": 29400, "protocol": "TCP"}
+    service = {p["name"]: p for p in objects.find("Service", "-coordinator")["spec"]["ports"]}
+    assert set(service) == {"grpc", "rendezvous"}
+    assert service["rendezvous"]["port"] == 29400
+    assert service["rendezvous"]["targetPort"] == "rendezvous"
+    config = _config_of(objects)
+    assert config["coordinator"]["data_plane"] == "collective"
+    assert config["coordinator"]["group_port"] == 29400
+    parse_config(config)
+    worker = objects.container(objects.find("StatefulSet", "-worker"), "worker")
+    assert {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"} in worker["env"]
+    # Workers dial the store at the host of --coordinator: the coordinator Service.
+    address = worker["args"][worker["args"].index("--coordinator") + 1]
+    assert address.split(":")[0] == objects.find("Service", "-coordinator")["metadata"]["name"]
+    coordinator_env = objects.container(deployment, "coordinator")["env"]
+    assert "GLOO_SOCKET_IFNAME" not in {e["name"] for e in coordinator_env}
+    notes = " ".join(objects.notes.split())
+    assert "the workers rendezvous at demo-userdp-coordinator:29400" in notes
+    assert "the worker pods must reach each other" in notes
+
+    custom = {
+        **COLLECTIVE,
+        "coordinator": {"port": 7000, "groupPort": 7001},
+        "workers": {"glooSocketIfname": "net1"},
+    }
+    objects = render_chart(custom)
+    service = {p["name"]: p for p in objects.find("Service", "-coordinator")["spec"]["ports"]}
+    assert (service["grpc"]["port"], service["rendezvous"]["port"]) == (7000, 7001)
+    assert _config_of(objects)["coordinator"]["group_port"] == 7001
+    worker = objects.container(objects.find("StatefulSet", "-worker"), "worker")
+    assert {"name": "GLOO_SOCKET_IFNAME", "value": "net1"} in worker["env"]
+    # "" leaves the variable unset (gloo takes the interface of the pod's host name).
+    objects = render_chart({**COLLECTIVE, "workers": {"glooSocketIfname": ""}})
+    worker = objects.container(objects.find("StatefulSet", "-worker"), "worker")
+    assert "GLOO_SOCKET_IFNAME" not in {e["name"] for e in worker["env"]}
+
+
+@pytest.mark.parametrize("plane", [None, "grpc"])
+def test_grpc_data_plane_renders_nothing_of_the_collective_one(render_chart, plane) -> None:
+    values = {**DEMO, "config": {"coordinator": {"data_plane": plane}} if plane else {}}
+    objects = render_chart(values)
+    assert "rendezvous" not in objects.manifest and "rendezvous" not in objects.notes
+    assert "GLOO_SOCKET_IFNAME" not in objects.manifest
+    assert "group_port" not in objects.manifest
+    (port,) = objects.find("Service", "-coordinator")["spec"]["ports"]
+    assert port["name"] == "grpc"
+    # The collective plane's values change nothing, and a group_port in the config is dropped.
+    other = render_chart(
+        {
+            **values,
+            "config": {"coordinator": {**values.get("config", {}).get("coordinator", {})}},
+            "coordinator": {"groupPort": 1234},
+            "workers": {"glooSocketIfname": "net1"},
+        }
+    )
+    assert other.manifest == objects.manifest and other.notes == objects.notes
+    dropped = render_chart({**DEMO, "config": {"coordinator": {"group_port": 1234}}})
+    assert "group_port" not in _config_of(dropped)["coordinator"]
+
+
 def test_configmap_holds_a_valid_userdp_config_with_user_keys_passed_through(render_chart) -> None:
     user = {
         "strategy": {"name": "els", "steps": 500, "clip_norm": 0.25, "group_size": 4},
@@ -501,6 +572,16 @@ def test_config_changes_restart_the_pods(render_chart) -> None:
         ),
         ({**DEMO, "authToken": {"enabled": True}}, "tls.enabled and authToken.enabled: choose one"),
         ({**DEMO, "tls": {"enabled": False}}, "workers must authenticate"),
+        (
+            {**COLLECTIVE, "coordinator": {"groupPort": 50051}},
+            "coordinator.groupPort = 50051 is coordinator.port too",
+        ),
+        (
+            {**DEMO, "config": {"coordinator": {"data_plane": "nccl"}}},
+            "config.coordinator.data_plane must be grpc or collective, got nccl",
+        ),
+        ({**COLLECTIVE, "workers": {"glooSocketIfname": "eth0 x"}}, "/workers/glooSocketIfname"),
+        ({**COLLECTIVE, "coordinator": {"groupPort": 0}}, "/coordinator/groupPort"),
     ],
 )
 def test_bad_values_fail_the_render_with_a_message(render_chart, values, message) -> None:

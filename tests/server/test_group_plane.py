@@ -184,3 +184,37 @@ def test_a_coordinator_crash_between_the_ledger_and_the_update_resumes_consisten
     finally:
         loop.close()
     _assert_reference(loop, 3)
+
+
+class HangingMember(WorkerClient):
+    """A real worker that stays connected but never joins its first reduce (a hung process):
+    the other members' reduce can only end by the group's timeout."""
+
+    hung = False
+
+    def _group_message(self, kind, message, outbox) -> None:
+        if kind == "group_reduce" and not HangingMember.hung:
+            HangingMember.hung = True
+            return
+        super()._group_message(kind, message, outbox)
+
+
+def test_a_member_that_never_joins_the_reduce_fails_it_at_the_groups_timeout(tmp_path):
+    # 10 s: what the others wait in the hung reduce; the healthy rendezvous and collectives of
+    # three threads take milliseconds, so a loaded machine does not reach it
+    group = GroupSettings(store_bind="127.0.0.1", timeout_s=10.0)
+    loop = make_loopback(tmp_path, settings=SETTINGS, group=group)
+    shards = sorted(loop.coordinator.population.shard_sha256)
+    HangingMember.hung = False
+    try:
+        loop.add_worker("a", shards)
+        loop.add_worker("b", shards, client_class=HangingMember)
+        loop.add_worker("c", shards)
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(2)
+    finally:
+        loop.close()
+    assert HangingMember.hung, "precondition: the member did not hang"
+    plane = loop.coordinator.fleet.plane
+    assert plane.generation == 2 and plane.members == ("a", "b", "c"), plane.generation
+    _assert_reference(loop, 2)

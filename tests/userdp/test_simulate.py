@@ -435,3 +435,66 @@ def test_collective_data_plane_gives_the_grpc_planes_updates_without_noise(tmp_p
     logs = "".join(p.read_text() for p in sorted((a.run_dir / "logs").glob("worker-*.log")))
     for rank in range(3):
         assert f"rank {rank} of 3 in group generation 1" in logs, logs[-2000:]
+
+
+@pytest.mark.slow
+def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
+    tmp_path, monkeypatch
+) -> None:
+    """``simulate`` over the collective data plane, three workers, every shard held by two.
+    Worker 1's process is SIGKILLed as the coordinator starts step 1's reduce: the step aborts
+    (nothing charged) and is retried by a group of the survivors. The run is interrupted after
+    step 2 and run again: it resumes from its checkpoint with fresh workers and a new group.
+    Without noise it ends with the in-process model, each step in the ledger once."""
+    from userdp.run import grpc_workers
+    from userdp.run.grpc_workers import kill_tree
+    from userdp.run.loop import RunLoop
+    from userdp.server.fleet import Fleet
+
+    config = small_config(tmp_path, steps=4)
+    config = config.model_copy(
+        update={
+            "coordinator": config.coordinator.model_copy(
+                update={"data_plane": "collective", "group_timeout_s": 30.0}
+            ),
+            "workers": config.workers.model_copy(update={"count": 3, "replicas": 2}),
+        }
+    )
+    spawned: list = []
+    spawn, reduce, on_step = grpc_workers._spawn_workers, Fleet._reduce, RunLoop.on_step
+
+    def spawn_and_keep(loop, address):
+        spawned[:] = spawn(loop, address)
+        return spawned
+
+    killed: list = []
+
+    def reduce_killing_worker_1_once(fleet, collect, deadline):
+        if collect.step == 1 and not killed:
+            kill_tree(spawned[1])
+            killed.append(fleet.plane.generation)
+        return reduce(fleet, collect, deadline)
+
+    def interrupt_after_step_2(self, step, *args):
+        on_step(self, step, *args)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpc_workers, "_spawn_workers", spawn_and_keep)
+    monkeypatch.setattr(Fleet, "_reduce", reduce_killing_worker_1_once)
+    monkeypatch.setattr(RunLoop, "on_step", interrupt_after_step_2)
+    out = tmp_path / "sim"
+    first = run(config, out, mode="grpc", quiet=True, test_only_disable_noise=True)
+    assert killed and first.steps_done == 3
+    logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("worker-*.log"))
+    retry = f"rank 1 of 2 in group generation {killed[0] + 1}"
+    assert retry in logs, f"no group of the two survivors after the kill: {logs[-4000:]}"
+    monkeypatch.setattr(RunLoop, "on_step", on_step)
+    second = run(config, out, mode="grpc", quiet=True, test_only_disable_noise=True)
+    assert second.steps_done == 4
+    ledger = (out / "ledger.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in ledger if '"step"' in line] == [0, 1, 2, 3]
+    reference = run(
+        config, tmp_path / "local", mode="in-process", quiet=True, test_only_disable_noise=True
+    )
+    assert_same_updates(second, reference, config, 4, rtol=1e-5, atol=1e-6)
