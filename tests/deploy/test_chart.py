@@ -396,12 +396,7 @@ def test_grpc_data_plane_renders_nothing_of_the_collective_one(render_chart, pla
     assert port["name"] == "grpc"
     # The collective plane's values change nothing, and a group_port in the config is dropped.
     other = render_chart(
-        {
-            **values,
-            "config": {"coordinator": {**values.get("config", {}).get("coordinator", {})}},
-            "coordinator": {"groupPort": 1234},
-            "workers": {"glooSocketIfname": "net1"},
-        }
+        {**values, "coordinator": {"groupPort": 1234}, "workers": {"glooSocketIfname": "net1"}}
     )
     assert other.manifest == objects.manifest and other.notes == objects.notes
     dropped = render_chart({**DEMO, "config": {"coordinator": {"group_port": 1234}}})

@@ -11,8 +11,15 @@ import pytest
 import yaml
 
 from userdp.cli import main
-from userdp.config import ConfigError
-from userdp.kubernetes.chart import CHART_MANAGED_KEYS, DEPLOY_PATHS, chart_fullname, worker_ids
+from userdp.config import ConfigError, parse_config
+from userdp.kubernetes.chart import (
+    CHART_MANAGED_KEYS,
+    DEFAULT_GROUP_PORT,
+    DEFAULT_PORT,
+    DEPLOY_PATHS,
+    chart_fullname,
+    worker_ids,
+)
 from userdp.kubernetes.probe import probe
 from userdp.kubernetes.secrets import secret_manifests
 from userdp.kubernetes.values import ShardSource, effective_config, render_values
@@ -160,6 +167,73 @@ def test_rendered_values_round_trip_through_the_chart(render_chart, validate_k8s
     token_values, _ = render_values(run_toml, auth="token")
     (text,) = render_chart(token_values).find("ConfigMap", "-config")["data"].values()
     assert tomllib.loads(text) == effective_config(token_values)
+
+
+def _collective_toml(tmp_path: Path, coordinator: str = "") -> Path:
+    """RUN_TOML on the collective data plane, with extra ``[coordinator]`` lines."""
+    path = tmp_path / "collective.toml"
+    lines = f'[coordinator]\ndata_plane = "collective"\n{coordinator}'
+    path.write_text(RUN_TOML.replace("[coordinator]\n", lines))
+    return path
+
+
+def test_render_collective_publishes_a_fixed_rendezvous_port(
+    tmp_path: Path, render_chart, validate_k8s
+) -> None:
+    values, _ = render_values(_collective_toml(tmp_path))  # group_port 0: the chart's default
+    assert values["coordinator"] == {"port": 7000, "groupPort": DEFAULT_GROUP_PORT}
+    assert values["config"]["coordinator"] == {"data_plane": "collective", "checkpoint_every": 5}
+    objects = render_chart(values)
+    for obj in objects:
+        validate_k8s(obj)
+    (text,) = objects.find("ConfigMap", "-config")["data"].values()
+    rendered = tomllib.loads(text)
+    assert rendered == effective_config(values)
+    assert rendered["coordinator"]["group_port"] == DEFAULT_GROUP_PORT
+    assert parse_config(rendered).coordinator.group_port == DEFAULT_GROUP_PORT
+    service = objects.find("Service", "-coordinator")["spec"]["ports"]
+    ports = {p["name"]: p["port"] for p in service}
+    assert ports == {"grpc": 7000, "rendezvous": DEFAULT_GROUP_PORT}
+    worker = objects.container(objects.find("StatefulSet", "-worker"), "worker")
+    assert {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"} in worker["env"]
+    # A fixed group_port is carried over, and said to be the chart's.
+    values, notes = render_values(_collective_toml(tmp_path, "group_port = 7100\n"))
+    assert values["coordinator"] == {"port": 7000, "groupPort": 7100}
+    assert "group_port" not in values["config"]["coordinator"]
+    assert any(n.startswith("coordinator.group_port = 7100 is set by the chart") for n in notes)
+    assert effective_config(values)["coordinator"]["group_port"] == 7100
+
+
+@pytest.mark.parametrize(
+    ("coordinator", "message"),
+    [
+        # group_port 0 becomes the default, which the gRPC port already is
+        (f"port = {DEFAULT_GROUP_PORT}\n", "coordinator.group_port = 0, which the chart makes"),
+        # port 0 becomes the default, which group_port already is
+        (f"port = 0\ngroup_port = {DEFAULT_PORT}\n", f"coordinator.group_port = {DEFAULT_PORT} is"),
+    ],
+)
+def test_render_refuses_a_rendezvous_port_that_is_the_grpc_port(
+    tmp_path: Path, capsys, coordinator: str, message: str
+) -> None:
+    config = _collective_toml(tmp_path, coordinator)
+    config.write_text(config.read_text().replace("port = 7000\n", ""))
+    code, out, err = _render_cli(capsys, config)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("userdp deploy: error: ") and message in line
+    assert line.endswith("set another coordinator.group_port")
+
+
+def test_render_grpc_values_have_no_rendezvous_port(tmp_path: Path, run_toml: Path) -> None:
+    values, _ = render_values(run_toml)
+    assert values["coordinator"] == {"port": 7000}
+    grpc = tmp_path / "grpc.toml"
+    grpc.write_text(RUN_TOML.replace("[coordinator]\n", "[coordinator]\ngroup_port = 7100\n"))
+    values, notes = render_values(grpc)
+    assert values["coordinator"] == {"port": 7000}
+    assert "group_port" not in effective_config(values)["coordinator"]
+    assert any(n.startswith("coordinator.group_port = 7100 is set by the chart") for n in notes)
 
 
 def _render_cli(capsys, config: Path, *flags: str) -> tuple[int, str, str]:
@@ -474,3 +548,11 @@ def test_render_ends_with_the_next_commands(tmp_path: Path, run_toml: Path, caps
     steps = capsys.readouterr().err.split("next:")[1]
     assert "push the image reg.example/userdp:1.0" in steps and "certs dev-ca" not in steps
     assert "userdp deploy secrets --token-file TOKEN --release RELEASE" in steps
+    assert "rendezvous" not in steps
+    # The collective data plane: the rendezvous port, and that the workers reach each other.
+    collective = _collective_toml(tmp_path, "group_port = 7100\n")
+    assert main(["deploy", "render", "--config", str(collective), "--values", "-"]) == 0
+    steps = " ".join(capsys.readouterr().err.split("next:")[1].split())
+    assert "the coordinator Service publishes the rendezvous port 7100" in steps
+    assert "the worker pods must reach each other on any TCP port" in steps
+    assert steps.endswith("helm install RELEASE deploy/helm/userdp -f THIS_FILE")

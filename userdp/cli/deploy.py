@@ -2,7 +2,7 @@
 
 - ``render --config run.toml --values OUT.yaml`` turns a validated userdp TOML config into values
   for the Helm chart. The chart owns the deployment keys (where shards, certificates, the token and
-  the outputs are mounted; the port; the worker count and device): those are moved to the chart's
+  the outputs are mounted; the ports; the worker count and device): those are moved to the chart's
   own values or dropped, with one line per key saying so. The config's ``data.shards`` is a folder
   on this machine, so render must be told where the shards are in the cluster (:class:`ShardSource`:
   a claim holding them, or a claim holding the dataset for the shard Job); without ``data.shards``

@@ -1,4 +1,4 @@
-"""The chart's fixed names: its release naming, port, certificate names, where it mounts things in
+"""The chart's fixed names: its release naming, ports, certificate names, where it mounts things in
 the pods (deploy/helm/userdp/templates/_helpers.tpl) and the config keys it sets itself."""
 
 from __future__ import annotations
@@ -7,6 +7,11 @@ CHART_NAME = "userdp"
 
 
 DEFAULT_PORT = 50051
+
+
+# The coordinator's rendezvous store with ``coordinator.data_plane = "collective"`` (values
+# coordinator.groupPort; the port torch.distributed's own rendezvous uses by convention).
+DEFAULT_GROUP_PORT = 29400
 
 
 COORDINATOR_CERT_NAME = "coordinator"
@@ -30,6 +35,9 @@ CHART_MANAGED_KEYS: dict[tuple[str, str], str] = {
     ("data", "shards"): f"{DEPLOY_PATHS['shards']} (shards/ on the data volume)",
     ("coordinator", "host"): "0.0.0.0",
     ("coordinator", "port"): "values coordinator.port",
+    ("coordinator", "group_port"): (
+        'values coordinator.groupPort when coordinator.data_plane = "collective" (unused otherwise)'
+    ),
     ("coordinator", "tls_dir"): f"{DEPLOY_PATHS['tls_dir']} when values tls.enabled",
     ("coordinator", "auth_token_file"): (
         f"{DEPLOY_PATHS['token_file']} when values authToken.enabled (and tls.enabled is false)"

@@ -12,6 +12,7 @@ from typing import Any
 from userdp.config import Config, load_config
 from userdp.kubernetes.chart import (
     CHART_MANAGED_KEYS,
+    DEFAULT_GROUP_PORT,
     DEFAULT_PORT,
     DEPLOY_PATHS,
     worker_ids,
@@ -164,7 +165,7 @@ def render_values(
         repository, _, tag = image.rpartition(":") if _has_tag(image) else (image, "", "")
         values["image"] = {"repository": repository, "tag": tag}
     values["config"] = kept
-    values["coordinator"] = {"port": config.coordinator.port or DEFAULT_PORT}
+    values["coordinator"] = _coordinator_values(config)
     values["workers"] = {"replicas": config.workers.count, "gpus": gpus}
     values["tls"] = {"enabled": auth == "mtls"}
     values["authToken"] = {"enabled": auth == "token"}
@@ -174,6 +175,24 @@ def render_values(
     notes += plugin_notes
     values.update(shard_values(shards, config.data.shards, config.data.demo_users))
     return values, notes
+
+
+def _coordinator_values(config: Config) -> dict[str, int]:
+    """The chart's ``coordinator`` ports: the gRPC port and, with the collective data plane, the
+    rendezvous store's (0 in the config is a fixed default, since the Service publishes it).
+    ValueError, naming the key to change, when the two ports are one."""
+    port = config.coordinator.port or DEFAULT_PORT
+    if config.coordinator.data_plane != "collective":
+        return {"port": port}
+    group_port = config.coordinator.group_port or DEFAULT_GROUP_PORT
+    if group_port == port:
+        given = config.coordinator.group_port
+        where = f"{given}" if given else f"0, which the chart makes {DEFAULT_GROUP_PORT},"
+        raise ValueError(
+            f"coordinator.group_port = {where} is the coordinator's gRPC port ({port}) too: the "
+            "rendezvous store needs a port of its own; set another coordinator.group_port"
+        )
+    return {"port": port, "groupPort": group_port}
 
 
 PLUGIN_MAX_BYTES = 512 << 10  # a ConfigMap holds at most 1 MiB in all
@@ -224,6 +243,13 @@ def _has_tag(image: str) -> bool:
     return ":" in image.rsplit("/", 1)[-1]
 
 
+def collective(values: dict[str, Any]) -> bool:
+    """True when the values' config moves tensors over the collective data plane (the chart then
+    publishes the rendezvous port and sets the workers' gloo interface)."""
+    coordinator = values.get("config", {}).get("coordinator", {})
+    return coordinator.get("data_plane", "grpc") == "collective"
+
+
 def effective_config(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The config the chart renders for ``values`` (the same overrides as _helpers.tpl)."""
     config = {section: dict(keys) for section, keys in values.get("config", {}).items()}
@@ -234,6 +260,10 @@ def effective_config(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     coordinator = config.setdefault("coordinator", {})
     coordinator["host"] = "0.0.0.0"
     coordinator["port"] = values.get("coordinator", {}).get("port", DEFAULT_PORT)
+    coordinator.pop("group_port", None)
+    if collective(values):
+        ports = values.get("coordinator", {})
+        coordinator["group_port"] = ports.get("groupPort", DEFAULT_GROUP_PORT)
     coordinator.pop("tls_dir", None)
     coordinator.pop("auth_token_file", None)
     if tls:
@@ -278,6 +308,14 @@ def next_commands(values: dict[str, Any], values_file: str) -> list[str]:
         lines.append(
             f"  - token auth is on: userdp deploy secrets --token-file TOKEN --release RELEASE "
             f"--workers {workers} --out secrets.yaml && kubectl apply -f secrets.yaml"
+        )
+    if collective(values):
+        group_port = values.get("coordinator", {}).get("groupPort", DEFAULT_GROUP_PORT)
+        lines.append(
+            f"  - collective data plane: the coordinator Service publishes the rendezvous port "
+            f"{group_port} (coordinator.groupPort) next to the gRPC port, and the worker pods "
+            "must reach each other on any TCP port (gloo, unencrypted: keep it on a private "
+            "network; the interface is values workers.glooSocketIfname, default eth0)"
         )
     target = "THIS_FILE" if values_file == "-" else values_file
     lines.append(f"  - helm install RELEASE deploy/helm/userdp -f {target}")

@@ -112,6 +112,27 @@ existing
 {{- end -}}
 {{- end -}}
 
+{{/*
+How the run moves model-size tensors: config.coordinator.data_plane, "grpc" (the default) or
+"collective" (the workers reduce and broadcast in a gloo group that rendezvouses in the
+coordinator's store on coordinator.groupPort). Fails on another value, and on a group port that is
+the gRPC port.
+*/}}
+{{- define "userdp.dataPlane" -}}
+{{- $coordinator := get (default dict .Values.config) "coordinator" -}}
+{{- $plane := "grpc" -}}
+{{- if kindIs "map" $coordinator -}}
+{{- $plane = default "grpc" (get $coordinator "data_plane") -}}
+{{- end -}}
+{{- if not (has $plane (list "grpc" "collective")) -}}
+{{- fail (printf "config.coordinator.data_plane must be grpc or collective, got %v" $plane) -}}
+{{- end -}}
+{{- if and (eq $plane "collective") (eq (int .Values.coordinator.groupPort) (int .Values.coordinator.port)) -}}
+{{- fail (printf "coordinator.groupPort = %d is coordinator.port too: the rendezvous store of the collective data plane needs a port of its own; set another coordinator.groupPort" (int .Values.coordinator.groupPort)) -}}
+{{- end -}}
+{{- $plane -}}
+{{- end -}}
+
 {{- define "userdp.coordinatorAddress" -}}
 {{- printf "%s:%d" (include "userdp.coordinatorName" .) (int .Values.coordinator.port) -}}
 {{- end -}}
@@ -134,7 +155,7 @@ existing
 
 {{/*
 The effective userdp config: .Values.config with the keys the deployment decides overwritten
-(where shards, certificates, token and outputs are mounted; the port; the worker count and device).
+(where shards, certificates, token and outputs are mounted; the ports; the worker count and device).
 */}}
 {{- define "userdp.effectiveConfig" -}}
 {{- $config := deepCopy (default dict .Values.config) -}}
@@ -149,6 +170,11 @@ The effective userdp config: .Values.config with the keys the deployment decides
 {{- $coordinator := default dict (get $config "coordinator") -}}
 {{- $_ := set $coordinator "host" "0.0.0.0" -}}
 {{- $_ := set $coordinator "port" (int .Values.coordinator.port) -}}
+{{- if eq (include "userdp.dataPlane" .) "collective" -}}
+{{- $_ := set $coordinator "group_port" (int .Values.coordinator.groupPort) -}}
+{{- else -}}
+{{- $_ := unset $coordinator "group_port" -}}
+{{- end -}}
 {{- if .Values.tls.enabled -}}
 {{- $_ := set $coordinator "tls_dir" (include "userdp.path.tlsDir" .) -}}
 {{- else -}}
@@ -199,8 +225,9 @@ The effective userdp config: .Values.config with the keys the deployment decides
 map-valued key (strategy.params) is the sub-table [section.key] after its section's keys. */}}
 {{- define "userdp.configToml" -}}
 {{- $config := fromYaml (include "userdp.effectiveConfig" .) -}}
+{{- $ports := ternary "port/group_port" "port" (eq (include "userdp.dataPlane" .) "collective") -}}
 # userdp config rendered by the Helm chart {{ .Chart.Name }}-{{ .Chart.Version }} (release {{ .Release.Name }}).
-# Keys under [data] shards, [coordinator] host/port/tls_dir/auth_token_file, [workers] count/device
+# Keys under [data] shards, [coordinator] host/{{ $ports }}/tls_dir/auth_token_file, [workers] count/device
 # and [output] dir are set by the chart; edit the chart values, not this file.
 {{- range $section, $keys := $config }}
 
