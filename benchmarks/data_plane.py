@@ -1,0 +1,297 @@
+"""The coordinator's bytes and time per step on the two data planes, against the number of workers.
+
+For W worker processes (default 1, 2, 4, 8) and a model of ``--params`` float32 parameters
+(default 100M, 400 MB, in 25 tensors), the real coordinator (loopback gRPC, ULS with its
+production noise, the fsync'd ledger, SGD update, checkpoints off) runs ``--steps`` timed steps
+after one warm-up step on each data plane:
+
+- ``grpc``: every worker streams its task sum to the coordinator and receives every version;
+- ``collective``: the workers hold their sums, reduce them in a gloo group to the leader, which
+  alone sends the sum, and pass the version on through the group (docs/protocol.md).
+
+Per step it records the coordinator's bytes (model parts sent over gRPC, task sums received),
+the gather time (tasks, transfers, the reduce and the checks up to the cohort's sum), the wall
+time per step (including the next step's wait for acknowledgements), and the anchor measured in
+the same run: ``torch.distributed``'s own gloo ``all_reduce`` of one float32 tensor of the same
+size among W processes (median of 3 after a warm-up). Goals (W = 4): bytes per step independent
+of W within one model size; collective gather ≤ 2× the anchor's all_reduce.
+
+The workers compute no gradients: BENCHMARK-ONLY :class:`SumCompute` returns a fixed direction
+scaled to half the clip bound of the task's units (a valid clipped sum), so the figures are the
+data plane's own. Prints JSON, then a markdown table.
+
+    .venv/bin/python benchmarks/data_plane.py [--params 100000000] [--workers 1 2 4 8]
+        [--steps 2] [--planes grpc collective]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from userdp.clients.grpc_client import WorkerClient
+from userdp.proto.allocator import keep_freed_memory
+from userdp.proto.results import TaskSum
+from userdp.server.auth import Authorizer
+from userdp.server.coordinator import Coordinator, CoordinatorSettings, Population
+from userdp.server.group_plane import GroupPlane, GroupSettings
+from userdp.server.grpc_server import serve
+from userdp.server.publisher import ModelPublisher
+from userdp.server.registry import ResultReceived, WorkerRegistry, WorkerSession
+from userdp.strategies.unit_stats import UnitStats
+
+TENSORS = 25
+USERS_PER_SHARD = 32
+CLIP = 1.0
+
+
+class SumCompute:
+    """BENCHMARK-ONLY worker compute: a fixed unit direction × 0.5·C·units (a clipped sum)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.direction: dict[str, torch.Tensor] = {}
+
+    def apply_model(self, tensors, full: bool) -> None:
+        if not self.direction:  # shapes only: the benchmark keeps no model on the worker
+            gen = torch.Generator().manual_seed(self.seed)
+            self.direction = {n: torch.randn(t.shape, generator=gen) for n, t in tensors.items()}
+            norm = sum(float(d.square().sum()) for d in self.direction.values()) ** 0.5
+            for d in self.direction.values():
+                d /= norm
+
+    def compute(self, task) -> TaskSum:
+        scale = 0.5 * task.clip_norm * len(task.unit_ids)
+        sums = {n: d * scale for n, d in self.direction.items()}
+        return TaskSum(sums=sums, stats=UnitStats(count=len(task.unit_ids)))
+
+
+def run_worker(address: str, worker_id: str, shard: str, seed: str) -> int:
+    WorkerClient(address, worker_id, [(shard, "0" * 64)], SumCompute(int(seed))).run()
+    return 0
+
+
+def _params(num_params: int) -> dict[str, torch.Tensor]:
+    size = num_params // TENSORS
+    return {f"layer{i:02d}.weight": torch.zeros(size) for i in range(TENSORS)}
+
+
+class Bytes:
+    """Counts the coordinator's model-size traffic: model parts sent, task-sum tensors received."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.sent = 0
+        self.received = 0
+        self.by_worker: Counter = Counter()
+        original_send, original_put = WorkerSession.send, registry.events.put
+        counter = self
+
+        def send(session, message) -> None:
+            if message.WhichOneof("kind") == "model_part":
+                size = len(message.model_part.chunk.data)
+                counter.sent += size
+                counter.by_worker[session.worker_id] += size
+            original_send(session, message)
+
+        def put(event, *args, **kwargs) -> None:
+            if isinstance(event, ResultReceived) and event.result is not None:
+                counter.received += sum(
+                    len(t.data) if hasattr(t, "data") else t.nbytes
+                    for t in event.result.task_sum.sums.values()
+                )
+            original_put(event, *args, **kwargs)
+
+        WorkerSession.send = send  # this benchmark process only
+        registry.events.put = put
+        self._restore = lambda: setattr(WorkerSession, "send", original_send)
+
+    def close(self) -> None:
+        self._restore()
+
+
+def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
+    from userdp.accounting.ledger import Ledger
+    from userdp.strategies.builtins import UserLevelSampling
+    from userdp.strategies.optimizers import Sgd
+
+    names = [f"shard-{i:05d}" for i in range(workers)]
+    population = Population(
+        shard_of_user={
+            f"user-{i:06d}": names[i % workers] for i in range(USERS_PER_SHARD * workers)
+        },
+        shard_sha256={n: "0" * 64 for n in names},
+    )
+    params = _params(num_params)
+    with tempfile.TemporaryDirectory() as tmp:
+        strategy = UserLevelSampling(
+            noise_multiplier=1.0, clip_norm=CLIP, sampling_prob=0.5, optimizer=Sgd(0.1)
+        )
+        ledger = Ledger.open(Path(tmp) / "ledger.jsonl", create=True)
+        registry, publisher = WorkerRegistry(), ModelPublisher(chunk_bytes=1 << 20)
+        server = serve(
+            registry,
+            publisher,
+            Authorizer.insecure(),
+            population.shard_sha256,
+            max_partial_bytes=2 * 4 * num_params + (1 << 20),
+        )
+        group = (
+            GroupPlane(GroupSettings(store_bind="127.0.0.1", timeout_s=600.0))
+            if plane == "collective"
+            else None
+        )
+        coordinator = Coordinator(
+            strategy=strategy,
+            ledger=ledger,
+            params=params,
+            population=population,
+            registry=registry,
+            publisher=publisher,
+            checkpoint_dir=Path(tmp) / "ckpt",
+            settings=CoordinatorSettings(
+                checkpoint_every=10**9, step_deadline_s=3600, task_deadline_s=1800
+            ),
+            group=group,
+        )
+        coordinator.resume()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", server.address, f"w{w}", names[w], str(w)]
+            )
+            for w in range(workers)
+        ]
+        counter = None
+        try:
+            coordinator.wait_for_workers()
+            coordinator.run(1)  # warm-up: connections, the first full sync, the first group
+            counter = Bytes(registry)
+            walls: list[float] = []
+            last = [time.perf_counter()]
+
+            def stamp(_report) -> None:
+                now = time.perf_counter()
+                walls.append(now - last[0])
+                last[0] = now
+
+            coordinator.run(1 + steps, on_step=stamp)
+        finally:
+            if counter is not None:
+                counter.close()
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            server.stop(0)
+            ledger.close()
+    reports = coordinator.reports[1:]
+    model_bytes = 4 * sum(t.numel() for t in params.values())
+    return {
+        "plane": plane,
+        "workers": workers,
+        "steps": len(reports),
+        "model_mb": model_bytes / 1e6,
+        "coordinator_sent_mb_per_step": counter.sent / len(reports) / 1e6,
+        "coordinator_received_mb_per_step": counter.received / len(reports) / 1e6,
+        "sent_mb_by_worker": {w: b / len(reports) / 1e6 for w, b in counter.by_worker.items()},
+        "gather_s_median": statistics.median(r.seconds["gather"] for r in reports),
+        "broadcast_s_median": statistics.median(r.seconds["broadcast"] for r in reports),
+        "step_wall_s_median": statistics.median(walls),
+        "failed_tasks": sum(r.failed_tasks for r in reports),
+    }
+
+
+def _anchor_rank(rank: int, workers: int, port: int, num_params: int, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, workers, rank == 0, datetime.timedelta(seconds=600))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=workers)
+    tensor = torch.ones(num_params)
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times[1:]))
+    dist.destroy_process_group()
+
+
+def bench_all_reduce(workers: int, num_params: int) -> dict:
+    """torch.distributed's gloo all_reduce of ``num_params`` float32 among ``workers`` processes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times.json")
+        mp.spawn(_anchor_rank, args=(workers, port, num_params, out), nprocs=workers, join=True)
+        times = json.loads(Path(out).read_text())
+    return {"workers": workers, "all_reduce_s_median": statistics.median(times), "times": times}
+
+
+def markdown(rows: list[dict], anchors: dict[int, dict]) -> str:
+    lines = [
+        "| plane | W | coordinator sent MB/step | received MB/step | gather s | "
+        "all_reduce anchor s | gather / anchor | step wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        anchor = anchors[row["workers"]]["all_reduce_s_median"]
+        ratio = row["gather_s_median"] / anchor if anchor > 0 else float("nan")
+        lines.append(
+            f"| {row['plane']} | {row['workers']} | {row['coordinator_sent_mb_per_step']:.0f} | "
+            f"{row['coordinator_received_mb_per_step']:.0f} | {row['gather_s_median']:.2f} | "
+            f"{anchor:.2f} | {ratio:.2f} | {row['step_wall_s_median']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    keep_freed_memory()  # as `userdp coordinator` and `userdp worker` do
+    if argv[:1] == ["--worker"]:
+        return run_worker(*argv[1:5])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=100_000_000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--planes", nargs="+", default=["grpc", "collective"])
+    args = parser.parse_args(argv)
+    anchors = {w: bench_all_reduce(w, args.params) for w in args.workers}
+    rows = [
+        bench_plane(plane, w, args.params, args.steps)
+        for w in args.workers
+        for plane in args.planes
+    ]
+    record = {
+        "params": args.params,
+        "load_average": list(os.getloadavg()),
+        "rows": rows,
+        "anchors": list(anchors.values()),
+        "goals": {
+            "coordinator bytes per step": "independent of W within one model size (collective)",
+            "collective gather": "<= 2x torch.distributed all_reduce of the same bytes (W = 4)",
+        },
+    }
+    print(json.dumps(record, indent=2))
+    print()
+    print(markdown(rows, anchors))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
