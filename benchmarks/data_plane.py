@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -55,28 +56,24 @@ CLIP = 1.0
 
 
 class SumCompute:
-    """BENCHMARK-ONLY worker compute: a fixed unit direction × 0.5·C·units (a clipped sum)."""
+    """BENCHMARK-ONLY worker compute: a constant sum of norm 0.5·C·units (a valid clipped sum),
+    of the model's shapes; it keeps no model (only the shapes), to leave memory to the data plane."""
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.direction: dict[str, torch.Tensor] = {}
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
 
     def apply_model(self, tensors, full: bool) -> None:
-        if not self.direction:  # shapes only: the benchmark keeps no model on the worker
-            gen = torch.Generator().manual_seed(self.seed)
-            self.direction = {n: torch.randn(t.shape, generator=gen) for n, t in tensors.items()}
-            norm = sum(float(d.square().sum()) for d in self.direction.values()) ** 0.5
-            for d in self.direction.values():
-                d /= norm
+        self.shapes.update({n: tuple(t.shape) for n, t in tensors.items()})
 
     def compute(self, task) -> TaskSum:
-        scale = 0.5 * task.clip_norm * len(task.unit_ids)
-        sums = {n: d * scale for n, d in self.direction.items()}
+        numel = sum(math.prod(shape) for shape in self.shapes.values())
+        value = 0.5 * task.clip_norm * len(task.unit_ids) / math.sqrt(numel)
+        sums = {n: torch.full(shape, value) for n, shape in self.shapes.items()}
         return TaskSum(sums=sums, stats=UnitStats(count=len(task.unit_ids)))
 
 
-def run_worker(address: str, worker_id: str, shard: str, seed: str) -> int:
-    WorkerClient(address, worker_id, [(shard, "0" * 64)], SumCompute(int(seed))).run()
+def run_worker(address: str, worker_id: str, shard: str) -> int:
+    WorkerClient(address, worker_id, [(shard, "0" * 64)], SumCompute()).run()
     return 0
 
 
@@ -165,7 +162,7 @@ def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
         coordinator.resume()
         procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--worker", server.address, f"w{w}", names[w], str(w)]
+                [sys.executable, __file__, "--worker", server.address, f"w{w}", names[w]]
             )
             for w in range(workers)
         ]
@@ -243,6 +240,20 @@ def bench_all_reduce(workers: int, num_params: int) -> dict:
     return {"workers": workers, "all_reduce_s_median": statistics.median(times), "times": times}
 
 
+def _row_in_child(plane: str, workers: int, params: int, steps: int) -> dict:
+    """:func:`bench_plane` in a child process; a child that fails (e.g. killed for memory) gives
+    a row that says so."""
+    argv = [sys.executable, __file__, "--row", plane, str(workers), str(params), str(steps)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        why = "killed (out of memory?)" if done.returncode < 0 else done.stderr.strip()[-300:]
+        row = {"plane": plane, "workers": workers, "error": f"exit {done.returncode}: {why}"}
+    else:
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
 def markdown(rows: list[dict], anchors: dict[int, dict]) -> str:
     lines = [
         "| plane | W | coordinator sent MB/step | received MB/step | gather s | "
@@ -251,6 +262,9 @@ def markdown(rows: list[dict], anchors: dict[int, dict]) -> str:
     ]
     for row in rows:
         anchor = anchors[row["workers"]]["all_reduce_s_median"]
+        if "error" in row:
+            lines.append(f"| {row['plane']} | {row['workers']} | not run: {row['error']} |")
+            continue
         ratio = row["gather_s_median"] / anchor if anchor > 0 else float("nan")
         lines.append(
             f"| {row['plane']} | {row['workers']} | {row['coordinator_sent_mb_per_step']:.0f} | "
@@ -264,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     keep_freed_memory()  # as `userdp coordinator` and `userdp worker` do
     if argv[:1] == ["--worker"]:
-        return run_worker(*argv[1:5])
+        return run_worker(*argv[1:4])
+    if argv[:1] == ["--row"]:  # one (plane, W) in a process of its own: an OOM loses one row
+        plane, workers, params, steps = argv[1], *map(int, argv[2:5])
+        print(json.dumps(bench_plane(plane, workers, params, steps)))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -273,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     anchors = {w: bench_all_reduce(w, args.params) for w in args.workers}
     rows = [
-        bench_plane(plane, w, args.params, args.steps)
+        _row_in_child(plane, w, args.params, args.steps)
         for w in args.workers
         for plane in args.planes
     ]

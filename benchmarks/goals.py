@@ -202,6 +202,9 @@ def goals(outcomes: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "median ≥ 1 GB/s (100M params)",
                     _median_rate(partial) >= 1.0 if partial["params"] >= 100_000_000 else None,
                 )
+    plane = result("data_plane")
+    if plane:
+        _data_plane_goals(plane, add)
     scale = result("scale")
     if scale:
         s = scale["scale"]
@@ -281,3 +284,33 @@ def _median_rate(transfer: Mapping[str, Any]) -> float:
 
 def _rate(transfer: Mapping[str, Any]) -> str:
     return f"{_median_rate(transfer):.2f} GB/s median, {transfer['gb_per_s']:.2f} best"
+
+
+def _data_plane_goals(record: Mapping[str, Any], add: Any) -> None:
+    """benchmarks/data_plane.py: the collective plane's coordinator bytes against W, and its
+    gather at W = 4 against torch.distributed's all_reduce of the same tensor (judged at 100M)."""
+    rows = [r for r in record["rows"] if r["plane"] == "collective" and "error" not in r]
+    anchors = {a["workers"]: a["all_reduce_s_median"] for a in record["anchors"]}
+    at_size = record["params"] >= 100_000_000
+    if len(rows) >= 2:
+        moved = [
+            r["coordinator_sent_mb_per_step"] + r["coordinator_received_mb_per_step"] for r in rows
+        ]
+        model = rows[0]["model_mb"]
+        add(
+            "data plane",
+            f"collective: coordinator MB per step, W = {', '.join(str(r['workers']) for r in rows)}",
+            ", ".join(f"{m:.0f}" for m in moved) + f" (model {model:.0f} MB)",
+            "independent of W within one model size",
+            (max(moved) - min(moved) <= model) if at_size else None,
+        )
+    four = next((r for r in rows if r["workers"] == 4), None)
+    if four and anchors.get(4):
+        ratio = four["gather_s_median"] / anchors[4]
+        add(
+            "data plane",
+            "collective gather at W = 4 vs torch.distributed all_reduce of the same bytes",
+            f"{four['gather_s_median']:.2f} s vs {anchors[4]:.2f} s ({ratio:.2f}×)",
+            "≤ 2× the all_reduce (100M params)",
+            ratio <= 2.0 if at_size else None,
+        )

@@ -14,7 +14,8 @@ that have goals, grouped by area.
 Benchmarks: accounting, balls_in_bins, data, worker (benchmarks/worker.py, when present),
 cli_start and aux_commands (the command line: start-up; report, ledger verify, plan, a per-epoch
 ε query),
-coordinator (round overhead + update transfer), scale (the 1M-user scale simulation of
+coordinator (round overhead + update transfer), data_plane (the coordinator's bytes and time per
+step on the gRPC and collective data planes against the number of workers), scale (the 1M-user scale simulation of
 benchmarks/coordinator.py --scale), strategies, end_to_end (GPU; with --gpu or when CUDA is
 visible; without a GPU it is skipped and the report says the GPU figures are missing).
 """
@@ -91,6 +92,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "coordinator.py",
         ("--scale", "--steps", "20", "--workers", "2"),
         ("--scale", "--workers", "2"),
+    ),
+    Benchmark(
+        "data_plane", "data_plane.py", ("--params", "10000000", "--workers", "1", "2", "4"), ()
     ),
     Benchmark("strategies", "strategies.py", ("--quick",), ()),
     Benchmark("cli_start", "cli_start.py", ("--repeats", "3"), ()),
