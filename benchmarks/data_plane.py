@@ -10,11 +10,14 @@ after one warm-up step on each data plane:
   alone sends the sum, and pass the version on through the group (docs/protocol.md).
 
 Per step it records the coordinator's bytes (model parts sent over gRPC, task sums received),
-the gather time (tasks, transfers, the reduce and the checks up to the cohort's sum), the wall
-time per step (including the next step's wait for acknowledgements), and the anchor measured in
-the same run: ``torch.distributed``'s own gloo ``all_reduce`` of one float32 tensor of the same
-size among W processes (median of 3 after a warm-up). Goals (W = 4): bytes per step independent
-of W within one model size; collective gather ≤ 2× the anchor's all_reduce.
+the gather time (tasks, transfers, the reduce and the checks up to the cohort's sum), for the
+collective plane the aggregation itself (from the members' ``GroupReduce`` to the checked sum at
+the coordinator: their summing of the held sums, the gloo reduce, the leader's stream of the one
+sum, the coordinator's checks), the wall time per step (including the next step's wait for
+acknowledgements), and the anchor measured in the same run: ``torch.distributed``'s own gloo
+``all_reduce`` of one float32 tensor of the same size among W processes (median of 3 after a
+warm-up). Goals (W = 4): bytes per step independent of W within one model size; the collective
+aggregation ≤ 2× the anchor's all_reduce.
 
 The workers compute no gradients: BENCHMARK-ONLY :class:`SumCompute` returns a fixed direction
 scaled to half the clip bound of the task's units (a valid clipped sum), so the figures are the
@@ -172,12 +175,14 @@ def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
             coordinator.run(1)  # warm-up: connections, the first full sync, the first group
             counter = Bytes(registry)
             walls: list[float] = []
+            reduces: list[float] = []
             last = [time.perf_counter()]
 
             def stamp(_report) -> None:
                 now = time.perf_counter()
                 walls.append(now - last[0])
                 last[0] = now
+                reduces.append(getattr(coordinator.fleet, "reduce_seconds", float("nan")))
 
             coordinator.run(1 + steps, on_step=stamp)
         finally:
@@ -199,6 +204,7 @@ def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
         "coordinator_received_mb_per_step": counter.received / len(reports) / 1e6,
         "sent_mb_by_worker": {w: b / len(reports) / 1e6 for w, b in counter.by_worker.items()},
         "gather_s_median": statistics.median(r.seconds["gather"] for r in reports),
+        "reduce_s_median": statistics.median(reduces) if plane == "collective" else None,
         "broadcast_s_median": statistics.median(r.seconds["broadcast"] for r in reports),
         "step_wall_s_median": statistics.median(walls),
         "failed_tasks": sum(r.failed_tasks for r in reports),
@@ -256,20 +262,22 @@ def _row_in_child(plane: str, workers: int, params: int, steps: int) -> dict:
 
 def markdown(rows: list[dict], anchors: dict[int, dict]) -> str:
     lines = [
-        "| plane | W | coordinator sent MB/step | received MB/step | gather s | "
-        "all_reduce anchor s | gather / anchor | step wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| plane | W | coordinator sent MB/step | received MB/step | gather s | aggregation s | "
+        "all_reduce anchor s | aggregation / anchor | step wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         anchor = anchors[row["workers"]]["all_reduce_s_median"]
         if "error" in row:
             lines.append(f"| {row['plane']} | {row['workers']} | not run: {row['error']} |")
             continue
-        ratio = row["gather_s_median"] / anchor if anchor > 0 else float("nan")
+        reduce = row["reduce_s_median"]
+        aggregation = "—" if reduce is None else f"{reduce:.2f}"
+        ratio = "—" if reduce is None or anchor <= 0 else f"{reduce / anchor:.2f}"
         lines.append(
             f"| {row['plane']} | {row['workers']} | {row['coordinator_sent_mb_per_step']:.0f} | "
             f"{row['coordinator_received_mb_per_step']:.0f} | {row['gather_s_median']:.2f} | "
-            f"{anchor:.2f} | {ratio:.2f} | {row['step_wall_s_median']:.2f} |"
+            f"{aggregation} | {anchor:.2f} | {ratio} | {row['step_wall_s_median']:.2f} |"
         )
     return "\n".join(lines)
 

@@ -11,7 +11,8 @@ talks to the coordinator, joins it).
 :class:`WorkerGroup` runs the group's operations on one thread, in the order the coordinator's
 stream delivered them, so every member issues the same collectives in the same order:
 
-- ``GroupJoin``: build the generation's group (the previous one is dropped).
+- ``GroupJoin``: build the generation's group (the previous one is dropped) and answer
+  ``GroupJoined`` (joined, or why not).
 - ``GroupReduce``: add up the held task sums the coordinator accepted (float32, one flat buffer)
   and reduce them to rank 0, which sends the reduced sum as an ordinary result. A member that
   cannot contribute (a held sum missing) still joins the reduce and raises the buffer's last
@@ -19,8 +20,10 @@ stream delivered them, so every member issues the same collectives in the same o
   lacks units. A member whose collective fails reports ``TaskFailed`` for the reduce.
 - ``GroupModel``: rank 0 (the *source*) receives a model version over gRPC and broadcasts its
   raw bytes; the others receive them and apply them as if they had arrived over gRPC, then
-  acknowledge. A header broadcast first says whether the source has the version, so a source
-  that could not apply it never makes the others wait or apply garbage.
+  acknowledge. A header broadcast first says which version the source has, whether it has it
+  and how many bytes follow, so a source that could not apply it never makes the others apply
+  garbage, and every member consumes exactly the bytes the source sends. (A source without a
+  working group sends nothing: the others' receive fails at the group's timeout.)
 
 A collective that does not complete (a member died) fails after the group's timeout; the
 coordinator then aborts the step and forms a new generation.
@@ -80,9 +83,13 @@ def _shape(meta: pb.TensorMeta) -> tuple[int, ...]:
 class WorkerGroup:
     """This worker's membership in the workers' process group (see the module docstring)."""
 
-    def __init__(self, runner: Any, default_host: str) -> None:
+    def __init__(
+        self, runner: Any, default_host: str, on_version: Callable[[int], None] | None = None
+    ) -> None:
+        """``on_version(v)``: called after a version received through the group was applied."""
         self.runner = runner
         self.default_host = default_host
+        self.on_version = on_version
         self.generation = -1
         self.rank = -1
         self._group: dist.ProcessGroupGloo | None = None
@@ -90,13 +97,15 @@ class WorkerGroup:
         self._sources: dict[int, pb.GroupModel] = {}
         self._lock = threading.Lock()
         self._ops: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="userdp-group", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"userdp-group-{runner.worker_id}", daemon=True
+        )
         self._thread.start()
 
     # ---- called from the stream's thread --------------------------------------------------------
 
-    def join(self, message: pb.GroupJoin) -> None:
-        self._ops.put((self._join, (message,)))
+    def join(self, message: pb.GroupJoin, send: Outbox) -> None:
+        self._ops.put((self._join, (message, send)))
 
     def reduce(self, message: pb.GroupReduce, send: Outbox, chunk_bytes: int) -> None:
         self._ops.put((self._reduce, (message, send, chunk_bytes)))
@@ -118,6 +127,11 @@ class WorkerGroup:
         if message is not None:
             self._ops.put((self._broadcast, (message, tensors)))
 
+    def forget_sources(self) -> None:
+        """A new coordinator: the versions the last one said to broadcast are void."""
+        with self._lock:
+            self._sources.clear()
+
     def close(self) -> None:
         self._ops.put(None)
 
@@ -135,7 +149,7 @@ class WorkerGroup:
             except Exception:  # the coordinator learns of it through the reduce or the ack
                 log.exception("worker %s: group operation failed", self.runner.worker_id)
 
-    def _join(self, message: pb.GroupJoin) -> None:
+    def _join(self, message: pb.GroupJoin, send: Outbox) -> None:
         self._group = None  # the previous generation's group, dropped before the rendezvous
         self.generation, self.rank = message.generation, message.rank
         host = message.store_host or self.default_host
@@ -149,6 +163,11 @@ class WorkerGroup:
                 message.timeout_s,
             )
             self._error = ""
+            send(
+                pb.WorkerMessage(
+                    group_joined=pb.GroupJoined(generation=message.generation, ok=True)
+                )
+            )
             log.info(
                 "worker %s: rank %d of %d in group generation %d",
                 self.runner.worker_id,
@@ -159,6 +178,8 @@ class WorkerGroup:
         except Exception as exc:
             self._error = f"joining group generation {message.generation}: {exc}"
             log.warning("worker %s: %s", self.runner.worker_id, self._error)
+            joined = pb.GroupJoined(generation=message.generation, ok=False, error=self._error)
+            send(pb.WorkerMessage(group_joined=joined))
 
     def _usable(self, generation: int) -> str:
         """Why this worker cannot take part in a collective of ``generation`` ("" = it can)."""
@@ -223,8 +244,9 @@ class WorkerGroup:
                 offset += size
         return ""
 
-    def _header(self, version: int, ok: bool) -> torch.Tensor:
-        header = torch.tensor([version, int(ok)], dtype=torch.int64)
+    def _header(self, version: int, ok: bool, nbytes: int) -> torch.Tensor:
+        """(version, ok, byte count) from the source."""
+        header = torch.tensor([version, int(ok), nbytes], dtype=torch.int64)
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self._group.broadcast([header], options).wait()
@@ -240,9 +262,14 @@ class WorkerGroup:
             return  # the members fail their receive at the timeout and are resynced
         try:
             ok = tensors is not None and all(m.name in tensors for m in message.tensors)
-            self._header(message.model_version, ok)
+            parts = (
+                [np.frombuffer(tensors[m.name].data, np.uint8) for m in message.tensors]
+                if ok
+                else []
+            )
+            nbytes = sum(p.size for p in parts)
+            self._header(message.model_version, ok, nbytes)
             if ok:
-                parts = [np.frombuffer(tensors[m.name].data, np.uint8) for m in message.tensors]
                 self._bytes(torch.from_numpy(np.concatenate(parts)))
         except Exception as exc:
             self._group, self._error = None, f"broadcast of version {message.model_version}: {exc}"
@@ -253,11 +280,14 @@ class WorkerGroup:
         problem = self._usable(message.generation)
         if not problem:
             try:
-                header = self._header(version, False)
+                header = self._header(version, False, 0)
+                if int(header[1]):  # the source sends its bytes: take them whatever they are
+                    data = torch.empty(int(header[2]), dtype=torch.uint8)
+                    self._bytes(data)
                 if int(header[0]) != version or not int(header[1]):
                     problem = f"the group's source did not have version {version}"
                 else:
-                    tensors = self._receive_bytes(message)
+                    tensors = self._split(message, data)
             except Exception as exc:
                 self._group, self._error = None, f"receiving version {version}: {exc}"
                 problem = self._error
@@ -266,11 +296,14 @@ class WorkerGroup:
             log.warning("worker %s: %s", self.runner.worker_id, problem)
         ack = pb.ModelAck(model_version=self.runner.model_version, rejected=not applied)
         send(pb.WorkerMessage(model_ack=ack))
+        if applied and self.on_version is not None:
+            self.on_version(version)
 
-    def _receive_bytes(self, message: pb.GroupModel) -> dict[str, WireTensor]:
+    def _split(self, message: pb.GroupModel, data: torch.Tensor) -> dict[str, WireTensor]:
+        """The version's tensors in ``data``, laid out as ``message`` says."""
         sizes = [math.prod(_shape(m)) * _dtype(m.dtype).itemsize for m in message.tensors]
-        data = torch.empty(sum(sizes), dtype=torch.uint8)
-        self._bytes(data)
+        if sum(sizes) != data.numel():
+            raise ValueError(f"{data.numel()} bytes for tensors of {sum(sizes)}")
         array, tensors, offset = data.numpy(), {}, 0
         for meta, size in zip(message.tensors, sizes, strict=True):
             tensors[meta.name] = WireTensor(meta.dtype, _shape(meta), array[offset : offset + size])

@@ -256,6 +256,7 @@ class WorkerClient(TaskRunner):
         capabilities = pb.Capabilities()
         capabilities.CopyFrom(self.capabilities)
         capabilities.max_message_bytes = self.max_message_bytes
+        capabilities.collective_plane = True
         return capabilities
 
     def _register(self) -> pb.WorkerMessage:
@@ -310,6 +311,8 @@ class WorkerClient(TaskRunner):
                         self.incarnation = message.welcome.incarnation
                         with self._model_lock:
                             self.model_version = -1
+                        if self._group is not None:
+                            self._group.forget_sources()
                     self.sessions += 1
                     beat.start()
                     log.info("worker %s: connected to %s", self.worker_id, self.target)
@@ -361,9 +364,9 @@ class WorkerClient(TaskRunner):
         """The collective data plane's messages (:mod:`userdp.clients.group_plane`)."""
         if self._group is None:
             host = self.target.removeprefix("dns:///").rsplit(":", 1)[0].strip("[]")
-            self._group = WorkerGroup(self, host)
+            self._group = WorkerGroup(self, host, on_version=self._set_ready)
         if kind == "group_join":
-            self._group.join(message)
+            self._group.join(message, outbox.put)
         elif kind == "group_reduce":
             self._group.reduce(message, outbox.put, self.session_chunk_bytes)
         else:

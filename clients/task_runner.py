@@ -105,15 +105,15 @@ class TaskRunner:
 
     def apply_tensors(self, tensors: Mapping[str, WireTensor], full: bool, version: int) -> bool:
         """Apply ``version`` (an update only on top of the version before it); whether it was."""
-        if not full and self.model_version != version - 1:
-            log.info(
-                "worker %s: update %d does not follow held version %d; waiting for a resync",
-                self.worker_id,
-                version,
-                self.model_version,
-            )
-            return False
         with self._model_lock:
+            if not full and self.model_version != version - 1:
+                log.info(
+                    "worker %s: update %d does not follow held version %d; waiting for a resync",
+                    self.worker_id,
+                    version,
+                    self.model_version,
+                )
+                return False
             self.compute.apply_model(tensors, full)
             self.model_version = version
         return True
@@ -127,13 +127,15 @@ class TaskRunner:
             self._held[f"{task.task_id}/{task.attempt}"] = (task.step, task_sum.sums)
 
     def take_held(self, step: int, keys: list[str]) -> list[Mapping] | None:
-        """Remove and return the held sums ``keys`` of ``step``; None when one is missing."""
+        """Remove and return the held sums ``keys`` of ``step``; None when one is missing. Every
+        other sum held for ``step`` or before is dropped: a step's reduce names all the sums the
+        coordinator accepted, so the rest (late or aborted attempts) will never be reduced."""
         with self._held_lock:
             found = [self._held.get(key) for key in keys]
-            if any(entry is None or entry[0] != step for entry in found):
-                return None
-            for key in keys:
+            for key in [k for k, (held_step, _) in self._held.items() if held_step <= step]:
                 del self._held[key]
+        if any(entry is None or entry[0] != step for entry in found):
+            return None
         return [sums for _, sums in found]
 
     def _task_loop(self, tasks: queue.Queue, outbox: queue.Queue, cancelled: set) -> None:

@@ -31,18 +31,20 @@ class ShardHolding(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("device", "num_devices", "engines", "max_message_bytes", "userdp_version")
+    __slots__ = ("device", "num_devices", "engines", "max_message_bytes", "userdp_version", "collective_plane")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_DEVICES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     USERDP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_PLANE_FIELD_NUMBER: _ClassVar[int]
     device: str
     num_devices: int
     engines: _containers.RepeatedScalarFieldContainer[str]
     max_message_bytes: int
     userdp_version: str
-    def __init__(self, device: _Optional[str] = ..., num_devices: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., userdp_version: _Optional[str] = ...) -> None: ...
+    collective_plane: bool
+    def __init__(self, device: _Optional[str] = ..., num_devices: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., userdp_version: _Optional[str] = ..., collective_plane: _Optional[bool] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("worker_id", "protocol_version", "shards", "capabilities", "model_version", "shard_manifest_sha256", "incarnation")
@@ -166,8 +168,18 @@ class DrainRequest(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class GroupJoined(_message.Message):
+    __slots__ = ("generation", "ok", "error")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    ok: bool
+    error: str
+    def __init__(self, generation: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
 class WorkerMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "result_part", "result", "task_failed", "model_ack", "drain")
+    __slots__ = ("register", "heartbeat", "result_part", "result", "task_failed", "model_ack", "drain", "group_joined")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     RESULT_PART_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +187,7 @@ class WorkerMessage(_message.Message):
     TASK_FAILED_FIELD_NUMBER: _ClassVar[int]
     MODEL_ACK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_JOINED_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     result_part: ResultPart
@@ -182,7 +195,8 @@ class WorkerMessage(_message.Message):
     task_failed: TaskFailed
     model_ack: ModelAck
     drain: DrainRequest
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., result_part: _Optional[_Union[ResultPart, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., task_failed: _Optional[_Union[TaskFailed, _Mapping]] = ..., model_ack: _Optional[_Union[ModelAck, _Mapping]] = ..., drain: _Optional[_Union[DrainRequest, _Mapping]] = ...) -> None: ...
+    group_joined: GroupJoined
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., result_part: _Optional[_Union[ResultPart, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., task_failed: _Optional[_Union[TaskFailed, _Mapping]] = ..., model_ack: _Optional[_Union[ModelAck, _Mapping]] = ..., drain: _Optional[_Union[DrainRequest, _Mapping]] = ..., group_joined: _Optional[_Union[GroupJoined, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("session_id", "model_version", "resync", "max_message_bytes", "heartbeat_interval_s", "incarnation")

@@ -127,8 +127,12 @@ class StepGather:
         *,
         estimate_probes: int = 0,
         collective: bool = False,
+        retry: int = 0,
     ) -> None:
-        """``collective``: the collective data plane (the module docstring).
+        """``collective``: the collective data plane (the module docstring). ``retry``: how many
+        gathers of this step were aborted before (task ids of a retry differ from the aborted
+        gathers', so a worker never mistakes one for a task it was told to cancel or a sum it
+        holds).
         ``estimate_probes`` > 0: units were clipped by norms ESTIMATED with that many Gaussian
         probes (randomized clipping), so a unit may legitimately contribute C·Z with Z > 1
         (covered by its accountant): the norm bound is :func:`contribution_bound`'s for k
@@ -138,6 +142,7 @@ class StepGather:
         self.clip_norm = float(clip_norm)
         self.estimate_probes = int(estimate_probes)
         self.collective = bool(collective)
+        self._task_prefix = f"{step}." if retry == 0 else f"{step}r{retry}."
         self._held: dict[str, list[str]] = {}
         self._reduced = False
         self.template = dict(template)
@@ -185,7 +190,7 @@ class StepGather:
             if state.done or state.task_id is not None:
                 raise ValueError(f"group {state.group.group_id} is not pending")
         attempt = max(s.tries for s in states)
-        task_id = f"{self.step}.{len(self._tasks)}"
+        task_id = f"{self._task_prefix}{len(self._tasks)}"
         for state in states:
             state.tries += 1
             state.task_id = task_id
@@ -303,9 +308,15 @@ class StepGather:
             if shape != spec.shape:
                 return f"tensor {name!r} has shape {list(shape)}, expected {list(spec.shape)}"
             t = _as_torch(value)
-            if not bool(torch.isfinite(t).all()):
+            if t.dtype not in (torch.float32, torch.float64):
+                t = t.to(torch.float32)  # exact for bf16/fp16, whose squares would round
+            # Σ t² accumulated in float64 (the squares rounded to float32 at most: relative
+            # 2^-24, far inside NORM_TOLERANCE); it is finite exactly when every value is,
+            # unless a square overflows float32, which the bound refuses anyway
+            tensor_squared = float(t.square().sum(dtype=torch.float64))
+            if not math.isfinite(tensor_squared) and not bool(torch.isfinite(t).all()):
                 return f"tensor {name!r} has non-finite values"
-            squared += float(torch.sum(t.to(torch.float64) ** 2))
+            squared += tensor_squared
         bound = contribution_bound(count, self.clip_norm, self.estimate_probes)
         if math.sqrt(squared) > bound:
             what = (
@@ -339,8 +350,8 @@ class StepGather:
         problem = self._check_sum(tensors, self.stats.count, allow_float32=True)
         if problem is not None:
             return f"reduced sum: {problem}"
-        for name, value in tensors.items():
-            self._sums[name].copy_(_as_torch(value).to(torch.float64))
+        # kept as reduced (float32, already summed): the noise is added in at least float32
+        self._sums = {name: _as_torch(tensors[name]) for name in self.template}
         self._reduced = True
         return None
 

@@ -58,6 +58,7 @@ from userdp.accounting.ledger import BudgetExceededError
 from userdp.proto.codec import task_proto as task_proto  # the simulator imports it from here
 from userdp.server.aggregation import StepGather, template_of
 from userdp.server.checkpoint import restore_latest, save_checkpoint
+from userdp.server.collective_fleet import CollectiveFleet
 from userdp.server.fleet import Fleet, StepAborted
 from userdp.server.group_plane import GroupPlane
 from userdp.server.planning import plan_groups
@@ -187,13 +188,18 @@ class Coordinator:
         self.settings = settings
         self.fault_hook = fault_hook
         self._no_noise = bool(test_only_disable_noise)
-        self.fleet = Fleet(
-            registry, publisher, frozenset(population.shard_sha256), settings, plane=group
+        shards = frozenset(population.shard_sha256)
+        self.fleet = (
+            Fleet(registry, publisher, shards, settings)
+            if group is None
+            else CollectiveFleet(registry, publisher, shards, settings, plane=group)
         )
         self.template = template_of(params)
         self.step = 0
         self.reports: list[StepReport] = []
         self._charged_unreleased: int | None = None
+        self._retries = 0
+        """Aborted gathers of the current step (its task ids say which gather they are of)."""
         self.budget_exhausted = False
 
     @property
@@ -245,6 +251,7 @@ class Coordinator:
         retries = 0
         while self.step < steps:
             try:
+                self._retries = retries
                 report = self.run_next_step()
                 self.reports.append(report)
                 retries = 0
@@ -297,7 +304,8 @@ class Coordinator:
                 self.template,
                 spec.clip_norm,
                 estimate_probes=spec.probes if spec.engine == "randomized" else 0,
-                collective=self.fleet.plane is not None,
+                collective=self.fleet.holds_sums,
+                retry=self._retries,
             )
             phase("gather")
             self.fleet.gather(collect, spec)

@@ -17,7 +17,7 @@ coordinator (:mod:`userdp.server.coordinator`) owns one and calls it at three po
 - :meth:`Fleet.broadcast` (phase ``broadcast``): the new version's tensors to every worker that
   held the previous one, streamed while they are encoded.
 
-Under the collective data plane (a :class:`~userdp.server.group_plane.GroupPlane`) the gather
+Under the collective data plane (:class:`userdp.server.collective_fleet.CollectiveFleet`) the gather
 first makes the step's workers one process group and gives tasks to its members only, which hold
 their sums; once every group is done the members reduce the accepted sums to the group's leader,
 whose one reduced sum completes the gather; and a broadcast sends the version to the leader,
@@ -38,12 +38,11 @@ import queue
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.codec import task_proto
 from userdp.server.aggregation import StepGather
-from userdp.server.group_plane import GroupPlane, tensor_metas
 from userdp.server.planning import assign_groups
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import (
@@ -77,21 +76,24 @@ class Fleet:
     ``shards``: every shard of the population (the start-up wait needs a holder of each);
     ``settings``: the coordinator's deadlines, attempts and waits."""
 
+    holds_sums = False
+    """Tasks say ``hold``: the worker keeps the sum for a reduce (the collective plane)."""
+
     def __init__(
         self,
         registry: WorkerRegistry,
         publisher: ModelPublisher,
         shards: frozenset[str],
         settings: CoordinatorSettings,
-        plane: GroupPlane | None = None,
     ) -> None:
         self.registry = registry
-        self.plane = plane
         self.publisher = publisher
         self.shards = shards
         self.settings = settings
         self.model_version = 0
         """The version a worker must hold to be given tasks."""
+        self.plane: Any = None
+        """The workers' process group under the collective data plane (None: gRPC plane)."""
         self._resyncs: dict[WorkerSession, int] = defaultdict(int)
 
     # ---- one step -------------------------------------------------------------------------------
@@ -104,14 +106,13 @@ class Fleet:
         for session in self.registry.sessions():
             if session.sent_version != self.model_version:
                 self.resync(session)
-        self._await_acks(self.settings.ack_wait_s)
+        self._await_acks(self._ack_wait())
 
     def gather(self, collect: StepGather, spec: TaskSpec) -> None:
         """Run the step's tasks until ``collect`` is complete; :class:`StepAborted` when it
         cannot be (see the module docstring)."""
         deadline = time.monotonic() + self.settings.step_deadline_s
-        if self.plane is not None:
-            self.plane.form(self.eligible())
+        self._before_gather()
         while not collect.complete():
             now = time.monotonic()
             if now > deadline:
@@ -134,54 +135,23 @@ class Fleet:
             except queue.Empty:
                 continue
             self.handle(event, collect)
-        if self.plane is not None:
-            self._reduce(collect, deadline)
+        self._after_gather(collect, deadline)
 
-    def _reduce(self, collect: StepGather, deadline: float) -> None:
-        """The collective data plane: the members reduce their accepted held sums to the
-        leader, whose reduced sum completes ``collect``; :class:`StepAborted` (and a broken
-        generation) when a member is lost, the reduce fails, or the sum is bad or late."""
-        plane = self.plane
-        sessions = {w: self.registry.get(w) for w in plane.members}
-        lost = [w for w, s in sessions.items() if s is None or not s.alive]
-        if lost:
-            plane.broken(f"member(s) {lost} lost before the reduce")
-            raise StepAborted(f"step {collect.step}: group member(s) {lost} lost before the reduce")
-        metas = tensor_metas(collect.template_tensors(), dtype="float32")
-        task_id, messages = plane.reduce_messages(
-            collect.step, self.model_version, collect.held_by(), metas
-        )
-        for worker, message in messages.items():
-            sessions[worker].send(message)
-        # the reduce itself is bounded by the group's timeout; the leader then streams one sum
-        deadline = max(deadline, time.monotonic() + 2 * plane.settings.timeout_s)
-        while True:
-            if time.monotonic() > deadline:
-                problem = f"no reduced sum within {2 * plane.settings.timeout_s:.0f}s"
-                break
-            self.registry.reap_silent(self.settings.heartbeat_timeout_s)
-            try:
-                event = self.registry.events.get(timeout=0.02)
-            except queue.Empty:
-                continue
-            if isinstance(event, ResultReceived) and event.task_id == task_id:
-                if event.session.worker_id != plane.leader:
-                    continue  # only the leader answers a reduce
-                result = event.result
-                problem = (event.error or "bad reduced sum") if result is None else None
-                problem = problem or collect.offer_reduced(result.task_sum.sums)
-                if problem is None:
-                    return
-                break
-            if isinstance(event, TaskFailedEvent) and event.task_id == task_id:
-                problem = f"{event.session.worker_id}: {event.reason}"
-                break
-            self.handle(event, collect)
-            if isinstance(event, WorkerLost) and event.session.worker_id in plane.members:
-                problem = f"member {event.session.worker_id} lost during the reduce"
-                break
-        plane.broken(problem)
-        raise StepAborted(f"step {collect.step}: the workers' reduce failed: {problem}")
+    def _before_gather(self) -> None:
+        """Before a gather's first task (the collective plane forms its group here)."""
+
+    def _after_gather(self, collect: StepGather, deadline: float) -> None:
+        """Once every shard group is done (the collective plane reduces the held sums here)."""
+
+    def _group_broadcast(
+        self, targets: list[WorkerSession], trainable: Mapping[str, object]
+    ) -> tuple[str, ...]:
+        """The workers that get the version another way than over gRPC from here (the leader
+        first, which still does): none on this plane."""
+        return ()
+
+    def _ack_wait(self) -> float:
+        return self.settings.ack_wait_s
 
     def broadcast(self, trainable: Mapping[str, object]) -> None:
         """Publish the current version's ``trainable`` tensors and stream them, as they are
@@ -201,26 +171,6 @@ class Fleet:
 
         self.publisher.publish(self.model_version, trainable, sink=send)
 
-    def _group_broadcast(
-        self, targets: list[WorkerSession], trainable: Mapping[str, object]
-    ) -> tuple[str, ...]:
-        """Announce the version to the group's members when the group can carry it (healthy,
-        every member live, the leader a target); returns the members (leader first) or ()."""
-        plane = self.plane
-        if plane is None or not plane.healthy:
-            return ()
-        sessions = {w: self.registry.get(w) for w in plane.members}
-        if any(s is None or not s.alive for s in sessions.values()) or plane.leader not in {
-            s.worker_id for s in targets
-        }:
-            plane.broken("a member is lost or the leader missed the last version")
-            return ()
-        messages = plane.model_messages(self.model_version, tensor_metas(trainable))
-        for worker, message in messages.items():
-            sessions[worker].send(message)
-            sessions[worker].sent_version = self.model_version
-        return plane.members
-
     def eligible(self) -> dict[str, WorkerSession]:
         """The sessions that may be given tasks, by worker id: live, not draining, holding the
         current version."""
@@ -230,14 +180,16 @@ class Fleet:
             if not s.draining and s.model_version == self.model_version
         }
 
+    def _task_workers(self) -> dict[str, WorkerSession]:
+        """The sessions a task may go to (the collective plane: its group's members only)."""
+        return self.eligible()
+
     def _dispatch(self, collect: StepGather, spec: TaskSpec) -> None:
         """Batch pending shard groups into one task per chosen worker and send them."""
         pending = collect.pending()
         if not pending:
             return
-        eligible = self.eligible()
-        if self.plane is not None:  # only the group's members can join its reduce
-            eligible = {w: s for w, s in eligible.items() if w in self.plane.members}
+        eligible = self._task_workers()
         holders = {w: s.shards for w, s in eligible.items()}
         load: dict[str, int] = defaultdict(int)
         for task_id, _, worker, _ in collect.outstanding():
@@ -256,7 +208,7 @@ class Fleet:
                 self.model_version,
                 collect.task_units(task_id),
                 self.settings.task_deadline_s,
-                hold=self.plane is not None,
+                hold=self.holds_sums,
             )
             eligible[worker].send(pb.CoordinatorMessage(task=task))
 

@@ -6,9 +6,13 @@ coordinator once per worker. The coordinator hosts the rendezvous (a torch.distr
 and keeps gRPC as the control plane; the workers of a step form one gloo process group
 (:mod:`userdp.clients.group_plane`):
 
-- **Generations.** At the start of a gather the step's workers (live, in sync) become the group's
-  members, sorted by id; rank 0 is the *leader*. A new membership, or any failure of the last
-  one, starts a new generation under a fresh prefix of the store (``GroupJoin``).
+- **Generations.** At the start of a gather the step's workers (live, in sync, able to hold sums)
+  become the group's members, sorted by id; rank 0 is the *leader*. A new membership, or a
+  failure of the current group seen by the coordinator (a member lost, replaced or rejoined, a
+  failed join, reduce or broadcast), starts a new generation under a fresh prefix of the store
+  (``GroupJoin``; each member answers ``GroupJoined``). A worker whose join fails
+  :data:`MAX_JOIN_FAILURES` times in a row is left out of later generations (it gets no tasks;
+  the log says why).
 - **Reduce.** Tasks go only to members and say ``hold``: a worker keeps its clipped sum and
   answers with the units and statistics, which the step's
   :class:`~userdp.server.aggregation.StepGather` judges as usual. When every shard group is done,
@@ -35,12 +39,16 @@ import logging
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from userdp.proto import userdp_v1_pb2 as pb
 
 log = logging.getLogger("userdp.server.coordinator")
+
+MAX_JOIN_FAILURES = 2
+"""Failed joins in a row after which a worker is left out of the group (and so gets no tasks)."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +90,15 @@ class GroupPlane:
             timeout=datetime.timedelta(seconds=settings.timeout_s),
         )
         self.port = self.store.port
-        self._nonce = secrets.token_hex(4)  # a restarted coordinator never reuses a prefix
-        self.generation = 0
+        self._nonce = secrets.token_hex(8)  # a restarted coordinator never reuses a prefix
+        # generations of a restarted coordinator never collide with the last one's either
+        self.generation = secrets.randbelow(1 << 40)
         self.members: tuple[str, ...] = ()
+        self.sessions: dict[str, str] = {}
+        """Member → the session id it was asked to join from (a replaced session breaks it)."""
         self.healthy = False
+        self.join_failures: dict[str, int] = {}
+        self.excluded: set[str] = set()
         self.reduces = 0
         """Reduces started (each has its own task id)."""
 
@@ -93,14 +106,23 @@ class GroupPlane:
     def leader(self) -> str | None:
         return self.members[0] if self.members else None
 
-    def form(self, sessions: Mapping[str, object]) -> None:
+    def candidates(self, sessions: Mapping[str, Any]) -> dict[str, Any]:
+        """The sessions that may be members: they can hold sums and were not left out."""
+        return {
+            w: s
+            for w, s in sessions.items()
+            if s.capabilities.collective_plane and w not in self.excluded
+        }
+
+    def form(self, sessions: Mapping[str, Any]) -> None:
         """Make ``sessions`` (worker id → session) the members, starting a new generation when
         they differ from the current ones or the current generation failed."""
         members = tuple(sorted(sessions))
-        if self.healthy and members == self.members:
+        ids = {w: sessions[w].session_id for w in members}
+        if self.healthy and members == self.members and ids == self.sessions:
             return
         self.generation += 1
-        self.members = members
+        self.members, self.sessions = members, ids
         self.healthy = bool(members)
         prefix = f"userdp/{self._nonce}/{self.generation}/"
         for rank, worker in enumerate(members):
@@ -121,6 +143,31 @@ class GroupPlane:
                 self.generation,
                 len(members),
                 members[0],
+            )
+
+    def joined(self, worker: str, generation: int, ok: bool, error: str) -> None:
+        """A member's ``GroupJoined``: a failed join breaks the generation; repeated failures
+        leave the worker out of later ones."""
+        if generation != self.generation or worker not in self.members:
+            return
+        if ok:
+            self.join_failures.pop(worker, None)
+            return
+        if not self.healthy:
+            return  # the generation already failed: later failures are its consequences
+        # the first member to report a failed join is counted (the others then time out
+        # waiting for it)
+        self.join_failures[worker] = self.join_failures.get(worker, 0) + 1
+        self.broken(f"{worker} could not join: {error}")
+        if self.join_failures[worker] >= MAX_JOIN_FAILURES:
+            self.excluded.add(worker)
+            log.error(
+                "worker %s failed to join the workers' group %d times (%s); it gets no more "
+                "tasks under the collective data plane: check that the workers reach each other "
+                "and the coordinator's group port, and GLOO_SOCKET_IFNAME",
+                worker,
+                MAX_JOIN_FAILURES,
+                error,
             )
 
     def broken(self, reason: str) -> None:

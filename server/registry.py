@@ -61,7 +61,17 @@ class ModelAcked:
     rejected: bool
 
 
-Event = WorkerJoined | WorkerLost | ResultReceived | TaskFailedEvent | ModelAcked
+@dataclass(frozen=True)
+class GroupJoinedEvent:
+    """A worker's answer to a ``GroupJoin`` (the collective data plane)."""
+
+    session: WorkerSession
+    generation: int
+    ok: bool
+    error: str
+
+
+Event = WorkerJoined | WorkerLost | ResultReceived | TaskFailedEvent | ModelAcked | GroupJoinedEvent
 
 
 # ---- sessions -------------------------------------------------------------------------------

@@ -141,4 +141,11 @@ def _group_plane(config: Any) -> GroupPlane | None:
         )
     )
     log.info("collective data plane: workers' rendezvous store on port %d", plane.port)
+    if config.tls_dir or config.auth_token_file:
+        log.warning(
+            "collective data plane: the workers' group (gloo) and its rendezvous store on port "
+            "%d are neither encrypted nor authenticated, unlike the gRPC channel: keep them on a "
+            "network only the coordinator and the workers reach (docs/privacy.md)",
+            plane.port,
+        )
     return plane

@@ -37,6 +37,7 @@ from userdp.proto.tensors import TensorAssembler, TensorDecodeError
 from userdp.server.auth import Authorizer
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import (
+    GroupJoinedEvent,
     ModelAcked,
     ResultReceived,
     StartupStatus,
@@ -288,6 +289,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     ack = message.model_ack
                     session.model_version = -1 if ack.rejected else ack.model_version
                     events.put(ModelAcked(session, ack.model_version, ack.rejected))
+                elif kind == "group_joined":
+                    j = message.group_joined
+                    events.put(GroupJoinedEvent(session, j.generation, j.ok, j.error))
                 elif kind == "drain":
                     session.draining = True
                     reason = f"drained: {message.drain.reason}"

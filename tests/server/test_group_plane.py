@@ -61,6 +61,7 @@ def test_collective_plane_matches_the_reference_and_broadcasts_through_the_group
 ):
     sent = _count_model_parts(monkeypatch)
     loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP)
+    first = loop.coordinator.fleet.plane.generation + 1
     shards = sorted(loop.coordinator.population.shard_sha256)
     try:
         clients = [loop.add_worker(f"w{i}", shards[i::3]) for i in range(3)]
@@ -73,7 +74,7 @@ def test_collective_plane_matches_the_reference_and_broadcasts_through_the_group
     _assert_reference(loop, 3)
     assert [r.failed_tasks for r in reports] == [0, 0, 0], [r.failed_tasks for r in reports]
     plane = loop.coordinator.fleet.plane
-    assert plane.generation == 1 and plane.members == ("w0", "w1", "w2")
+    assert plane.generation == first and plane.members == ("w0", "w1", "w2")
     for version in (1, 2, 3):  # the updates of steps 0, 1 and 2
         assert sent[("w0", version)] > 0, f"the leader got no version {version} over gRPC"
         for worker in ("w1", "w2"):
@@ -103,6 +104,7 @@ def test_a_member_lost_in_the_reduce_aborts_and_the_step_is_retried_by_a_new_gen
     tmp_path,
 ):
     loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP)
+    first = loop.coordinator.fleet.plane.generation + 1
     shards = sorted(loop.coordinator.population.shard_sha256)
     DyingMember.died = False
     try:
@@ -115,7 +117,7 @@ def test_a_member_lost_in_the_reduce_aborts_and_the_step_is_retried_by_a_new_gen
         loop.close()
     assert DyingMember.died, "precondition: the member did not die in the reduce"
     plane = loop.coordinator.fleet.plane
-    assert plane.generation == 2 and plane.members == ("a", "c"), (plane.generation, plane.members)
+    assert plane.generation == first + 1 and plane.members == ("a", "c"), plane.members
     _assert_reference(loop, 2)
 
 
@@ -204,6 +206,7 @@ def test_a_member_that_never_joins_the_reduce_fails_it_at_the_groups_timeout(tmp
     # three threads take milliseconds, so a loaded machine does not reach it
     group = GroupSettings(store_bind="127.0.0.1", timeout_s=10.0)
     loop = make_loopback(tmp_path, settings=SETTINGS, group=group)
+    first = loop.coordinator.fleet.plane.generation + 1
     shards = sorted(loop.coordinator.population.shard_sha256)
     HangingMember.hung = False
     try:
@@ -216,5 +219,59 @@ def test_a_member_that_never_joins_the_reduce_fails_it_at_the_groups_timeout(tmp
         loop.close()
     assert HangingMember.hung, "precondition: the member did not hang"
     plane = loop.coordinator.fleet.plane
-    assert plane.generation == 2 and plane.members == ("a", "b", "c"), plane.generation
+    assert plane.generation == first + 1 and plane.members == ("a", "b", "c")
     _assert_reference(loop, 2)
+
+
+def test_a_worker_that_cannot_join_the_group_is_left_out_and_the_others_train(
+    tmp_path, monkeypatch
+):
+    """Worker "b" cannot open its gloo device (a wrong interface): its joins fail at once, the
+    others' time out waiting for it. After two failed joins it is left out; the step, retried,
+    is done by the other two, which hold every shard."""
+    import threading
+
+    from userdp.clients import group_plane
+
+    device = group_plane._device
+    failures = []
+
+    def device_unless_b():
+        if threading.current_thread().name == "userdp-group-b":  # b's group thread
+            failures.append(1)
+            raise RuntimeError("no such interface 'eth9'")
+        return device()
+
+    monkeypatch.setattr(group_plane, "_device", device_unless_b)
+    # 10 s: what the others wait for "b" at each failed rendezvous (two of them)
+    group = GroupSettings(store_bind="127.0.0.1", timeout_s=10.0)
+    loop = make_loopback(tmp_path, settings=SETTINGS, group=group)
+    shards = sorted(loop.coordinator.population.shard_sha256)
+    try:
+        for worker in ("a", "b", "c"):
+            loop.add_worker(worker, shards)
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(2)
+    finally:
+        loop.close()
+    plane = loop.coordinator.fleet.plane
+    assert len(failures) == 2 and plane.excluded == {"b"}, (failures, plane.excluded)
+    assert plane.members == ("a", "c")
+    _assert_reference(loop, 2)
+
+
+def test_a_reduce_drops_the_sums_it_does_not_name():
+    """A worker keeps only what a later reduce can name: the reduce of step s takes the named
+    sums and drops every other sum held for s or before (late results, aborted gathers)."""
+    from userdp.clients.task_runner import TaskRunner
+    from userdp.proto import userdp_v1_pb2 as pb
+    from userdp.proto.results import TaskSum
+
+    runner = TaskRunner("w", compute=None, session_chunk_bytes=1 << 20)
+    for task_id, step in (("2.0", 2), ("3.0", 3), ("3.1", 3), ("3r1.0", 3)):
+        runner._hold(pb.Task(task_id=task_id, step=step), TaskSum({"w": torch.ones(2) * step}))
+    assert sorted(runner._held) == ["3.0/0", "3.1/0", "3r1.0/0"]  # step 2's went with step 3's
+    taken = runner.take_held(3, ["3r1.0/0"])
+    assert len(taken) == 1 and torch.equal(taken[0]["w"], torch.full((2,), 3.0))
+    assert runner._held == {}, "sums of step 3 the reduce did not name are still held"
+    assert runner.take_held(3, ["3.0/0"]) is None, "a dropped sum was found again"

@@ -4,6 +4,7 @@ DeepSpeed engine, ledger, report, plots, model — on a CI-sized demo corpus."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -434,7 +435,7 @@ def test_collective_data_plane_gives_the_grpc_planes_updates_without_noise(tmp_p
         assert reports[0][key] == reports[1][key], key
     logs = "".join(p.read_text() for p in sorted((a.run_dir / "logs").glob("worker-*.log")))
     for rank in range(3):
-        assert f"rank {rank} of 3 in group generation 1" in logs, logs[-2000:]
+        assert re.search(rf"rank {rank} of 3 in group generation \d+", logs), logs[-2000:]
 
 
 @pytest.mark.slow
@@ -446,10 +447,11 @@ def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
     (nothing charged) and is retried by a group of the survivors. The run is interrupted after
     step 2 and run again: it resumes from its checkpoint with fresh workers and a new group.
     Without noise it ends with the in-process model, each step in the ledger once."""
+    from userdp.server.fleet import Fleet
+
     from userdp.run import grpc_workers
     from userdp.run.grpc_workers import kill_tree
     from userdp.run.loop import RunLoop
-    from userdp.server.fleet import Fleet
 
     config = small_config(tmp_path, steps=4)
     config = config.model_copy(

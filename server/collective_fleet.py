@@ -1,0 +1,165 @@
+"""The fleet of the collective data plane: :class:`CollectiveFleet` runs the
+:class:`~userdp.server.fleet.Fleet`'s gather and broadcast through the workers' process group
+(:mod:`userdp.server.group_plane`, which says what happens when and why).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Mapping
+
+from userdp.server.aggregation import StepGather
+from userdp.server.fleet import Fleet, StepAborted
+from userdp.server.group_plane import GroupPlane, tensor_metas
+from userdp.server.registry import (
+    Event,
+    GroupJoinedEvent,
+    ModelAcked,
+    ResultReceived,
+    TaskFailedEvent,
+    WorkerJoined,
+    WorkerLost,
+    WorkerSession,
+)
+
+
+class CollectiveFleet(Fleet):
+    """A :class:`~userdp.server.fleet.Fleet` whose workers hold their sums, reduce them in their
+    group and pass each version on (see :mod:`userdp.server.group_plane`)."""
+
+    holds_sums = True
+
+    def __init__(self, *args, plane: GroupPlane, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.plane = plane
+        self.reduce_seconds = 0.0
+        """The last reduce: from the members' ``GroupReduce`` to the checked reduced sum."""
+
+    def _before_gather(self) -> None:
+        self.plane.form(self.plane.candidates(self.eligible()))
+
+    def _after_gather(self, collect: StepGather, deadline: float) -> None:
+        self._reduce(collect, deadline)
+
+    def _task_workers(self) -> dict[str, WorkerSession]:
+        """Only the group's members can join its reduce."""
+        return {w: s for w, s in self.eligible().items() if w in self.plane.members}
+
+    def _ack_wait(self) -> float:
+        """A version takes two hops (to the leader, through the group): members still receiving
+        it when the step starts would change the membership."""
+        return max(self.settings.ack_wait_s, self.plane.settings.timeout_s)
+
+    def handle(self, event: Event, collect: StepGather | None) -> None:
+        self._group_event(event)
+        if not isinstance(event, GroupJoinedEvent):
+            super().handle(event, collect)
+
+    def _reduce(self, collect: StepGather, deadline: float) -> None:
+        """The collective data plane: the members reduce their accepted held sums to the
+        leader, whose reduced sum completes ``collect``; :class:`StepAborted` (and a broken
+        generation) when a member holding sums is lost, the reduce fails, or the sum is bad or
+        late. Members lost before the reduce that hold none are left out by a new generation."""
+        plane, held = self.plane, collect.held_by()
+        if not plane.healthy:
+            raise StepAborted(f"step {collect.step}: the workers' group failed before the reduce")
+        live = {w: s for w, s in self._member_sessions().items() if s is not None and s.alive}
+        lost = [w for w in plane.members if w not in live]
+        if any(held.get(w) for w in lost):
+            plane.broken(f"member(s) {lost} lost before the reduce")
+            raise StepAborted(f"step {collect.step}: group member(s) {lost} lost before the reduce")
+        if lost:
+            plane.broken(f"member(s) {lost} lost; they held no sums of step {collect.step}")
+            plane.form(live)
+        if not plane.members:  # an empty cohort and no worker: nothing to reduce
+            problem = collect.offer_reduced(collect.template_tensors())
+            if problem is None:
+                return
+            raise StepAborted(f"step {collect.step}: {problem}")
+        started = time.perf_counter()
+        metas = tensor_metas(collect.template_tensors(), dtype="float32")
+        task_id, messages = plane.reduce_messages(collect.step, self.model_version, held, metas)
+        for worker, message in messages.items():
+            live[worker].send(message)
+        # the reduce itself is bounded by the group's timeout; the leader then streams one sum
+        deadline = max(deadline, time.monotonic() + 2 * plane.settings.timeout_s)
+        generation = plane.generation
+        while True:
+            if time.monotonic() > deadline:
+                problem = f"no reduced sum within {2 * plane.settings.timeout_s:.0f}s"
+                break
+            self.registry.reap_silent(self.settings.heartbeat_timeout_s)
+            try:
+                event = self.registry.events.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            if isinstance(event, ResultReceived) and event.task_id == task_id:
+                if event.session.worker_id != plane.leader:
+                    continue  # only the leader answers a reduce
+                result = event.result
+                problem = (event.error or "bad reduced sum") if result is None else None
+                problem = problem or collect.offer_reduced(result.task_sum.sums)
+                if problem is None:
+                    self.reduce_seconds = time.perf_counter() - started
+                    return
+                break
+            if isinstance(event, TaskFailedEvent) and event.task_id == task_id:
+                problem = f"{event.session.worker_id}: {event.reason}"
+                break
+            self.handle(event, collect)
+            if not plane.healthy or plane.generation != generation:
+                problem = "the group failed (see above)"
+                break
+        plane.broken(problem)
+        raise StepAborted(f"step {collect.step}: the workers' reduce failed: {problem}")
+
+    def _member_sessions(self) -> dict[str, WorkerSession | None]:
+        """The current sessions of the group's members (None: gone; a session other than the
+        one asked to join counts as gone)."""
+        plane = self.plane
+        out: dict[str, WorkerSession | None] = {}
+        for worker in plane.members:
+            session = self.registry.get(worker)
+            out[worker] = (
+                session
+                if session is not None and session.session_id == plane.sessions.get(worker)
+                else None
+            )
+        return out
+
+    def _group_broadcast(
+        self, targets: list[WorkerSession], trainable: Mapping[str, object]
+    ) -> tuple[str, ...]:
+        """Announce the version to the group's members when the group can carry it (healthy,
+        every member live, the leader a target); returns the members (leader first) or ()."""
+        plane = self.plane
+        if plane is None or not plane.healthy:
+            return ()
+        sessions = self._member_sessions()
+        if any(s is None or not s.alive for s in sessions.values()) or plane.leader not in {
+            s.worker_id for s in targets
+        }:
+            plane.broken("a member is lost or the leader missed the last version")
+            return ()
+        messages = plane.model_messages(self.model_version, tensor_metas(trainable))
+        for worker, message in messages.items():
+            sessions[worker].send(message)
+            sessions[worker].sent_version = self.model_version
+        return plane.members
+
+    def _group_event(self, event: Event) -> None:
+        """What an event means for the workers' group: a failed join, a member lost, replaced
+        or rejoined, or a member that could not apply a version break the generation."""
+        plane = self.plane
+        worker = event.session.worker_id
+        if worker not in plane.members:
+            return
+        if isinstance(event, GroupJoinedEvent):
+            plane.joined(worker, event.generation, event.ok, event.error)
+        elif isinstance(event, WorkerLost | WorkerJoined):
+            plane.broken(
+                f"member {worker} {'lost' if isinstance(event, WorkerLost) else 'rejoined'}"
+            )
+        elif isinstance(event, ModelAcked) and event.rejected:
+            plane.broken(f"member {worker} could not apply a model version")
