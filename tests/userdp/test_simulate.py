@@ -447,7 +447,7 @@ def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
     (nothing charged) and is retried by a group of the survivors. The run is interrupted after
     step 2 and run again: it resumes from its checkpoint with fresh workers and a new group.
     Without noise it ends with the in-process model, each step in the ledger once."""
-    from userdp.server.fleet import Fleet
+    from userdp.server.collective_fleet import CollectiveFleet
 
     from userdp.run import grpc_workers
     from userdp.run.grpc_workers import kill_tree
@@ -463,7 +463,7 @@ def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
         }
     )
     spawned: list = []
-    spawn, reduce, on_step = grpc_workers._spawn_workers, Fleet._reduce, RunLoop.on_step
+    spawn, reduce, on_step = grpc_workers._spawn_workers, CollectiveFleet._reduce, RunLoop.on_step
 
     def spawn_and_keep(loop, address):
         spawned[:] = spawn(loop, address)
@@ -483,7 +483,7 @@ def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
             raise KeyboardInterrupt
 
     monkeypatch.setattr(grpc_workers, "_spawn_workers", spawn_and_keep)
-    monkeypatch.setattr(Fleet, "_reduce", reduce_killing_worker_1_once)
+    monkeypatch.setattr(CollectiveFleet, "_reduce", reduce_killing_worker_1_once)
     monkeypatch.setattr(RunLoop, "on_step", interrupt_after_step_2)
     out = tmp_path / "sim"
     first = run(config, out, mode="grpc", quiet=True, test_only_disable_noise=True)
