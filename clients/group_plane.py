@@ -13,11 +13,12 @@ stream delivered them, so every member issues the same collectives in the same o
 
 - ``GroupJoin``: build the generation's group (the previous one is dropped) and answer
   ``GroupJoined`` (joined, or why not).
-- ``GroupReduce``: add up the held task sums the coordinator accepted (float32, one flat buffer)
-  and reduce them to rank 0, which sends the reduced sum as an ordinary result. A member that
-  cannot contribute (a held sum missing) still joins the reduce and raises the buffer's last
-  element, the failure count, so rank 0 reports the reduce failed instead of sending a sum that
-  lacks units. A member whose collective fails reports ``TaskFailed`` for the reduce.
+- ``GroupReduce``: the members first all-reduce a failure count (a member whose named held sum
+  is missing says so), so either all reduce or none does and rank 0 never sends a sum that
+  lacks units. Then they add up the held task sums the coordinator accepted, bucket by bucket
+  (float32), and reduce each bucket to rank 0, which queues its part of the reduced sum for the
+  coordinator at once (an ordinary result, streamed while the next bucket is reduced). A member
+  whose collective fails reports ``TaskFailed`` for the reduce.
 - ``GroupModel``: rank 0 (the *source*) receives a model version over gRPC and broadcasts its
   raw bytes; the others receive them and apply them as if they had arrived over gRPC, then
   acknowledge. A header broadcast first says which version the source has, whether it has it
@@ -45,13 +46,16 @@ import torch
 import torch.distributed as dist
 from userdp.clients.task_runner import task_failed
 from userdp.proto import userdp_v1_pb2 as pb
-from userdp.proto.codec import result_parts, result_proto
-from userdp.proto.results import TaskSum
+from userdp.proto.codec import result_parts
 from userdp.proto.tensors import WireTensor
 
 log = logging.getLogger(__name__)
 
 Outbox = Callable[[pb.WorkerMessage], None]
+
+BUCKET_ELEMENTS = 1 << 23
+"""float32 elements per reduce (32 MiB): large enough for gloo's bandwidth, small enough that
+the leader's stream of one bucket overlaps the reduce of the next."""
 
 
 def _device() -> Any:
@@ -198,51 +202,86 @@ class WorkerGroup:
         if problem:
             send(task_failed(task, problem))
             return
-        sizes = [math.prod(_shape(m)) for m in message.tensors]
-        flat = torch.zeros(sum(sizes) + 1, dtype=torch.float32)  # + the failure count
-        missing = self._add_held(message, flat, sizes)
+        held, missing = self._held_sums(message)
         if missing:
-            flat[-1] = 1.0
             log.warning("worker %s: %s", self.runner.worker_id, missing)
-        options = dist.ReduceOptions()
-        options.rootRank = 0
-        options.reduceOp = dist.ReduceOp.SUM
         try:
-            self._group.reduce([flat], options).wait()
-        except Exception as exc:
+            # every member learns first whether all can contribute, so none starts the data
+            # reduce alone and the leader never sends a sum that lacks units
+            failures = torch.tensor([1.0 if missing else 0.0])
+            self._group.allreduce([failures]).wait()
+            if int(failures[0]):
+                if missing or self.rank == 0:
+                    reason = missing or f"{int(failures[0])} member(s) could not contribute"
+                    send(task_failed(task, reason))
+                return
+            self._reduce_buckets(message, held, task, send, chunk_bytes)
+        except Exception as exc:  # the coordinator drops what the leader sent of this sum
             self._group, self._error = None, f"reduce of step {message.step} failed: {exc}"
             send(task_failed(task, self._error))
             return
-        if self.rank != 0:
-            if missing:
-                send(task_failed(task, missing))
-            return
-        failures = int(flat[-1])
-        if failures:
-            send(task_failed(task, f"{failures} member(s) could not contribute their held sums"))
-            return
-        sums, offset = {}, 0
-        for meta, size in zip(message.tensors, sizes, strict=True):
-            sums[meta.name] = flat[offset : offset + size].view(_shape(meta))
-            offset += size
-        for part in result_parts(task, sums, chunk_bytes):
-            send(part)
-        send(pb.WorkerMessage(result=result_proto(task, TaskSum(sums), 0.0)))
+        if self.rank == 0:  # closes the parts queued bucket by bucket
+            result = pb.Result(
+                task_id=task.task_id,
+                attempt=task.attempt,
+                step=task.step,
+                model_version=task.model_version,
+                num_tensors=len(message.tensors),
+            )
+            send(pb.WorkerMessage(result=result))
 
-    def _add_held(self, message: pb.GroupReduce, flat: torch.Tensor, sizes: list[int]) -> str:
-        """Add the held sums ``message`` names into ``flat``; the problem, or ""."""
+    def _held_sums(self, message: pb.GroupReduce) -> tuple[list[Mapping], str]:
+        """The held sums ``message`` names, and what is wrong with them ("" = nothing)."""
         held = self.runner.take_held(message.step, list(message.held))
         if held is None:
-            return f"step {message.step}: a held sum of {list(message.held)} is missing"
+            return [], f"step {message.step}: a held sum of {list(message.held)} is missing"
         for sums in held:
-            offset = 0
-            for meta, size in zip(message.tensors, sizes, strict=True):
+            for meta in message.tensors:
                 value = sums.get(meta.name)
-                if value is None or value.numel() != size:
-                    return f"step {message.step}: held sum lacks tensor {meta.name!r}"
-                flat[offset : offset + size] += value.reshape(-1).to(torch.float32)
-                offset += size
-        return ""
+                if value is None or value.numel() != math.prod(_shape(meta)):
+                    return [], f"step {message.step}: a held sum lacks tensor {meta.name!r}"
+        return held, ""
+
+    def _reduce_buckets(
+        self,
+        message: pb.GroupReduce,
+        held: list[Mapping],
+        task: pb.Task,
+        send: Outbox,
+        chunk_bytes: int,
+    ) -> None:
+        """Reduce the held sums to rank 0 bucket by bucket (whole tensors of about
+        :data:`BUCKET_ELEMENTS` float32), the leader queueing each reduced bucket's parts for
+        the coordinator at once: its stream runs while the next buckets are reduced."""
+        options = dist.ReduceOptions()
+        options.rootRank = 0
+        options.reduceOp = dist.ReduceOp.SUM
+        for bucket in _buckets(message.tensors):
+            sizes = [math.prod(_shape(m)) for m in bucket]
+            buffer = torch.empty(sum(sizes), dtype=torch.float32)
+            self._fill(buffer, bucket, sizes, held)
+            self._group.reduce([buffer], options).wait()
+            if self.rank == 0:
+                sums, offset = {}, 0
+                for meta, size in zip(bucket, sizes, strict=True):
+                    sums[meta.name] = buffer[offset : offset + size].view(_shape(meta))
+                    offset += size
+                for part in result_parts(task, sums, chunk_bytes):
+                    send(part)
+
+    def _fill(
+        self, buffer: torch.Tensor, bucket: list, sizes: list[int], held: list[Mapping]
+    ) -> None:
+        """``buffer`` = Σ over ``held`` of the bucket's tensors, flattened in order."""
+        offset = 0
+        for meta, size in zip(bucket, sizes, strict=True):
+            view = buffer[offset : offset + size]
+            if not held:
+                view.zero_()
+            for i, sums in enumerate(held):
+                value = sums[meta.name].reshape(-1)
+                view.copy_(value) if i == 0 else view.add_(value)
+            offset += size
 
     def _header(self, version: int, ok: bool, nbytes: int) -> torch.Tensor:
         """(version, ok, byte count) from the source."""
@@ -316,3 +355,17 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown tensor dtype {name!r}")
     return dtype
+
+
+def _buckets(metas: Any) -> list[list]:
+    """Consecutive tensors grouped into buckets of at least :data:`BUCKET_ELEMENTS` elements
+    (the last may be smaller; a tensor is never split)."""
+    buckets: list[list] = [[]]
+    size = 0
+    for meta in metas:
+        if size >= BUCKET_ELEMENTS:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(meta)
+        size += math.prod(_shape(meta))
+    return [b for b in buckets if b]

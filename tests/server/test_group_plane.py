@@ -59,6 +59,9 @@ def _count_model_parts(monkeypatch) -> Counter:
 def test_collective_plane_matches_the_reference_and_broadcasts_through_the_group(
     tmp_path, monkeypatch
 ):
+    from userdp.clients import group_plane
+
+    monkeypatch.setattr(group_plane, "BUCKET_ELEMENTS", 1)  # one reduce per tensor
     sent = _count_model_parts(monkeypatch)
     loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP)
     first = loop.coordinator.fleet.plane.generation + 1
@@ -124,14 +127,13 @@ def test_a_member_lost_in_the_reduce_aborts_and_the_step_is_retried_by_a_new_gen
 def test_a_reduced_sum_over_the_bound_aborts_the_step(tmp_path, monkeypatch):
     from userdp.clients import group_plane
 
-    original = group_plane.WorkerGroup._add_held
+    original = group_plane.WorkerGroup._fill
 
-    def unclipped(self, message, flat, sizes):
-        problem = original(self, message, flat, sizes)
-        flat[:-1] *= 100.0  # a worker whose sums were never clipped
-        return problem
+    def unclipped(self, buffer, bucket, sizes, held):
+        original(self, buffer, bucket, sizes, held)
+        buffer *= 100.0  # a worker whose sums were never clipped
 
-    monkeypatch.setattr(group_plane.WorkerGroup, "_add_held", unclipped)
+    monkeypatch.setattr(group_plane.WorkerGroup, "_fill", unclipped)
     settings = CoordinatorSettings(
         step_deadline_s=120, task_deadline_s=60, worker_startup_s=300, max_step_retries=1
     )
