@@ -9,6 +9,7 @@ import queue
 import time
 from collections.abc import Mapping
 
+import torch
 from userdp.server.aggregation import StepGather
 from userdp.server.fleet import Fleet, StepAborted
 from userdp.server.group_plane import GroupPlane, tensor_metas
@@ -73,7 +74,8 @@ class CollectiveFleet(Fleet):
             plane.broken(f"member(s) {lost} lost; they held no sums of step {collect.step}")
             plane.form(live)
         if not plane.members:  # an empty cohort and no worker: nothing to reduce
-            problem = collect.offer_reduced(collect.template_tensors())
+            zeros = {n: torch.zeros(t.shape) for n, t in collect.template_tensors().items()}
+            problem = collect.offer_reduced(zeros)
             if problem is None:
                 return
             raise StepAborted(f"step {collect.step}: {problem}")

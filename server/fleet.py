@@ -38,7 +38,7 @@ import queue
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.codec import task_proto
@@ -92,8 +92,6 @@ class Fleet:
         self.settings = settings
         self.model_version = 0
         """The version a worker must hold to be given tasks."""
-        self.plane: Any = None
-        """The workers' process group under the collective data plane (None: gRPC plane)."""
         self._resyncs: dict[WorkerSession, int] = defaultdict(int)
 
     # ---- one step -------------------------------------------------------------------------------
