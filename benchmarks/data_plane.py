@@ -69,9 +69,14 @@ class SumCompute:
         self.shapes.update({n: tuple(t.shape) for n, t in tensors.items()})
 
     def compute(self, task) -> TaskSum:
+        """The sums as views of one float32 buffer in the model's order, as the engines'
+        accumulator returns them (:class:`userdp.clients.clipping.Accumulator`)."""
         numel = sum(math.prod(shape) for shape in self.shapes.values())
         value = 0.5 * task.clip_norm * len(task.unit_ids) / math.sqrt(numel)
-        sums = {n: torch.full(shape, value) for n, shape in self.shapes.items()}
+        flat, sums, offset = torch.full((numel,), value), {}, 0
+        for name, shape in self.shapes.items():
+            sums[name] = flat[offset : offset + math.prod(shape)].view(shape)
+            offset += math.prod(shape)
         return TaskSum(sums=sums, stats=UnitStats(count=len(task.unit_ids)))
 
 
@@ -85,8 +90,38 @@ def _params(num_params: int) -> dict[str, torch.Tensor]:
     return {f"layer{i:02d}.weight": torch.zeros(size) for i in range(TENSORS)}
 
 
+def tcp_bytes(pid: int) -> dict[tuple[str, str], tuple[int, int]]:
+    """(local, remote) → (bytes sent, bytes received) of every TCP socket of process ``pid``,
+    from the kernel's TCP_INFO as ``ss -tinp`` prints it (loopback sockets too)."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
+    sockets: dict[tuple[str, str], tuple[int, int]] = {}
+    key = None
+    for line in out.splitlines():
+        if not line.startswith((" ", "\t")):
+            fields = line.split()
+            key = (fields[3], fields[4]) if f"pid={pid}," in line else None
+            continue
+        if key is not None:
+            counts = dict(f.split(":", 1) for f in line.split() if f.startswith("bytes_"))
+            sent = int(counts.get("bytes_sent", 0))
+            sockets[key] = (sent, int(counts.get("bytes_received", 0)))
+    return sockets
+
+
+def tcp_delta(before: dict, after: dict) -> tuple[int, int]:
+    """Bytes sent and received between two :func:`tcp_bytes` snapshots (a socket opened in
+    between counts in full; one closed in between is not seen: the benchmark's groups and
+    connections stay up across the timed steps)."""
+    sent = received = 0
+    for key, (s1, r1) in after.items():
+        s0, r0 = before.get(key, (0, 0))
+        sent, received = sent + s1 - s0, received + r1 - r0
+    return sent, received
+
+
 class Bytes:
-    """Counts the coordinator's model-size traffic: model parts sent, task-sum tensors received."""
+    """Counts the coordinator's model-size gRPC payloads: model parts sent, task-sum tensors
+    received."""
 
     def __init__(self, registry: WorkerRegistry) -> None:
         self.sent = 0
@@ -174,8 +209,10 @@ def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
             coordinator.wait_for_workers()
             coordinator.run(1)  # warm-up: connections, the first full sync, the first group
             counter = Bytes(registry)
+            sockets = tcp_bytes(os.getpid())
             walls: list[float] = []
             reduces: list[float] = []
+            phases: list[dict] = []
             last = [time.perf_counter()]
 
             def stamp(_report) -> None:
@@ -183,8 +220,10 @@ def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
                 walls.append(now - last[0])
                 last[0] = now
                 reduces.append(getattr(coordinator.fleet, "reduce_seconds", float("nan")))
+                phases.append(dict(getattr(coordinator.fleet, "reduce_phases", {})))
 
             coordinator.run(1 + steps, on_step=stamp)
+            tcp_sent, tcp_received = tcp_delta(sockets, tcp_bytes(os.getpid()))
         finally:
             if counter is not None:
                 counter.close()
@@ -200,11 +239,14 @@ def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
         "workers": workers,
         "steps": len(reports),
         "model_mb": model_bytes / 1e6,
-        "coordinator_sent_mb_per_step": counter.sent / len(reports) / 1e6,
-        "coordinator_received_mb_per_step": counter.received / len(reports) / 1e6,
+        "coordinator_tcp_sent_mb_per_step": tcp_sent / len(reports) / 1e6,
+        "coordinator_tcp_received_mb_per_step": tcp_received / len(reports) / 1e6,
+        "grpc_payload_sent_mb_per_step": counter.sent / len(reports) / 1e6,
+        "grpc_payload_received_mb_per_step": counter.received / len(reports) / 1e6,
         "sent_mb_by_worker": {w: b / len(reports) / 1e6 for w, b in counter.by_worker.items()},
         "gather_s_median": statistics.median(r.seconds["gather"] for r in reports),
         "reduce_s_median": statistics.median(reduces) if plane == "collective" else None,
+        "reduce_phases_s": phases[1:] if plane == "collective" else None,
         "broadcast_s_median": statistics.median(r.seconds["broadcast"] for r in reports),
         "step_wall_s_median": statistics.median(walls),
         "failed_tasks": sum(r.failed_tasks for r in reports),
@@ -262,7 +304,8 @@ def _row_in_child(plane: str, workers: int, params: int, steps: int) -> dict:
 
 def markdown(rows: list[dict], anchors: dict[int, dict]) -> str:
     lines = [
-        "| plane | W | coordinator sent MB/step | received MB/step | gather s | aggregation s | "
+        "| plane | W | coordinator TCP sent MB/step | TCP received MB/step | gather s | "
+        "aggregation s | "
         "all_reduce anchor s | aggregation / anchor | step wall s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -273,10 +316,11 @@ def markdown(rows: list[dict], anchors: dict[int, dict]) -> str:
             continue
         reduce = row["reduce_s_median"]
         aggregation = "—" if reduce is None else f"{reduce:.2f}"
-        ratio = "—" if reduce is None or anchor <= 0 else f"{reduce / anchor:.2f}"
+        # one process has nothing to all-reduce: no ratio at W = 1
+        ratio = "—" if reduce is None or row["workers"] < 2 else f"{reduce / anchor:.2f}"
         lines.append(
-            f"| {row['plane']} | {row['workers']} | {row['coordinator_sent_mb_per_step']:.0f} | "
-            f"{row['coordinator_received_mb_per_step']:.0f} | {row['gather_s_median']:.2f} | "
+            f"| {row['plane']} | {row['workers']} | {row['coordinator_tcp_sent_mb_per_step']:.0f} | "
+            f"{row['coordinator_tcp_received_mb_per_step']:.0f} | {row['gather_s_median']:.2f} | "
             f"{aggregation} | {anchor:.2f} | {ratio} | {row['step_wall_s_median']:.2f} |"
         )
     return "\n".join(lines)

@@ -4,27 +4,30 @@ model broadcast.
 Under the collective data plane (``coordinator.data_plane = "collective"``, docs/protocol.md) the
 coordinator forms a process group of the step's workers: one torch.distributed gloo group per
 membership (a *generation*), rendezvousing in the coordinator's key-value store (a TCPStore).
-The group is a :class:`torch.distributed.ProcessGroupGloo` of its own, apart from the default
+Its groups are :class:`torch.distributed.ProcessGroupGloo` of their own, apart from the default
 process group, which a multi-rank worker keeps for its own ranks (only rank 0, the rank that
-talks to the coordinator, joins it).
+talks to the coordinator, joins them).
 
 :class:`WorkerGroup` runs the group's operations on one thread, in the order the coordinator's
 stream delivered them, so every member issues the same collectives in the same order:
 
-- ``GroupJoin``: build the generation's group (the previous one is dropped) and answer
-  ``GroupJoined`` (joined, or why not).
-- ``GroupReduce``: the members first all-reduce a failure count (a member whose named held sum
-  is missing says so), so either all reduce or none does and rank 0 never sends a sum that
-  lacks units. Then they add up the held task sums the coordinator accepted, bucket by bucket
-  (float32), and reduce each bucket to rank 0, which queues its part of the reduced sum for the
-  coordinator at once (an ordinary result, streamed while the next bucket is reduced). A member
-  whose collective fails reports ``TaskFailed`` for the reduce.
-- ``GroupModel``: rank 0 (the *source*) receives a model version over gRPC and broadcasts its
-  raw bytes; the others receive them and apply them as if they had arrived over gRPC, then
-  acknowledge. A header broadcast first says which version the source has, whether it has it
-  and how many bytes follow, so a source that could not apply it never makes the others apply
-  garbage, and every member consumes exactly the bytes the source sends. (A source without a
-  working group sends nothing: the others' receive fails at the group's timeout.)
+- ``GroupJoin``: build the generation's two groups (:mod:`userdp.proto.gloo`: the reduce group,
+  whose rank 0 is the coordinator, then the members' group; the previous generation's are
+  dropped) and answer ``GroupJoined`` (joined, or why not).
+- ``GroupReduce``: the members and the coordinator first all-reduce a failure count (a member
+  whose named held sum is missing says so), so either all reduce or none does and the
+  coordinator never takes a sum that lacks units. Then each member adds up the held task sums
+  the coordinator accepted, bucket by bucket (float32), and reduces each bucket to the
+  coordinator. A member that cannot contribute, or whose collective fails, reports
+  ``TaskFailed`` for the reduce; a member that contributed sends nothing (the coordinator holds
+  the sum when its own reduce completes).
+- ``GroupModel``: the leader (rank 0 of the members' group, the *source*) receives a model
+  version over gRPC and broadcasts its raw bytes; the others receive them and apply them as if
+  they had arrived over gRPC, then acknowledge. A header broadcast first says which version the
+  source has, whether it has it and how many bytes follow, so a source that could not apply it
+  never makes the others apply garbage, and every member consumes exactly the bytes the source
+  sends. (A source without a working group sends nothing: the others' receive fails at the
+  group's timeout.)
 
 A collective that does not complete (a member died) fails after the group's timeout; the
 coordinator then aborts the step and forms a new generation.
@@ -32,10 +35,8 @@ coordinator then aborts the step and forms a new generation.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
-import os
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -45,43 +46,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from userdp.clients.task_runner import task_failed
+from userdp.proto import gloo
 from userdp.proto import userdp_v1_pb2 as pb
-from userdp.proto.codec import result_parts
+from userdp.proto.gloo import shape as _shape
 from userdp.proto.tensors import WireTensor
 
 log = logging.getLogger(__name__)
 
 Outbox = Callable[[pb.WorkerMessage], None]
-
-BUCKET_ELEMENTS = 1 << 23
-"""float32 elements per reduce (32 MiB): large enough for gloo's bandwidth, small enough that
-the leader's stream of one bucket overlaps the reduce of the next."""
-
-
-def _device() -> Any:
-    """The gloo transport device: the interface named by ``GLOO_SOCKET_IFNAME`` (as
-    torch.distributed's own gloo groups read it), else the one the host name resolves to."""
-    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
-    if interface:
-        return dist.ProcessGroupGloo.create_device(interface=interface)
-    return dist.ProcessGroupGloo.create_default_device()
-
-
-def join_group(
-    host: str, port: int, prefix: str, rank: int, world_size: int, timeout_s: float
-) -> dist.ProcessGroupGloo:
-    """This process's member of a gloo group of ``world_size`` that rendezvouses in the TCPStore
-    at ``host:port`` under ``prefix`` (blocks until every member has joined, or the timeout)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [_device()]
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, options)
-
-
-def _shape(meta: pb.TensorMeta) -> tuple[int, ...]:
-    return tuple(int(d) for d in meta.shape)
 
 
 class WorkerGroup:
@@ -97,6 +69,9 @@ class WorkerGroup:
         self.generation = -1
         self.rank = -1
         self._group: dist.ProcessGroupGloo | None = None
+        """The members' group (the version broadcast)."""
+        self._reducer: dist.ProcessGroupGloo | None = None
+        """The reduce group (the coordinator is its rank 0)."""
         self._error = "no group joined"
         self._sources: dict[int, pb.GroupModel] = {}
         self._lock = threading.Lock()
@@ -111,8 +86,8 @@ class WorkerGroup:
     def join(self, message: pb.GroupJoin, send: Outbox) -> None:
         self._ops.put((self._join, (message, send)))
 
-    def reduce(self, message: pb.GroupReduce, send: Outbox, chunk_bytes: int) -> None:
-        self._ops.put((self._reduce, (message, send, chunk_bytes)))
+    def reduce(self, message: pb.GroupReduce, send: Outbox) -> None:
+        self._ops.put((self._reduce, (message, send)))
 
     def model(self, message: pb.GroupModel, send: Outbox) -> None:
         """A version travels through the group: the source waits for its gRPC commit
@@ -145,7 +120,7 @@ class WorkerGroup:
         while True:
             op = self._ops.get()
             if op is None:
-                self._group = None
+                self._group = self._reducer = None
                 return
             fn, args = op
             try:
@@ -154,17 +129,21 @@ class WorkerGroup:
                 log.exception("worker %s: group operation failed", self.runner.worker_id)
 
     def _join(self, message: pb.GroupJoin, send: Outbox) -> None:
-        self._group = None  # the previous generation's group, dropped before the rendezvous
+        # the previous generation's groups, dropped before the rendezvous
+        self._group = self._reducer = None
         self.generation, self.rank = message.generation, message.rank
         host = message.store_host or self.default_host
         try:
-            self._group = join_group(
-                host,
-                message.store_port,
-                message.store_prefix,
-                message.rank,
-                message.world_size,
-                message.timeout_s,
+            if not message.coordinator_root:
+                raise ValueError("the coordinator does not take part in the reduce (an older one)")
+            store = gloo.client_store(host, message.store_port, message.timeout_s)
+            prefix, size, timeout_s = message.store_prefix, message.world_size, message.timeout_s
+            # the coordinator builds only the reduce group: every member builds it first
+            self._reducer = gloo.group(
+                store, prefix + gloo.REDUCE_PREFIX, message.rank + 1, size + 1, timeout_s
+            )
+            self._group = gloo.group(
+                store, prefix + gloo.MEMBERS_PREFIX, message.rank, size, timeout_s
             )
             self._error = ""
             send(
@@ -180,6 +159,7 @@ class WorkerGroup:
                 message.generation,
             )
         except Exception as exc:
+            self._group = self._reducer = None
             self._error = f"joining group generation {message.generation}: {exc}"
             log.warning("worker %s: %s", self.runner.worker_id, self._error)
             joined = pb.GroupJoined(generation=message.generation, ok=False, error=self._error)
@@ -189,9 +169,9 @@ class WorkerGroup:
         """Why this worker cannot take part in a collective of ``generation`` ("" = it can)."""
         if generation != self.generation:
             return f"group generation {generation} was not joined (holding {self.generation})"
-        return self._error if self._group is None else ""
+        return self._error if self._group is None or self._reducer is None else ""
 
-    def _reduce(self, message: pb.GroupReduce, send: Outbox, chunk_bytes: int) -> None:
+    def _reduce(self, message: pb.GroupReduce, send: Outbox) -> None:
         task = pb.Task(
             task_id=message.task_id,
             attempt=message.attempt,
@@ -205,30 +185,34 @@ class WorkerGroup:
         held, missing = self._held_sums(message)
         if missing:
             log.warning("worker %s: %s", self.runner.worker_id, missing)
+            send(task_failed(task, missing))
         try:
-            # every member learns first whether all can contribute, so none starts the data
-            # reduce alone and the leader never sends a sum that lacks units
+            # every rank learns first whether all members can contribute, so none starts the
+            # data reduce alone and the coordinator never takes a sum that lacks units
             failures = torch.tensor([1.0 if missing else 0.0])
-            self._group.allreduce([failures]).wait()
+            self._reducer.allreduce([failures]).wait()
             if int(failures[0]):
-                if missing or self.rank == 0:
-                    reason = missing or f"{int(failures[0])} member(s) could not contribute"
-                    send(task_failed(task, reason))
                 return
-            self._reduce_buckets(message, held, task, send, chunk_bytes)
-        except Exception as exc:  # the coordinator drops what the leader sent of this sum
-            self._group, self._error = None, f"reduce of step {message.step} failed: {exc}"
+            # each bucket's reduce runs while the next bucket is filled (two buckets in memory)
+            pending = None
+            for bucket in gloo.buckets(message.tensors):
+                sizes = [math.prod(_shape(m)) for m in bucket]
+                buffer = _in_place(held[0], bucket, sizes) if held else None
+                if buffer is not None:  # the first held sum is the buffer: add the others
+                    self._fill(buffer, bucket, sizes, held[1:], written=True)
+                else:
+                    buffer = torch.empty(sum(sizes), dtype=torch.float32)
+                    self._fill(buffer, bucket, sizes, held, written=False)
+                work = self._reducer.reduce([buffer], gloo.reduce_options())
+                if pending is not None:
+                    pending.wait()
+                pending = work
+            if pending is not None:
+                pending.wait()
+        except Exception as exc:  # the coordinator's own reduce fails too
+            self._group = self._reducer = None
+            self._error = f"reduce of step {message.step} failed: {exc}"
             send(task_failed(task, self._error))
-            return
-        if self.rank == 0:  # closes the parts queued bucket by bucket
-            result = pb.Result(
-                task_id=task.task_id,
-                attempt=task.attempt,
-                step=task.step,
-                model_version=task.model_version,
-                num_tensors=len(message.tensors),
-            )
-            send(pb.WorkerMessage(result=result))
 
     def _held_sums(self, message: pb.GroupReduce) -> tuple[list[Mapping], str]:
         """The held sums ``message`` names, and what is wrong with them ("" = nothing)."""
@@ -242,45 +226,24 @@ class WorkerGroup:
                     return [], f"step {message.step}: a held sum lacks tensor {meta.name!r}"
         return held, ""
 
-    def _reduce_buckets(
-        self,
-        message: pb.GroupReduce,
-        held: list[Mapping],
-        task: pb.Task,
-        send: Outbox,
-        chunk_bytes: int,
-    ) -> None:
-        """Reduce the held sums to rank 0 bucket by bucket (whole tensors of about
-        :data:`BUCKET_ELEMENTS` float32), the leader queueing each reduced bucket's parts for
-        the coordinator at once: its stream runs while the next buckets are reduced."""
-        options = dist.ReduceOptions()
-        options.rootRank = 0
-        options.reduceOp = dist.ReduceOp.SUM
-        for bucket in _buckets(message.tensors):
-            sizes = [math.prod(_shape(m)) for m in bucket]
-            buffer = torch.empty(sum(sizes), dtype=torch.float32)
-            self._fill(buffer, bucket, sizes, held)
-            self._group.reduce([buffer], options).wait()
-            if self.rank == 0:
-                sums, offset = {}, 0
-                for meta, size in zip(bucket, sizes, strict=True):
-                    sums[meta.name] = buffer[offset : offset + size].view(_shape(meta))
-                    offset += size
-                for part in result_parts(task, sums, chunk_bytes):
-                    send(part)
-
     def _fill(
-        self, buffer: torch.Tensor, bucket: list, sizes: list[int], held: list[Mapping]
+        self,
+        buffer: torch.Tensor,
+        bucket: list,
+        sizes: list[int],
+        held: list[Mapping],
+        written: bool,
     ) -> None:
-        """``buffer`` = Σ over ``held`` of the bucket's tensors, flattened in order."""
+        """``buffer`` (+)= Σ over ``held`` of the bucket's tensors, flattened in order
+        (``written``: the buffer already holds a sum to add to)."""
         offset = 0
         for meta, size in zip(bucket, sizes, strict=True):
             view = buffer[offset : offset + size]
-            if not held:
+            if not held and not written:
                 view.zero_()
             for i, sums in enumerate(held):
                 value = sums[meta.name].reshape(-1)
-                view.copy_(value) if i == 0 else view.add_(value)
+                view.copy_(value) if i == 0 and not written else view.add_(value)
             offset += size
 
     def _header(self, version: int, ok: bool, nbytes: int) -> torch.Tensor:
@@ -357,15 +320,22 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _buckets(metas: Any) -> list[list]:
-    """Consecutive tensors grouped into buckets of at least :data:`BUCKET_ELEMENTS` elements
-    (the last may be smaller; a tensor is never split)."""
-    buckets: list[list] = [[]]
-    size = 0
-    for meta in metas:
-        if size >= BUCKET_ELEMENTS:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(meta)
-        size += math.prod(_shape(meta))
-    return [b for b in buckets if b]
+def _in_place(sums: Mapping, bucket: list, sizes: list[int]) -> torch.Tensor | None:
+    """The bucket as one flat float32 view of ``sums``' own memory when its tensors lie there
+    back to back in the bucket's order, as the engines' accumulator lays out a task's sums (one
+    host buffer, a view per parameter); else None. A held sum is reduced once and then dropped,
+    so the reduce may overwrite it: no copy of the model-size sum is made."""
+    first = sums[bucket[0].name]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for meta, size in zip(bucket, sizes, strict=True):
+        value = sums[meta.name]
+        if (
+            value.dtype != torch.float32
+            or value.device.type != "cpu"
+            or not value.is_contiguous()
+            or value.untyped_storage().data_ptr() != storage
+            or value.storage_offset() != offset
+        ):
+            return None
+        offset += size
+    return torch.as_strided(first, (sum(sizes),), (1,), first.storage_offset())

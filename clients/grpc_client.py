@@ -368,7 +368,7 @@ class WorkerClient(TaskRunner):
         if kind == "group_join":
             self._group.join(message, outbox.put)
         elif kind == "group_reduce":
-            self._group.reduce(message, outbox.put, self.session_chunk_bytes)
+            self._group.reduce(message, outbox.put)
         else:
             self._group.model(message, outbox.put)
 

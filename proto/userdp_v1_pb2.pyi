@@ -317,7 +317,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GroupJoin(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "store_prefix", "backend", "timeout_s")
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "store_prefix", "backend", "timeout_s", "coordinator_root")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +326,7 @@ class GroupJoin(_message.Message):
     STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ROOT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
@@ -334,7 +335,8 @@ class GroupJoin(_message.Message):
     store_prefix: str
     backend: str
     timeout_s: float
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    coordinator_root: bool
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., coordinator_root: _Optional[bool] = ...) -> None: ...
 
 class GroupReduce(_message.Message):
     __slots__ = ("step", "generation", "task_id", "attempt", "model_version", "held", "tensors")

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from userdp.server.aggregation import StepGather
 from userdp.server.fleet import Fleet, StepAborted
 from userdp.server.group_plane import GroupPlane, tensor_metas
+from userdp.server.group_root import RootReduce
 from userdp.server.registry import (
     Event,
     GroupJoinedEvent,
     ModelAcked,
-    ResultReceived,
     TaskFailedEvent,
     WorkerJoined,
     WorkerLost,
@@ -36,9 +36,17 @@ class CollectiveFleet(Fleet):
         self.plane = plane
         self.reduce_seconds = 0.0
         """The last reduce: from the members' ``GroupReduce`` to the checked reduced sum."""
+        self.reduce_phases: dict[str, float] = {}
+        """Its parts (seconds): waiting for the rendezvous, the failure count, the buckets'
+        reduce, the gather's checks."""
 
     def _before_gather(self) -> None:
-        self.plane.form(self.plane.candidates(self.eligible()))
+        self.plane.form(self.plane.candidates(self.eligible()), self._rendezvous_s())
+
+    def _rendezvous_s(self) -> float:
+        """How long the coordinator waits for the members to join its reduce group: as long as
+        it would wait for the step's reduce."""
+        return self.settings.step_deadline_s + 2 * self.plane.settings.timeout_s
 
     def _after_gather(self, collect: StepGather, deadline: float) -> None:
         self._reduce(collect, deadline)
@@ -58,10 +66,11 @@ class CollectiveFleet(Fleet):
             super().handle(event, collect)
 
     def _reduce(self, collect: StepGather, deadline: float) -> None:
-        """The collective data plane: the members reduce their accepted held sums to the
-        leader, whose reduced sum completes ``collect``; :class:`StepAborted` (and a broken
-        generation) when a member holding sums is lost, the reduce fails, or the sum is bad or
-        late. Members lost before the reduce that hold none are left out by a new generation."""
+        """The collective data plane: the members reduce their accepted held sums straight to
+        the coordinator (:mod:`userdp.server.group_root`), whose checked sum completes
+        ``collect``; :class:`StepAborted` (and a broken generation) when a member holding sums
+        is lost, a member cannot contribute, a collective fails, or the sum is bad or late.
+        Members lost before the reduce that hold none are left out by a new generation."""
         plane, held = self.plane, collect.held_by()
         if not plane.healthy:
             raise StepAborted(f"step {collect.step}: the workers' group failed before the reduce")
@@ -72,7 +81,7 @@ class CollectiveFleet(Fleet):
             raise StepAborted(f"step {collect.step}: group member(s) {lost} lost before the reduce")
         if lost:
             plane.broken(f"member(s) {lost} lost; they held no sums of step {collect.step}")
-            plane.form(live)
+            plane.form(live, self._rendezvous_s())
         if not plane.members:  # an empty cohort and no worker: nothing to reduce
             zeros = {n: torch.zeros(t.shape) for n, t in collect.template_tensors().items()}
             problem = collect.offer_reduced(zeros)
@@ -84,35 +93,31 @@ class CollectiveFleet(Fleet):
         task_id, messages = plane.reduce_messages(collect.step, self.model_version, held, metas)
         for worker, message in messages.items():
             live[worker].send(message)
-        # the reduce itself is bounded by the group's timeout; the leader then streams one sum
+        # the rendezvous and each collective are bounded by the group's timeout
         deadline = max(deadline, time.monotonic() + 2 * plane.settings.timeout_s)
-        generation = plane.generation
-        while True:
-            if time.monotonic() > deadline:
-                problem = f"no reduced sum within {2 * plane.settings.timeout_s:.0f}s"
-                break
-            self.registry.reap_silent(self.settings.heartbeat_timeout_s)
-            try:
-                event = self.registry.events.get(timeout=0.02)
-            except queue.Empty:
-                continue
-            if isinstance(event, ResultReceived) and event.task_id == task_id:
-                if event.session.worker_id != plane.leader:
-                    continue  # only the leader answers a reduce
-                result = event.result
-                problem = (event.error or "bad reduced sum") if result is None else None
-                problem = problem or collect.offer_reduced(result.task_sum.sums)
-                if problem is None:
-                    self.reduce_seconds = time.perf_counter() - started
-                    return
-                break
-            if isinstance(event, TaskFailedEvent) and event.task_id == task_id:
-                problem = f"{event.session.worker_id}: {event.reason}"
-                break
-            self.handle(event, collect)
-            if not plane.healthy or plane.generation != generation:
-                problem = "the group failed (see above)"
-                break
+        wait = _ReduceWait(self, collect, task_id, deadline)
+        root, reduce = plane.root, None
+        phases = self.reduce_phases = {}
+        problem = wait.until(root.ready) or root.error
+        phases["rendezvous"] = time.perf_counter() - started
+        if not problem:
+            reduce = RootReduce(root.group, metas)
+            problem = wait.until(reduce.completed) or reduce.problem()
+            phases["failure count"] = time.perf_counter() - started - sum(phases.values())
+        if not problem and reduce.failures.item():
+            failed = int(reduce.failures.item())
+            problem = f"{failed} member(s) could not contribute their held sums"
+        if not problem:
+            reduce.start_buckets()
+            problem = wait.until(reduce.completed) or reduce.problem()
+            phases["reduce"] = time.perf_counter() - started - sum(phases.values())
+        problem = problem or collect.offer_reduced(reduce.sums)
+        if problem is None:
+            self.reduce_seconds = time.perf_counter() - started
+            phases["check"] = self.reduce_seconds - sum(phases.values())
+            return
+        if reduce is not None:
+            reduce.abandon()
         plane.broken(problem)
         raise StepAborted(f"step {collect.step}: the workers' reduce failed: {problem}")
 
@@ -165,3 +170,34 @@ class CollectiveFleet(Fleet):
             )
         elif isinstance(event, ModelAcked) and event.rejected:
             plane.broken(f"member {worker} could not apply a model version")
+
+
+class _ReduceWait:
+    """The coordinator's loop while its reduce's collectives run: events are handled as in the
+    gather; a member's ``TaskFailed`` for the reduce, a lost member or a broken generation ends
+    the wait at once (the reduce cannot give the step's sum; collectives still in flight are
+    waited out by :meth:`RootReduce.abandon`)."""
+
+    def __init__(
+        self, fleet: CollectiveFleet, collect: StepGather, task_id: str, deadline: float
+    ) -> None:
+        self.fleet, self.collect, self.task_id, self.deadline = fleet, collect, task_id, deadline
+        self.generation = fleet.plane.generation
+
+    def until(self, done: Callable[[], bool]) -> str:
+        """Handle events until ``done()``; returns why the reduce cannot end well ("" = done)."""
+        fleet, plane = self.fleet, self.fleet.plane
+        while not done():
+            if time.monotonic() > self.deadline:
+                return "the reduce did not end within the step's deadline"
+            fleet.registry.reap_silent(fleet.settings.heartbeat_timeout_s)
+            try:
+                event = fleet.registry.events.get(timeout=0.005)
+            except queue.Empty:
+                continue
+            if isinstance(event, TaskFailedEvent) and event.task_id == self.task_id:
+                return f"{event.session.worker_id}: {event.reason}"
+            fleet.handle(event, self.collect)
+            if not plane.healthy or plane.generation != self.generation:
+                return "the group failed (see above)"
+        return ""

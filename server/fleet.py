@@ -19,9 +19,9 @@ coordinator (:mod:`userdp.server.coordinator`) owns one and calls it at three po
 
 Under the collective data plane (:class:`userdp.server.collective_fleet.CollectiveFleet`) the gather
 first makes the step's workers one process group and gives tasks to its members only, which hold
-their sums; once every group is done the members reduce the accepted sums to the group's leader,
-whose one reduced sum completes the gather; and a broadcast sends the version to the leader,
-which passes it on through the group (:mod:`userdp.server.group_plane`).
+their sums; once every group is done the members reduce the accepted sums straight to the
+coordinator, and that one reduced sum completes the gather; and a broadcast sends the version to
+the group's leader, which passes it on through the group (:mod:`userdp.server.group_plane`).
 
 Between steps :meth:`Fleet.pump_events` handles queued events and :meth:`Fleet.wait_for_workers`
 waits until every shard has an in-sync holder. A worker whose model version is not the current

@@ -7,7 +7,9 @@ and keeps gRPC as the control plane; the workers of a step form one gloo process
 (:mod:`userdp.clients.group_plane`):
 
 - **Generations.** At the start of a gather the step's workers (live, in sync, able to hold sums)
-  become the group's members, sorted by id; rank 0 is the *leader*. A new membership, or a
+  become the group's members, sorted by id; member 0 is the *leader*. A generation is two gloo
+  groups (:mod:`userdp.proto.gloo`): the reduce group, whose rank 0 is the coordinator, and the
+  members' group, which carries the broadcast. A new membership, or a
   failure of the current group seen by the coordinator (a member lost, replaced or rejoined, a
   failed join, reduce or broadcast), starts a new generation under a fresh prefix of the store
   (``GroupJoin``; each member answers ``GroupJoined``). A worker whose join fails
@@ -17,14 +19,16 @@ and keeps gRPC as the control plane; the workers of a step form one gloo process
   answers with the units and statistics, which the step's
   :class:`~userdp.server.aggregation.StepGather` judges as usual. When every shard group is done,
   each member is told which of its held sums were accepted (``GroupReduce``); the members reduce
-  exactly those to the leader, which sends the one reduced sum. The gather checks it (names,
-  shapes, finite, ‖sum‖ ≤ the bound of every counted unit) before it becomes the cohort's sum.
-  The coordinator receives one model-size tensor per step, whatever the number of workers.
-- **Broadcast.** A new version goes over gRPC to the leader only, and through the group to the
-  other members (``GroupModel``); every member acknowledges it as before. A worker that is not a
+  exactly those straight to the coordinator, the root of the generation's reduce group
+  (:mod:`userdp.server.group_root`). The gather checks the sum (names, shapes, finite,
+  ‖sum‖ ≤ the bound of every counted unit) before it becomes the cohort's sum. The coordinator's
+  traffic per step is a fixed number of model sizes, whatever the number of workers.
+- **Broadcast.** A new version goes over gRPC to the leader only, and through the members' group
+  to the other members (``GroupModel``); every member acknowledges it as before. A worker that is not a
   member gets it over gRPC, and a member that could not apply it is resynced, as always.
-- **Faults.** A member lost, a reduce that fails or does not arrive within the group's timeout
-  (plus the time to send the sum), or a bad reduced sum aborts the step
+- **Faults.** A member lost, a member that cannot contribute, a failed collective, a reduce not
+  done by the step's deadline (at least twice the group's timeout), or a bad reduced sum aborts
+  the step
   (:class:`~userdp.server.fleet.StepAborted`): nothing was noised, charged or released, and the
   retried step forms a new generation and draws fresh noise.
 
@@ -44,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from userdp.proto import userdp_v1_pb2 as pb
+from userdp.server.group_root import ReduceRoot
 
 log = logging.getLogger("userdp.server.coordinator")
 
@@ -97,10 +102,17 @@ class GroupPlane:
         self.sessions: dict[str, str] = {}
         """Member → the session id it was asked to join from (a replaced session breaks it)."""
         self.healthy = False
+        self.root: ReduceRoot | None = None
+        """The coordinator's rank in the current generation's reduce group."""
         self.join_failures: dict[str, int] = {}
         self.excluded: set[str] = set()
         self.reduces = 0
         """Reduces started (each has its own task id)."""
+
+    def _store_host(self) -> str:
+        """Where the coordinator itself reaches its store."""
+        bind = self.settings.store_bind
+        return "127.0.0.1" if bind in ("0.0.0.0", "", "::") else bind  # noqa: S104
 
     @property
     def leader(self) -> str | None:
@@ -114,9 +126,10 @@ class GroupPlane:
             if s.capabilities.collective_plane and w not in self.excluded
         }
 
-    def form(self, sessions: Mapping[str, Any]) -> None:
+    def form(self, sessions: Mapping[str, Any], rendezvous_s: float) -> None:
         """Make ``sessions`` (worker id → session) the members, starting a new generation when
-        they differ from the current ones or the current generation failed."""
+        they differ from the current ones or the current generation failed; the coordinator
+        waits up to ``rendezvous_s`` for the members to join its reduce group."""
         members = tuple(sorted(sessions))
         ids = {w: sessions[w].session_id for w in members}
         if self.healthy and members == self.members and ids == self.sessions:
@@ -125,6 +138,19 @@ class GroupPlane:
         self.members, self.sessions = members, ids
         self.healthy = bool(members)
         prefix = f"userdp/{self._nonce}/{self.generation}/"
+        timeout_s = self.settings.timeout_s
+        self.root = (
+            ReduceRoot(
+                (self._store_host(), self.port),
+                prefix,
+                len(members),
+                timeout_s,
+                rendezvous_s,
+                self.generation,
+            )
+            if members
+            else None
+        )
         for rank, worker in enumerate(members):
             join = pb.GroupJoin(
                 generation=self.generation,
@@ -134,7 +160,8 @@ class GroupPlane:
                 store_port=self.port,
                 store_prefix=prefix,
                 backend="gloo",
-                timeout_s=self.settings.timeout_s,
+                timeout_s=timeout_s,
+                coordinator_root=True,
             )
             sessions[worker].send(pb.CoordinatorMessage(group_join=join))
         if members:

@@ -362,15 +362,16 @@ def test_collective_data_plane_publishes_the_rendezvous_port_and_sets_the_gloo_i
     # Workers dial the store at the host of --coordinator: the coordinator Service.
     address = worker["args"][worker["args"].index("--coordinator") + 1]
     assert address.split(":")[0] == objects.find("Service", "-coordinator")["metadata"]["name"]
+    # the coordinator is the root of the workers' reduce: a gloo rank too
     coordinator_env = objects.container(deployment, "coordinator")["env"]
-    assert "GLOO_SOCKET_IFNAME" not in {e["name"] for e in coordinator_env}
+    assert {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"} in coordinator_env
     notes = " ".join(objects.notes.split())
     assert "the workers rendezvous at demo-userdp-coordinator:29400" in notes
-    assert "the worker pods must reach each other" in notes
+    assert "the worker pods must reach each other and the coordinator pod" in notes
 
     custom = {
         **COLLECTIVE,
-        "coordinator": {"port": 7000, "groupPort": 7001},
+        "coordinator": {"port": 7000, "groupPort": 7001, "glooSocketIfname": "net2"},
         "workers": {"glooSocketIfname": "net1"},
     }
     objects = render_chart(custom)
@@ -379,10 +380,17 @@ def test_collective_data_plane_publishes_the_rendezvous_port_and_sets_the_gloo_i
     assert _config_of(objects)["coordinator"]["group_port"] == 7001
     worker = objects.container(objects.find("StatefulSet", "-worker"), "worker")
     assert {"name": "GLOO_SOCKET_IFNAME", "value": "net1"} in worker["env"]
+    coordinator = objects.container(objects.find("Deployment", "-coordinator"), "coordinator")
+    assert {"name": "GLOO_SOCKET_IFNAME", "value": "net2"} in coordinator["env"]
     # "" leaves the variable unset (gloo takes the interface of the pod's host name).
-    objects = render_chart({**COLLECTIVE, "workers": {"glooSocketIfname": ""}})
-    worker = objects.container(objects.find("StatefulSet", "-worker"), "worker")
-    assert "GLOO_SOCKET_IFNAME" not in {e["name"] for e in worker["env"]}
+    objects = render_chart(
+        {
+            **COLLECTIVE,
+            "coordinator": {"glooSocketIfname": ""},
+            "workers": {"glooSocketIfname": ""},
+        }
+    )
+    assert "GLOO_SOCKET_IFNAME" not in objects.manifest
 
 
 @pytest.mark.parametrize("plane", [None, "grpc"])

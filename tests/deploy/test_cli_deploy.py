@@ -554,5 +554,5 @@ def test_render_ends_with_the_next_commands(tmp_path: Path, run_toml: Path, caps
     assert main(["deploy", "render", "--config", str(collective), "--values", "-"]) == 0
     steps = " ".join(capsys.readouterr().err.split("next:")[1].split())
     assert "the coordinator Service publishes the rendezvous port 7100" in steps
-    assert "the worker pods must reach each other on any TCP port" in steps
+    assert "the worker pods must reach each other and the coordinator pod on any TCP port" in steps
     assert steps.endswith("helm install RELEASE deploy/helm/userdp -f THIS_FILE")

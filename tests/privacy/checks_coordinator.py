@@ -12,7 +12,7 @@
   the step: every noise draw of the run (before and after the crash) is independent.
 
 Each check takes ``collective``: run it over the collective data plane (the workers hold their
-sums, reduce them in a gloo group to a leader, and receive versions through the group;
+sums, reduce them in a gloo group to the coordinator, and receive versions through the group;
 :mod:`userdp.server.group_plane`), where noise once, exactly once, fresh noise and no
 re-release must hold just the same.
 """

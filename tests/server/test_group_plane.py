@@ -56,18 +56,38 @@ def _count_model_parts(monkeypatch) -> Counter:
     return sent
 
 
+@pytest.mark.parametrize(
+    ("flat", "bucket_elements"),
+    [(False, 1 << 20), (True, 1 << 20), (True, 1)],
+    ids=["separate-sums-one-bucket", "flat-sums-one-bucket", "flat-sums-bucket-per-tensor"],
+)
 def test_collective_plane_matches_the_reference_and_broadcasts_through_the_group(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, flat, bucket_elements
 ):
+    """Separate sums are copied into a bucket of several tensors; sums laid out in one flat
+    buffer (as the engines' accumulator lays them out) are reduced in place, the other held
+    sums added in."""
     from userdp.clients import group_plane
+    from userdp.proto import gloo
 
-    monkeypatch.setattr(group_plane, "BUCKET_ELEMENTS", 1)  # one reduce per tensor
+    monkeypatch.setattr(gloo, "BUCKET_ELEMENTS", bucket_elements)
+    fills = []  # (held sums added to the buffer, the buffer was a held sum's own memory)
+    original_fill = group_plane.WorkerGroup._fill
+
+    def fill(self, buffer, bucket, sizes, held, written):
+        fills.append((len(held), written))
+        original_fill(self, buffer, bucket, sizes, held, written)
+
+    monkeypatch.setattr(group_plane.WorkerGroup, "_fill", fill)
     sent = _count_model_parts(monkeypatch)
     loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP)
     first = loop.coordinator.fleet.plane.generation + 1
     shards = sorted(loop.coordinator.population.shard_sha256)
     try:
-        clients = [loop.add_worker(f"w{i}", shards[i::3]) for i in range(3)]
+        clients = [
+            loop.add_worker(f"w{i}", shards[i::3], compute=toy.ToyCompute(flat=flat))
+            for i in range(3)
+        ]
         loop.coordinator.wait_for_workers()
         reports = loop.coordinator.run(3)
         for worker in ("w0", "w1", "w2"):
@@ -76,6 +96,10 @@ def test_collective_plane_matches_the_reference_and_broadcasts_through_the_group
         loop.close()
     _assert_reference(loop, 3)
     assert [r.failed_tasks for r in reports] == [0, 0, 0], [r.failed_tasks for r in reports]
+    # flat sums are reduced in place (nothing copied), separate ones copied into the bucket; a
+    # member that holds none reduces zeros (0, False)
+    copied = [(n, written) for n, written in fills if n or written]
+    assert copied and all(written == flat for _, written in copied), fills
     plane = loop.coordinator.fleet.plane
     assert plane.generation == first and plane.members == ("w0", "w1", "w2")
     for version in (1, 2, 3):  # the updates of steps 0, 1 and 2
@@ -85,6 +109,49 @@ def test_collective_plane_matches_the_reference_and_broadcasts_through_the_group
                 f"{worker} received version {version} over gRPC, not through the group"
             )
     assert [c.model_version for c in clients] == [3, 3, 3]
+
+
+class FailsFirstTask(toy.ToyCompute):
+    """A worker compute whose first task fails (its shard groups go to another holder)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.failed = False
+
+    def compute(self, task):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected task failure")
+        return super().compute(task)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["separate-sums", "flat-sums"])
+def test_a_member_holding_two_sums_reduces_both(tmp_path, monkeypatch, flat):
+    """Worker "b" fails its first task; its groups go to "a", which then holds two sums of the
+    step: its reduce adds the second into the first (in place when flat) or copies both."""
+    from userdp.clients import group_plane
+
+    fills = []
+    original_fill = group_plane.WorkerGroup._fill
+
+    def fill(self, buffer, bucket, sizes, held, written):
+        fills.append((self.runner.worker_id, len(held), written))
+        original_fill(self, buffer, bucket, sizes, held, written)
+
+    monkeypatch.setattr(group_plane.WorkerGroup, "_fill", fill)
+    loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP)
+    shards = sorted(loop.coordinator.population.shard_sha256)
+    try:
+        loop.add_worker("a", shards, compute=toy.ToyCompute(flat=flat))
+        loop.add_worker("b", shards, compute=FailsFirstTask(flat=flat))
+        loop.coordinator.wait_for_workers()
+        reports = loop.coordinator.run(1)
+    finally:
+        loop.close()
+    assert reports[0].failed_tasks == 1, "precondition: b's first task did not fail"
+    two = ("a", 1, True) if flat else ("a", 2, False)
+    assert two in fills, f"no reduce of two held sums in {fills}"
+    _assert_reference(loop, 1)
 
 
 class DyingMember(WorkerClient):
@@ -129,8 +196,8 @@ def test_a_reduced_sum_over_the_bound_aborts_the_step(tmp_path, monkeypatch):
 
     original = group_plane.WorkerGroup._fill
 
-    def unclipped(self, buffer, bucket, sizes, held):
-        original(self, buffer, bucket, sizes, held)
+    def unclipped(self, buffer, bucket, sizes, held, written):
+        original(self, buffer, bucket, sizes, held, written)
         buffer *= 100.0  # a worker whose sums were never clipped
 
     monkeypatch.setattr(group_plane.WorkerGroup, "_fill", unclipped)
@@ -233,9 +300,9 @@ def test_a_worker_that_cannot_join_the_group_is_left_out_and_the_others_train(
     is done by the other two, which hold every shard."""
     import threading
 
-    from userdp.clients import group_plane
+    from userdp.proto import gloo
 
-    device = group_plane._device
+    device = gloo.device
     failures = []
 
     def device_unless_b():
@@ -244,7 +311,7 @@ def test_a_worker_that_cannot_join_the_group_is_left_out_and_the_others_train(
             raise RuntimeError("no such interface 'eth9'")
         return device()
 
-    monkeypatch.setattr(group_plane, "_device", device_unless_b)
+    monkeypatch.setattr(gloo, "device", device_unless_b)
     # 10 s: what the others wait for "b" at each failed rendezvous (two of them)
     group = GroupSettings(store_bind="127.0.0.1", timeout_s=10.0)
     loop = make_loopback(tmp_path, settings=SETTINGS, group=group)

@@ -67,10 +67,15 @@ def clipped_sum(units, params, clip_norm: float):
 class ToyCompute:
     """A worker compute for transport tests (see the module docstring)."""
 
-    def __init__(self, delay_s: float = 0.0, corrupt: str | None = None) -> None:
+    def __init__(
+        self, delay_s: float = 0.0, corrupt: str | None = None, flat: bool = False
+    ) -> None:
+        """``flat``: return the sums as views of one float32 buffer in the model's order
+        (:data:`SHAPES`, the coordinator's), as the engines' accumulator does."""
         self.params: dict[str, torch.Tensor] = {}
         self.delay_s = delay_s
         self.corrupt = corrupt
+        self.flat = flat
         self.full_applies = 0
 
     def apply_model(self, tensors, full: bool) -> None:
@@ -106,6 +111,13 @@ class ToyCompute:
             loss_sum=float(len(norms)),
             tokens=len(norms),
         )
+        if self.flat:
+            buffer = torch.cat([sums[name].reshape(-1).float() for name in SHAPES])
+            sums, offset = {}, 0
+            for name, shape in SHAPES.items():
+                size = int(np.prod(shape))
+                sums[name] = buffer[offset : offset + size].view(shape)
+                offset += size
         return TaskSum(sums=sums, stats=stats)
 
 

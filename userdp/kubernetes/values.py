@@ -314,8 +314,9 @@ def next_commands(values: dict[str, Any], values_file: str) -> list[str]:
         lines.append(
             f"  - collective data plane: the coordinator Service publishes the rendezvous port "
             f"{group_port} (coordinator.groupPort) next to the gRPC port, and the worker pods "
-            "must reach each other on any TCP port (gloo, unencrypted: keep it on a private "
-            "network; the interface is values workers.glooSocketIfname, default eth0)"
+            "must reach each other and the coordinator pod on any TCP port (gloo, unencrypted: "
+            "keep it on a private network; the interfaces are values "
+            "workers.glooSocketIfname and coordinator.glooSocketIfname, default eth0)"
         )
     target = "THIS_FILE" if values_file == "-" else values_file
     lines.append(f"  - helm install RELEASE deploy/helm/userdp -f {target}")

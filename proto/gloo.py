@@ -1,0 +1,93 @@
+"""The collective data plane's transport, shared by both ends: gloo groups and the reduce's
+buckets.
+
+Under ``coordinator.data_plane = "collective"`` (docs/protocol.md) each generation of the
+workers' process group is two gloo groups that rendezvous in the coordinator's TCPStore:
+
+- the *reduce group*: the coordinator as rank 0 (the reduce's root) and member ``r`` as rank
+  ``r + 1``, under ``<prefix>reduce``;
+- the *members' group*: the members alone, member ``r`` as rank ``r``, under ``<prefix>members``;
+  the leader (rank 0) passes each model version on through it.
+
+Both ends cut the reduced sum into the same :func:`buckets` (whole tensors, in the order the
+coordinator's ``GroupReduce`` lists them), so every rank issues the same collectives in the same
+order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+BUCKET_ELEMENTS = 1 << 23
+"""float32 elements per reduce (32 MiB): large enough for gloo's bandwidth, small enough that no
+member holds a second flat copy of the model."""
+
+REDUCE_PREFIX = "reduce"
+MEMBERS_PREFIX = "members"
+
+
+def device() -> Any:
+    """The gloo transport device: the interface named by ``GLOO_SOCKET_IFNAME`` (as
+    torch.distributed's own gloo groups read it), else the one the host name resolves to."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+def group(
+    store: dist.Store,
+    prefix: str,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    rendezvous_s: float | None = None,
+) -> dist.ProcessGroupGloo:
+    """This process as ``rank`` of a gloo group of ``size`` that rendezvouses in ``store`` under
+    ``prefix``; blocks until every rank has joined (or raises after ``rendezvous_s``, default
+    ``timeout_s``), and every collective of the group fails after ``timeout_s``."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=rendezvous_s or timeout_s)
+    options._devices = [device()]
+    made = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+    made.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return made
+
+
+def client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the coordinator's TCPStore at ``host:port``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def shape(meta: Any) -> tuple[int, ...]:
+    """A ``TensorMeta``'s shape."""
+    return tuple(int(d) for d in meta.shape)
+
+
+def buckets(metas: Iterable[Any]) -> list[list]:
+    """Consecutive ``TensorMeta`` grouped into buckets of at least :data:`BUCKET_ELEMENTS`
+    elements (the last may be smaller; a tensor is never split)."""
+    out: list[list] = [[]]
+    size = 0
+    for meta in metas:
+        if size >= BUCKET_ELEMENTS:
+            out.append([])
+            size = 0
+        out[-1].append(meta)
+        size += math.prod(shape(meta))
+    return [b for b in out if b]
+
+
+def reduce_options() -> dist.ReduceOptions:
+    """A sum reduced to the coordinator (rank 0 of the reduce group)."""
+    options = dist.ReduceOptions()
+    options.rootRank = 0
+    options.reduceOp = dist.ReduceOp.SUM
+    return options
