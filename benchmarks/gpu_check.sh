@@ -14,14 +14,15 @@
 #   CUDA and every module the checks import are there (exit 2 naming what is missing), then runs,
 #   each under its own time limit (seconds; environment variables, the defaults add up to
 #   under 8 minutes):
-#     GPU_CHECK_TESTS_S=120   the GPU tests (-m gpu), from outside the checkout so that the
+#     GPU_CHECK_TESTS_S=100   the GPU tests (-m gpu), from outside the checkout so that the
 #                             installed package is imported
-#     GPU_CHECK_E2E_S=150     benchmarks/end_to_end.py --quick: GPT-2 small, seq 128, ULS G=1/8/64
+#     GPU_CHECK_E2E_S=130     benchmarks/end_to_end.py --quick: GPT-2 small, seq 128, ULS G=1/8/64
 #                             and ELS against non-private, default precision
-#     GPU_CHECK_WORKER_S=90   benchmarks/worker.py: the Llama-shaped preset, full fine-tuning and
-#                             LoRA r = 8, userdp's vectorized engine beside Opacus hooks and ghost
-#                             clipping on the same tokens
-#     GPU_CHECK_OFFLOAD_S=120 benchmarks/zero3_offload.py --repeats 1: ZeRO-3 with parameter
+#     GPU_CHECK_GPT2_S=60     benchmarks/worker.py on GPT-2 small, and
+#     GPU_CHECK_LLAMA_S=80    on the Llama-shaped preset, full fine-tuning and LoRA r = 8:
+#                             userdp's vectorized engine beside Opacus hooks and ghost clipping on
+#                             the same tokens
+#     GPU_CHECK_OFFLOAD_S=110 benchmarks/zero3_offload.py --repeats 1: ZeRO-3 with parameter
 #                             offload, a model sized past the device's memory (it exits 2 when
 #                             the host's memory cannot hold it either)
 #   and writes gpu-<card>-<check>.md (card: h100, h200, ...) into OUT (default $OUT when set, as on the
@@ -120,10 +121,12 @@ EOF
   gpu=$(card)
   device=$(python3 -c "import torch; print(torch.cuda.get_device_name(0))")
   status=0
-  run_check tests "${GPU_CHECK_TESTS_S:-120}" bash -c "cd /tmp && python3 -m pytest -q --rootdir '$repo' -c '$repo/pyproject.toml' -m gpu '$repo/tests/clients/test_engine_gpu.py' '$repo/tests/userdp/test_simulate_gpu.py'"
-  run_check end_to_end "${GPU_CHECK_E2E_S:-150}" python3 benchmarks/end_to_end.py --quick --repeats 2
-  run_check worker_llama "${GPU_CHECK_WORKER_S:-90}" python3 benchmarks/worker.py --preset llama-small --lora-rank 0,8 --device cuda --dtype bf16 --engines vectorized --skip-long --repeat 2
-  run_check zero3_offload "${GPU_CHECK_OFFLOAD_S:-120}" python3 benchmarks/zero3_offload.py --repeats 1
+  run_check tests "${GPU_CHECK_TESTS_S:-100}" bash -c "cd /tmp && python3 -m pytest -q --rootdir '$repo' -c '$repo/pyproject.toml' -m gpu '$repo/tests/clients/test_engine_gpu.py' '$repo/tests/userdp/test_simulate_gpu.py'"
+  local engine=(--device cuda --dtype bf16 --engines vectorized --skip-long --repeat 2)
+  run_check end_to_end "${GPU_CHECK_E2E_S:-130}" python3 benchmarks/end_to_end.py --quick --repeats 2
+  run_check worker_gpt2 "${GPU_CHECK_GPT2_S:-60}" python3 benchmarks/worker.py --preset gpt2-small "${engine[@]}"
+  run_check worker_llama "${GPU_CHECK_LLAMA_S:-80}" python3 benchmarks/worker.py --preset llama-small --lora-rank 0,8 "${engine[@]}"
+  run_check zero3_offload "${GPU_CHECK_OFFLOAD_S:-110}" python3 benchmarks/zero3_offload.py --repeats 1
   echo "gpu_check: results in $results (exit $status)" >&2
   exit "$status"
 }
