@@ -75,6 +75,7 @@ class WorkerGroup:
         self._error = "no group joined"
         self._sources: dict[int, pb.GroupModel] = {}
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._ops: queue.Queue = queue.Queue()
         self._thread = threading.Thread(
             target=self._loop, name=f"userdp-group-{runner.worker_id}", daemon=True
@@ -112,6 +113,7 @@ class WorkerGroup:
             self._sources.clear()
 
     def close(self) -> None:
+        self._closed.set()
         self._ops.put(None)
 
     # ---- the group's thread ---------------------------------------------------------------------
@@ -138,12 +140,18 @@ class WorkerGroup:
                 raise ValueError("the coordinator does not take part in the reduce (an older one)")
             store = gloo.client_store(host, message.store_port, message.timeout_s)
             prefix, size, timeout_s = message.store_prefix, message.world_size, message.timeout_s
-            # the coordinator builds only the reduce group: every member builds it first
+            # every rank builds its part of a group only once all have arrived (a wait this
+            # thread can leave); the coordinator builds only the reduce group, so every member
+            # builds it first
+            # (the device first: a worker that cannot open its interface fails at once)
+            transport = gloo.device()
+            gloo.arrive(store, prefix, message.rank + 1)
+            gloo.wait_arrived(store, prefix, list(range(size + 1)), timeout_s, self._closed.is_set)
             self._reducer = gloo.group(
-                store, prefix + gloo.REDUCE_PREFIX, message.rank + 1, size + 1, timeout_s
+                store, prefix + gloo.REDUCE_PREFIX, message.rank + 1, size + 1, timeout_s, transport
             )
             self._group = gloo.group(
-                store, prefix + gloo.MEMBERS_PREFIX, message.rank, size, timeout_s
+                store, prefix + gloo.MEMBERS_PREFIX, message.rank, size, timeout_s, transport
             )
             self._error = ""
             send(
@@ -216,7 +224,7 @@ class WorkerGroup:
 
     def _held_sums(self, message: pb.GroupReduce) -> tuple[list[Mapping], str]:
         """The held sums ``message`` names, and what is wrong with them ("" = nothing)."""
-        held = self.runner.take_held(message.step, list(message.held))
+        held = self.runner.take_held(message.step, message.gather, list(message.held))
         if held is None:
             return [], f"step {message.step}: a held sum of {list(message.held)} is missing"
         for sums in held:

@@ -87,7 +87,8 @@ class TaskRunner:
         self.model_version = -1
         self.tasks_done = 0
         self._model_lock = threading.Lock()
-        self._held: dict[str, tuple[int, Mapping]] = {}
+        self._held: dict[str, tuple[tuple[int, int], Mapping]] = {}
+        """"task_id/attempt" → ((step, gather), the held sums)."""
         self._held_lock = threading.Lock()
 
     def _receive_version(
@@ -122,19 +123,22 @@ class TaskRunner:
         """Keep a task's sum for the group's reduce (the collective data plane); sums of earlier
         steps are dropped: a step's reduce comes before the next step's tasks."""
         with self._held_lock:
-            for key in [k for k, (step, _) in self._held.items() if step < task.step]:
+            for key in [k for k, ((step, _), _) in self._held.items() if step < task.step]:
                 del self._held[key]
-            self._held[f"{task.task_id}/{task.attempt}"] = (task.step, task_sum.sums)
+            self._held[f"{task.task_id}/{task.attempt}"] = ((task.step, task.gather), task_sum.sums)
 
-    def take_held(self, step: int, keys: list[str]) -> list[Mapping] | None:
-        """Remove and return the held sums ``keys`` of ``step``; None when one is missing. Every
-        other sum held for ``step`` or before is dropped: a step's reduce names all the sums the
-        coordinator accepted, so the rest (late or aborted attempts) will never be reduced."""
+    def take_held(self, step: int, gather: int, keys: list[str]) -> list[Mapping] | None:
+        """Remove and return the held sums ``keys`` of gather ``gather`` of ``step``; None when
+        one is missing. Every other sum held for that gather or an earlier one is dropped: a
+        reduce names all the sums the coordinator accepted in its gather, so the rest (late
+        results, aborted gathers) will never be reduced. Sums of a LATER gather of the step are
+        kept: a reduce the coordinator gave up may reach this worker after the retried gather's
+        tasks did."""
         with self._held_lock:
             found = [self._held.get(key) for key in keys]
-            for key in [k for k, (held_step, _) in self._held.items() if held_step <= step]:
+            for key in [k for k, (when, _) in self._held.items() if when <= (step, gather)]:
                 del self._held[key]
-        if any(entry is None or entry[0] != step for entry in found):
+        if any(entry is None or entry[0] != (step, gather) for entry in found):
             return None
         return [sums for _, sums in found]
 

@@ -63,11 +63,14 @@ def task_proto(
     deadline_s: float,
     *,
     hold: bool = False,
+    gather: int = 0,
 ) -> pb.Task:
     """The wire ``Task`` for ``units`` of a step whose workers are told ``spec``; ``hold``: the
-    worker keeps the sum for the group's reduce (the collective data plane)."""
+    worker keeps the sum for the group's reduce (the collective data plane); ``gather``: which
+    gather of the step the task belongs to (0 = the first, n = its n-th retry)."""
     return pb.Task(
         hold=hold,
+        gather=gather,
         task_id=task_id,
         attempt=attempt,
         step=step,

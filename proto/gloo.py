@@ -19,7 +19,9 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch.distributed as dist
@@ -30,6 +32,36 @@ member holds a second flat copy of the model."""
 
 REDUCE_PREFIX = "reduce"
 MEMBERS_PREFIX = "members"
+ARRIVED_PREFIX = "arrived"
+"""Under it, member ``r`` sets key ``r + 1`` when it starts joining a generation, and the
+coordinator key ``0`` once every member's key is there. Each side waits for the keys it needs
+with a loop it can leave (:func:`wait_arrived`), then builds its rank: a rendezvous blocked
+inside gloo cannot be left, and aborts the process if it exits meanwhile."""
+
+POLL_S = 0.02
+"""How often a waiting rank looks for the others' arrival keys."""
+
+
+def wait_arrived(
+    store: dist.Store, prefix: str, ranks: list[int], timeout_s: float, stop: Callable[[], bool]
+) -> None:
+    """Wait until the arrival keys of ``ranks`` are set under ``prefix`` + :data:`ARRIVED_PREFIX`;
+    raises TimeoutError after ``timeout_s``, RuntimeError when ``stop()`` or when the process's
+    main thread has ended (the interpreter is exiting)."""
+    arrived = dist.PrefixStore(prefix + ARRIVED_PREFIX, store)
+    keys = [str(rank) for rank in ranks]
+    deadline = time.monotonic() + timeout_s
+    while not arrived.check(keys):
+        if stop() or not threading.main_thread().is_alive():
+            raise RuntimeError("stopped waiting for the group's other ranks")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the group's other ranks did not arrive within {timeout_s:.0f}s")
+        time.sleep(POLL_S)
+
+
+def arrive(store: dist.Store, prefix: str, rank: int) -> None:
+    """Set this rank's arrival key (see :data:`ARRIVED_PREFIX`)."""
+    dist.PrefixStore(prefix + ARRIVED_PREFIX, store).set(str(rank), "1")
 
 
 def device() -> Any:
@@ -47,17 +79,16 @@ def group(
     rank: int,
     size: int,
     timeout_s: float,
-    rendezvous_s: float | None = None,
+    transport: Any = None,
 ) -> dist.ProcessGroupGloo:
     """This process as ``rank`` of a gloo group of ``size`` that rendezvouses in ``store`` under
-    ``prefix``; blocks until every rank has joined (or raises after ``rendezvous_s``, default
-    ``timeout_s``), and every collective of the group fails after ``timeout_s``."""
+    ``prefix`` over ``transport`` (default: :func:`device`); blocks until every rank has joined
+    (or raises after ``timeout_s``), and every collective of the group fails after
+    ``timeout_s``."""
     options = dist.ProcessGroupGloo._Options()
-    options._timeout = datetime.timedelta(seconds=rendezvous_s or timeout_s)
-    options._devices = [device()]
-    made = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
-    made.set_timeout(datetime.timedelta(seconds=timeout_s))
-    return made
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    options._devices = [transport if transport is not None else device()]
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 
 def client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:

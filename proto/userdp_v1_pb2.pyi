@@ -245,7 +245,7 @@ class Selection(_message.Message):
     def __init__(self, strategy: _Optional[str] = ..., group_size: _Optional[int] = ..., seq_len: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "attempt", "step", "model_version", "unit_ids", "clip_norm", "engine", "selection", "deadline_s", "selection_seed", "padded_size", "hold")
+    __slots__ = ("task_id", "attempt", "step", "model_version", "unit_ids", "clip_norm", "engine", "selection", "deadline_s", "selection_seed", "padded_size", "hold", "gather")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class Task(_message.Message):
     SELECTION_SEED_FIELD_NUMBER: _ClassVar[int]
     PADDED_SIZE_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    GATHER_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     step: int
@@ -270,7 +271,8 @@ class Task(_message.Message):
     selection_seed: int
     padded_size: int
     hold: bool
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., model_version: _Optional[int] = ..., unit_ids: _Optional[_Iterable[str]] = ..., clip_norm: _Optional[float] = ..., engine: _Optional[_Union[EngineOptions, _Mapping]] = ..., selection: _Optional[_Union[Selection, _Mapping]] = ..., deadline_s: _Optional[float] = ..., selection_seed: _Optional[int] = ..., padded_size: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
+    gather: int
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., model_version: _Optional[int] = ..., unit_ids: _Optional[_Iterable[str]] = ..., clip_norm: _Optional[float] = ..., engine: _Optional[_Union[EngineOptions, _Mapping]] = ..., selection: _Optional[_Union[Selection, _Mapping]] = ..., deadline_s: _Optional[float] = ..., selection_seed: _Optional[int] = ..., padded_size: _Optional[int] = ..., hold: _Optional[bool] = ..., gather: _Optional[int] = ...) -> None: ...
 
 class CancelTask(_message.Message):
     __slots__ = ("task_id", "attempt")
@@ -339,7 +341,7 @@ class GroupJoin(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., coordinator_root: _Optional[bool] = ...) -> None: ...
 
 class GroupReduce(_message.Message):
-    __slots__ = ("step", "generation", "task_id", "attempt", "model_version", "held", "tensors")
+    __slots__ = ("step", "generation", "task_id", "attempt", "model_version", "held", "tensors", "gather")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +349,7 @@ class GroupReduce(_message.Message):
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    GATHER_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     task_id: str
@@ -354,7 +357,8 @@ class GroupReduce(_message.Message):
     model_version: int
     held: _containers.RepeatedScalarFieldContainer[str]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., model_version: _Optional[int] = ..., held: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    gather: int
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., model_version: _Optional[int] = ..., held: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., gather: _Optional[int] = ...) -> None: ...
 
 class GroupModel(_message.Message):
     __slots__ = ("model_version", "generation", "source", "tensors")

@@ -142,6 +142,7 @@ class StepGather:
         self.clip_norm = float(clip_norm)
         self.estimate_probes = int(estimate_probes)
         self.collective = bool(collective)
+        self.retry = retry
         self._task_prefix = f"{step}." if retry == 0 else f"{step}r{retry}."
         self._held: dict[str, list[str]] = {}
         self._reduced = False

@@ -90,7 +90,9 @@ class CollectiveFleet(Fleet):
             raise StepAborted(f"step {collect.step}: {problem}")
         started = time.perf_counter()
         metas = tensor_metas(collect.template_tensors(), dtype="float32")
-        task_id, messages = plane.reduce_messages(collect.step, self.model_version, held, metas)
+        task_id, messages = plane.reduce_messages(
+            collect.step, collect.retry, self.model_version, held, metas
+        )
         for worker, message in messages.items():
             live[worker].send(message)
         # the rendezvous and each collective are bounded by the group's timeout

@@ -207,6 +207,7 @@ class Fleet:
                 collect.task_units(task_id),
                 self.settings.task_deadline_s,
                 hold=self.holds_sums,
+                gather=collect.retry,
             )
             eligible[worker].send(pb.CoordinatorMessage(task=task))
 

@@ -139,6 +139,8 @@ class GroupPlane:
         self.healthy = bool(members)
         prefix = f"userdp/{self._nonce}/{self.generation}/"
         timeout_s = self.settings.timeout_s
+        if self.root is not None:
+            self.root.cancel()
         self.root = (
             ReduceRoot(
                 (self._store_host(), self.port),
@@ -204,9 +206,15 @@ class GroupPlane:
         self.healthy = False
 
     def reduce_messages(
-        self, step: int, model_version: int, held: Mapping[str, list[str]], metas: list
+        self,
+        step: int,
+        gather: int,
+        model_version: int,
+        held: Mapping[str, list[str]],
+        metas: list,
     ) -> tuple[str, dict[str, pb.CoordinatorMessage]]:
-        """(the reduce's task id, worker → its ``GroupReduce``) for every member."""
+        """(the reduce's task id, worker → its ``GroupReduce``) for every member, taking the
+        held sums of gather ``gather`` of ``step``."""
         self.reduces += 1
         task_id = f"{step}.reduce.{self.reduces}"
         messages = {
@@ -219,6 +227,7 @@ class GroupPlane:
                     model_version=model_version,
                     held=held.get(worker, []),
                     tensors=metas,
+                    gather=gather,
                 )
             )
             for worker in self.members

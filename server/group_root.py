@@ -7,11 +7,14 @@ coordinator's buffers, so the sum reaches it as raw float32 bytes, with no gRPC 
 protobuf copy and no worker that must send it alone.
 
 - :class:`ReduceRoot` builds the coordinator's rank of one generation on a thread of its own,
-  over a store connection of its own,
-  while the coordinator's loop goes on handling events. Its rendezvous waits as long as the
-  coordinator would wait for the step's reduce (a member may first have to finish what an
-  earlier generation asked of it, each part bounded by the group's timeout); its collectives
-  then fail after the group's timeout, as the members' do.
+  over a store connection of its own, while the coordinator's loop goes on handling events. It
+  first waits, polling the store, until every member said it arrived
+  (:data:`userdp.proto.gloo.ARRIVED_PREFIX`), as long as the coordinator would wait for the
+  step's reduce (a member may first have to finish what an earlier generation asked of it, each
+  part bounded by the group's timeout); the wait ends early when the generation is replaced or
+  the process is exiting (a rendezvous blocked inside gloo cannot be left, and would abort the
+  process at exit). Then it builds its rank, with the members already waiting; its collectives
+  fail after the group's timeout, as the members' do.
 - :class:`RootReduce` is one reduce at the root: the failure count all-reduced with the members,
   then one gloo reduce per bucket into the sum's own tensors. Every collective is issued
   asynchronously; the coordinator polls them between events, so a member lost or a failure
@@ -49,6 +52,7 @@ class ReduceRoot:
         self.group: dist.ProcessGroupGloo | None = None
         self.error = ""
         self._ready = threading.Event()
+        self._cancelled = threading.Event()
         threading.Thread(
             target=self._join,
             args=(store, prefix, members + 1, timeout_s, rendezvous_s),
@@ -65,12 +69,13 @@ class ReduceRoot:
         rendezvous_s: float,
     ) -> None:
         try:
-            # a connection of its own: a rendezvous still waiting for an earlier generation's
-            # members must not hold up this one's
-            store = gloo.client_store(*address, rendezvous_s)
-            self.group = gloo.group(
-                store, prefix + gloo.REDUCE_PREFIX, 0, size, timeout_s, rendezvous_s
-            )
+            # a connection of its own: a wait for an earlier generation's members must not hold
+            # up this one's
+            store = gloo.client_store(*address, timeout_s)
+            members = list(range(1, size))
+            gloo.wait_arrived(store, prefix, members, rendezvous_s, self._cancelled.is_set)
+            gloo.arrive(store, prefix, 0)
+            self.group = gloo.group(store, prefix + gloo.REDUCE_PREFIX, 0, size, timeout_s)
         except Exception as exc:
             self.error = f"the coordinator could not join the reduce group: {exc}"
         finally:
@@ -79,6 +84,10 @@ class ReduceRoot:
     def ready(self) -> bool:
         """The rendezvous ended (:attr:`group` set, or :attr:`error` says why not)."""
         return self._ready.is_set()
+
+    def cancel(self) -> None:
+        """The generation was replaced: stop waiting for its members."""
+        self._cancelled.set()
 
 
 class RootReduce:

@@ -277,9 +277,9 @@ def mutation_reduce_takes_every_held_sum(monkeypatch):
     ones the coordinator accepted, so a late result of a re-issued task counts twice."""
     from userdp.clients.task_runner import TaskRunner
 
-    def take_held(self, step, keys):
+    def take_held(self, step, gather, keys):
         with self._held_lock:
-            found = [key for key, (held_step, _) in self._held.items() if held_step == step]
+            found = [key for key, ((held_step, _), _) in self._held.items() if held_step == step]
             return [self._held.pop(key)[1] for key in found]
 
     monkeypatch.setattr(TaskRunner, "take_held", take_held)

@@ -329,18 +329,26 @@ def test_a_worker_that_cannot_join_the_group_is_left_out_and_the_others_train(
     _assert_reference(loop, 2)
 
 
-def test_a_reduce_drops_the_sums_it_does_not_name():
-    """A worker keeps only what a later reduce can name: the reduce of step s takes the named
-    sums and drops every other sum held for s or before (late results, aborted gathers)."""
+def test_a_reduce_drops_the_sums_it_does_not_name_and_keeps_later_gathers():
+    """A worker keeps only what a later reduce can name: the reduce of gather g of step s takes
+    the named sums and drops every other sum of s's gathers up to g and of earlier steps (late
+    results, aborted gathers), and keeps the sums of s's later gathers (a reduce the coordinator
+    gave up can reach the worker after the retried gather's tasks did)."""
     from userdp.clients.task_runner import TaskRunner
     from userdp.proto import userdp_v1_pb2 as pb
     from userdp.proto.results import TaskSum
 
     runner = TaskRunner("w", compute=None, session_chunk_bytes=1 << 20)
-    for task_id, step in (("2.0", 2), ("3.0", 3), ("3.1", 3), ("3r1.0", 3)):
-        runner._hold(pb.Task(task_id=task_id, step=step), TaskSum({"w": torch.ones(2) * step}))
-    assert sorted(runner._held) == ["3.0/0", "3.1/0", "3r1.0/0"]  # step 2's went with step 3's
-    taken = runner.take_held(3, ["3r1.0/0"])
+    held = (("2.0", 2, 0), ("3.0", 3, 0), ("3.1", 3, 0), ("3r1.0", 3, 1), ("3r2.0", 3, 2))
+    for task_id, step, gather in held:
+        task = pb.Task(task_id=task_id, step=step, gather=gather)
+        runner._hold(task, TaskSum({"w": torch.ones(2) * step}))
+    assert sorted(runner._held) == ["3.0/0", "3.1/0", "3r1.0/0", "3r2.0/0"]  # step 2's dropped
+    # the abandoned first gather's reduce, arriving late: the retries' sums survive it
+    assert runner.take_held(3, 0, ["3.0/0"]) is not None
+    assert sorted(runner._held) == ["3r1.0/0", "3r2.0/0"], "a later gather's sum was dropped"
+    taken = runner.take_held(3, 1, ["3r1.0/0"])
     assert len(taken) == 1 and torch.equal(taken[0]["w"], torch.full((2,), 3.0))
-    assert runner._held == {}, "sums of step 3 the reduce did not name are still held"
-    assert runner.take_held(3, ["3.0/0"]) is None, "a dropped sum was found again"
+    assert sorted(runner._held) == ["3r2.0/0"]
+    assert runner.take_held(3, 2, ["3.1/0"]) is None, "a dropped sum was found again"
+    assert runner._held == {}, "sums of the reduced gather it did not name are still held"
