@@ -45,6 +45,7 @@ import torch
 from userdp.clients.grpc_client import WorkerClient
 from userdp.proto.allocator import keep_freed_memory
 from userdp.proto.results import TaskSum
+from userdp.proto.tensors import flat_views
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings, Population
 from userdp.server.group_plane import GroupPlane, GroupSettings
@@ -73,10 +74,7 @@ class SumCompute:
         accumulator returns them (:class:`userdp.clients.clipping.Accumulator`)."""
         numel = sum(math.prod(shape) for shape in self.shapes.values())
         value = 0.5 * task.clip_norm * len(task.unit_ids) / math.sqrt(numel)
-        flat, sums, offset = torch.full((numel,), value), {}, 0
-        for name, shape in self.shapes.items():
-            sums[name] = flat[offset : offset + math.prod(shape)].view(shape)
-            offset += math.prod(shape)
+        sums = flat_views(torch.full((numel,), value), self.shapes)
         return TaskSum(sums=sums, stats=UnitStats(count=len(task.unit_ids)))
 
 

@@ -17,7 +17,7 @@ loss weights make the sum over chunks exactly the unit's gradient.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,17 +29,8 @@ from userdp.clients.batching import (
 )
 from userdp.clients.zero3 import Lockstep, param_numel, param_shape
 from userdp.proto.results import TaskSum
+from userdp.proto.tensors import flat_views
 from userdp.strategies.unit_stats import UnitStats
-
-
-def flat_views(flat: torch.Tensor, shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """One view per name into consecutive slices of the 1-D ``flat`` (``shapes`` in order)."""
-    views, offset = {}, 0
-    for name, shape in shapes.items():
-        size = math.prod(shape)
-        views[name] = flat[offset : offset + size].view(shape)
-        offset += size
-    return views
 
 
 def clip_factor(norm: float, clip_norm: float) -> float:

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 from userdp.clients.batching import EngineError
-from userdp.clients.clipping import flat_views
 from userdp.clients.deepspeed_config import deepspeed_json_problem
 from userdp.clients.deepspeed_ops import build_startup_ops
 from userdp.proto.results import TaskSum
+from userdp.proto.tensors import flat_views
 from userdp.strategies.unit_stats import UnitStats
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,9 @@ import math
 
 import torch
 from userdp.clients.batching import EngineError
-from userdp.clients.clipping import Accumulator, flat_views
+from userdp.clients.clipping import Accumulator
 from userdp.clients.zero3 import is_partitioned, param_shape
+from userdp.proto.tensors import flat_views
 
 
 def _group(params: dict[str, torch.Tensor]) -> torch.distributed.ProcessGroup | None:

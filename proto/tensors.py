@@ -264,3 +264,15 @@ def chunks_sha256(chunks: Iterable[pb.TensorChunk]) -> str:
             )
         digest.update(chunk.data)
     return _combine({name: d.hexdigest() for name, d in running.items()})
+
+
+def flat_views(flat: Any, shapes: Mapping[str, Any]) -> dict[str, Any]:
+    """One view per name into consecutive slices of the 1-D tensor ``flat`` (``shapes`` in
+    order): a task's sums in one buffer, as the engines lay them out and the collective plane
+    reduces them."""
+    views, offset = {}, 0
+    for name, shape in shapes.items():
+        size = math.prod(shape)
+        views[name] = flat[offset : offset + size].view(shape)
+        offset += size
+    return views

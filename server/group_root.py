@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from userdp.proto import gloo
+from userdp.proto.tensors import flat_views
 
 log = logging.getLogger("userdp.server.coordinator")
 
@@ -42,7 +43,7 @@ class ReduceRoot:
 
     def __init__(
         self,
-        store: tuple[str, int],
+        address: tuple[str, int],
         prefix: str,
         members: int,
         timeout_s: float,
@@ -55,7 +56,7 @@ class ReduceRoot:
         self._cancelled = threading.Event()
         threading.Thread(
             target=self._join,
-            args=(store, prefix, members + 1, timeout_s, rendezvous_s),
+            args=(address, prefix, members + 1, timeout_s, rendezvous_s),
             name=f"userdp-group-root-{generation}",
             daemon=True,
         ).start()
@@ -116,12 +117,9 @@ class RootReduce:
     def start_buckets(self) -> None:
         """Issue one reduce per bucket into zeroed float32 buffers, which become :attr:`sums`."""
         for bucket in gloo.buckets(self.metas):
-            sizes = [math.prod(gloo.shape(m)) for m in bucket]
-            buffer = torch.zeros(sum(sizes), dtype=torch.float32)
-            offset = 0
-            for meta, size in zip(bucket, sizes, strict=True):
-                self.sums[meta.name] = buffer[offset : offset + size].view(gloo.shape(meta))
-                offset += size
+            shapes = {meta.name: gloo.shape(meta) for meta in bucket}
+            buffer = torch.zeros(sum(map(math.prod, shapes.values())), dtype=torch.float32)
+            self.sums.update(flat_views(buffer, shapes))
             self._works.append(self.group.reduce([buffer], gloo.reduce_options()))
 
     def abandon(self) -> None:
@@ -131,14 +129,19 @@ class RootReduce:
         self.sums = {}
         if not pending:
             return
+        # the thread holds the group until its collectives ended: dropping it here would block
+        # this thread in its destructor until they do
         group, self.group, self._works = self.group, None, []
+        threading.Thread(
+            target=_drain, args=(group, pending), name="userdp-group-drain", daemon=True
+        ).start()
 
-        def drain() -> None:
-            for work in pending:
-                try:
-                    work.wait()
-                except Exception:  # expected: a member died or the group timed out
-                    log.debug("an abandoned reduce's collective failed", exc_info=True)
-            log.debug("abandoned reduce of group %s drained", id(group))
 
-        threading.Thread(target=drain, name="userdp-group-drain", daemon=True).start()
+def _drain(group: dist.ProcessGroupGloo, pending: list) -> None:
+    """Wait out an abandoned reduce's collectives, then let ``group`` go."""
+    for work in pending:
+        try:
+            work.wait()
+        except Exception:  # expected: a member died or the group timed out
+            log.debug("an abandoned reduce's collective failed", exc_info=True)
+    del group

@@ -112,12 +112,10 @@ class ToyCompute:
             tokens=len(norms),
         )
         if self.flat:
+            from userdp.proto.tensors import flat_views
+
             buffer = torch.cat([sums[name].reshape(-1).float() for name in SHAPES])
-            sums, offset = {}, 0
-            for name, shape in SHAPES.items():
-                size = int(np.prod(shape))
-                sums[name] = buffer[offset : offset + size].view(shape)
-                offset += size
+            sums = flat_views(buffer, SHAPES)
         return TaskSum(sums=sums, stats=stats)
 
 
