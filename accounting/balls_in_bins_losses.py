@@ -69,6 +69,7 @@ __all__ = [
 
 BIN_SEMANTICS = ("fixed", "per-epoch")
 _CHUNK_ELEMENTS = 2**23  # float32 entries per chunk of W (32 MiB)
+_BLOCK_ELEMENTS = 2**17  # float32 entries per cache-sized block of a streamed chunk (512 KiB)
 _THREADS = max(1, min(4, os.cpu_count() or 1))  # chunks computed in parallel (GIL released)
 ESTIMATE, VERIFY = 0, 1
 
@@ -231,8 +232,8 @@ class LossSampler:
         self.seed = _child(root, purpose)
         self.chunk = max(1, min(num_samples, _CHUNK_ELEMENTS // self.bins))
 
-    def _normals(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk ``index`` of the fixed draws: mode indices k and standard normals g."""
+    def _modes(self, index: int) -> tuple[np.random.Generator, np.ndarray]:
+        """Chunk ``index``'s generator, positioned after its mode indices k, and k."""
         n_chunks = math.ceil(self.num_samples / self.chunk)
         if not 0 <= index < n_chunks:
             raise IndexError(index)
@@ -241,26 +242,34 @@ class LossSampler:
         # default PCG64 and feeds the float32 ziggurat about 1.3x faster (the draws dominate a
         # chunk's cost); the normals' law, tails included, is the ziggurat's either way.
         rng = np.random.Generator(np.random.SFC64(_child(self.seed, index)))
-        k = rng.integers(0, self.bins, size=(1, size))
-        g = rng.standard_normal((1, size, self.bins), dtype=np.float32)
-        return k, g
+        return rng, rng.integers(0, self.bins, size=(1, size))
+
+    def _normals(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk ``index`` of the fixed draws: mode indices k and standard normals g."""
+        rng, k = self._modes(index)
+        return k, rng.standard_normal((1, k.shape[1], self.bins), dtype=np.float32)
 
     def _chunk_losses(self, index: int, sigma: float) -> tuple[np.ndarray, np.ndarray]:
         """The losses of one copy of the pair, both directions, for chunk ``index`` at σ."""
-        k, g = self._normals(index)
         log_b = math.log(self.bins)
         if self.factor is None:
             # Diagonal G: X ~ P differs from the Q-row only at coordinate k, by G[k, k]/σ², so
             # its log-sum-exp follows from the Q-row's without a second pass over the b modes:
             #   lse(pos) = logaddexp(log Σ_{i≠k} e^{base_i}, base_k + G[k, k]/σ²),
             #   log Σ_{i≠k} e^{base_i} = lse(base) + log1p(−e^{base_k − lse(base)}).
-            base_k, lse_base = self._diagonal_lse(index, k, g, sigma)
+            streamed = self._equal_diagonal_lse(index, sigma)
+            if streamed is None:
+                k, g = self._normals(index)
+                base_k, lse_base = self._diagonal_lse(k, g, sigma)
+            else:
+                k, base_k, lse_base = streamed
             with np.errstate(divide="ignore"):
                 rest = lse_base + np.log1p(-np.exp(np.minimum(base_k - lse_base, 0.0)))
             lse_pos = np.logaddexp(rest, base_k + self.diag[k] / sigma**2)
             y_qp = -(lse_base[0] - log_b)
             y_pq = lse_pos[0] - log_b
         else:
+            k, g = self._normals(index)
             lse_base, lse_pos = self._dense_lse(index, k, g, sigma)
             y_qp = -(lse_base - log_b)
             y_pq = lse_pos - log_b
@@ -318,32 +327,50 @@ class LossSampler:
         # g's transpose is a Fortran-ordered b × rows matrix: Wᵀ = L·gᵀ, written over g.
         return strmm(1.0, lower, g.T, side=0, lower=1, overwrite_b=1).T
 
-    def _diagonal_lse(
-        self, index: int, k: np.ndarray, g: np.ndarray, sigma: float
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(base_k, log Σ_i e^{base_i}) in float64 for base = √diag·g/σ − diag/(2σ²); ``g`` is
-        overwritten.
+    def _equal_diagonal_lse(
+        self, index: int, sigma: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(k, base_k, log Σ_i e^{base_i}) in float64 for base = √d·g/σ − d/(2σ²) when every
+        diagonal entry equals d (fixed bins without correlation, per-epoch bins); None when G's
+        diagonal is not constant or a row overflows (the caller takes the max-shifted path on
+        the same draws).
 
-        Equal diagonal entries (fixed bins without correlation, per-epoch bins) make the shift a
-        constant c: lse(base) = log Σ_i e^{s·g_i} − c, two passes over the draws (scale+exp in
-        place, sum) instead of the max-shifted five. e^{s·g} cannot overflow float32 unless
-        s·max g > 88; a non-finite or zero row sum sends the chunk down the max-shifted path,
-        regenerated from its seed."""
+        The shift is then a constant c: lse(base) = log Σ_i e^{s·g_i} − c, one pass (draw, scale,
+        exp, sum) over blocks of rows small enough to stay in cache, drawn into one reused
+        buffer: the same draws as :meth:`_normals` (the generator's stream does not depend on
+        how it is cut) without a chunk-sized array's page faults and memory traffic. e^{s·g}
+        cannot overflow float32 unless s·max g > 88."""
         diag = self.diag
-        if diag.size and np.all(diag == diag[0]):
-            scale = float(np.sqrt(diag[0]) / sigma)
-            shift = 0.5 * float(diag[0]) / sigma**2
-            g_k = np.take_along_axis(g, k[..., None], -1)[..., 0].astype(np.float64)
-            np.multiply(g, np.float32(scale), out=g)
+        if not (diag.size and np.all(diag == diag[0])):
+            return None
+        scale = float(np.sqrt(diag[0]) / sigma)
+        shift = 0.5 * float(diag[0]) / sigma**2
+        rng, k = self._modes(index)
+        size = k.shape[1]
+        g_k = np.empty(size)
+        total = np.empty(size)
+        block = np.empty((min(size, _BLOCK_ELEMENTS // self.bins), self.bins), np.float32)
+        for start in range(0, size, block.shape[0]):
+            rows = block[: min(block.shape[0], size - start)]
+            span = slice(start, start + rows.shape[0])
+            rng.standard_normal(dtype=np.float32, out=rows)
+            g_k[span] = rows[np.arange(rows.shape[0]), k[0, span]]
+            np.multiply(rows, np.float32(scale), out=rows)
             with np.errstate(over="ignore"):  # detected below: the chunk is redone
-                np.exp(g, out=g)
-            total = g.sum(axis=-1, dtype=np.float64)
-            if np.all(np.isfinite(total)) and np.all(total > 0.0):
-                return scale * g_k - shift, np.log(total) - shift
-            k, g = self._normals(index)  # overflow: the max-shifted path on the same draws
+                np.exp(rows, out=rows)
+            rows.sum(axis=-1, dtype=np.float64, out=total[span])
+        if not (np.all(np.isfinite(total)) and np.all(total > 0.0)):
+            return None
+        return k, (scale * g_k - shift)[None], (np.log(total) - shift)[None]
+
+    def _diagonal_lse(
+        self, k: np.ndarray, g: np.ndarray, sigma: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(base_k, log Σ_i e^{base_i}) in float64 for base = √diag·g/σ − diag/(2σ²), max-shifted
+        (any diagonal G; any draws); ``g`` is overwritten."""
         base = g
         base *= (self.scale / np.float32(sigma)).astype(np.float32)
-        base -= (0.5 * diag / sigma**2).astype(np.float32)
+        base -= (0.5 * self.diag / sigma**2).astype(np.float32)
         base_k = np.take_along_axis(base, k[..., None], -1)[..., 0].astype(np.float64)
         return base_k, _logsumexp_last(base)
 
