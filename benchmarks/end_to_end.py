@@ -309,8 +309,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rc-units", type=int, default=4)
     parser.add_argument(
         "--tensor-core-matmul",
-        action="store_true",
-        help="workers.tensor_core_matmul: bf16 tensor-core GEMMs for norms and book-keeping",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers.tensor_core_matmul (default on): bf16 tensor-core GEMMs for norms and "
+        "book-keeping, clipped by the proven rounding bound; --no-tensor-core-matmul: IEEE float32",
     )
     parser.add_argument(
         "--profile",

@@ -84,8 +84,9 @@ class ClippingEngine:
     token_budget: default padded tokens per micro-batch.
     pad_id: token id written into padded positions (never a target).
     tensor_core_matmul: vectorized engines on a bf16 CUDA model: bf16 tensor-core GEMMs for the
-        norms and book-keeping, norms inflated by 0.1% (``workers.tensor_core_matmul``;
-        :mod:`userdp.clients.matmul_precision`); default IEEE float32 GEMMs.
+        norms and book-keeping, each unit clipped by a proven bound on what it releases
+        (``workers.tensor_core_matmul``, the default; :mod:`userdp.clients.tensor_core_bound`);
+        false: IEEE float32 GEMMs.
     """
 
     def __init__(
@@ -98,7 +99,7 @@ class ClippingEngine:
         token_budget: int = 8192,
         pad_id: int = 0,
         deepspeed_engine: Any = None,
-        tensor_core_matmul: bool = False,
+        tensor_core_matmul: bool = True,
     ) -> None:
         self.module = module
         self.engine = self._engine_name(engine)

@@ -76,6 +76,7 @@ from collections.abc import Sequence
 
 import torch
 from torch.profiler import record_function
+from userdp.clients import tensor_core_bound
 from userdp.clients.attribution import (
     direct_unit_squared_norms,
     verify_attribution,
@@ -99,11 +100,7 @@ from userdp.clients.clipping import (
     unit_gradient,
 )
 from userdp.clients.layer_uses import generic_unit_grads, weight_uses
-from userdp.clients.matmul_precision import (
-    TENSOR_CORE_NORM_MARGIN,
-    exact_matmul,
-    tensor_cores_active,
-)
+from userdp.clients.matmul_precision import exact_matmul, tensor_cores_active
 from userdp.clients.norms import (
     Factor,
     Padded,
@@ -138,8 +135,8 @@ def _micro_batch(
     """Process one micro-batch into ``acc``; with ``verify``, first check the attribution (see
     :func:`verify_attribution`). Returns whether a verification ran and passed.
     ``tensor_cores``: bf16 GEMMs for the norms and book-keeping
-    (:mod:`userdp.clients.matmul_precision`),
-    every norm inflated by ``TENSOR_CORE_NORM_MARGIN``. ``workspace``: the buffer for
+    (:mod:`userdp.clients.matmul_precision`), each unit clipped by a proven bound on what it
+    releases (:mod:`userdp.clients.tensor_core_bound`). ``workspace``: the buffer for
     materialized per-unit gradients whose only use is their norm, reused across micro-batches."""
     # the token layout first: its host work and index copies then wait for nothing on the device
     layout = Layout.of(batch)
@@ -215,6 +212,13 @@ def _micro_batch(
         )
 
 
+def bound_applies(params: dict[str, torch.Tensor], device: torch.device) -> bool:
+    """Tensor-core mode on a GPU and bf16 parameters, hence bf16 factors: the norm and
+    book-keeping GEMMs run on the tensor cores, and each unit is clipped by the rounding bound of
+    :mod:`userdp.clients.tensor_core_bound`. A float32 model's GEMMs stay IEEE float32."""
+    return tensor_cores_active(device) and any(p.dtype == torch.bfloat16 for p in params.values())
+
+
 def _clip_and_add(
     params: dict[str, torch.Tensor],
     weights: dict[str, list[tuple[Factor, torch.Tensor]]],
@@ -237,6 +241,10 @@ def _clip_and_add(
     n_units = len(layout.spans)
     device = layout.positions.device
     sq = torch.zeros(n_units, dtype=torch.float64, device=device)
+    # tensor-core mode: each unit is clipped by a bound on the norm of what it releases, sq plus
+    # ``extra`` (docs/worker.md, "Tensor cores: a proven norm bound"); sq stays the computed norm
+    bounded = bound_applies(params, device)
+    extra = torch.zeros_like(sq)
     # per-unit gradients retained for the clipped sum Σ_u c_u M_u: biases, LayerNorm and generic
     # parameters always, weights where retains_unit_gradients says so (exact norms only)
     retained: dict[str, UnitGradients] = {}
@@ -262,25 +270,36 @@ def _clip_and_add(
             if probes is not None:  # fresh probes per weight (Hutchinson or Hutch++)
                 estimate = sketched_squared_norms(
                     weights[name], probes, padded, shape[0], params[name].device
-                )
-                sq += estimate.to(device)
+                ).to(device)
+                sq += estimate
+                if bounded:  # (√n̂ + ε_bk·S)²: the release's rounding on top of the estimate
+                    release = tensor_core_bound.release_terms(weights[name], padded).to(device)
+                    extra += (estimate.sqrt() + release).square() - estimate
             elif retains_unit_gradients(weights[name], padded, shape):
                 # the weight's factors leave ``weights`` and are freed: from here on its
                 # per-unit gradients stand for them
                 retained[name] = batched_unit_gradients(weights.pop(name), padded, shape)
-                sq += retained[name].squared_norms().to(device)
+                sq += retained[name].squared_norms(float64=bounded).to(device)
+            elif bounded:
+                computed, bound = tensor_core_bound.bounded_exact_squared_norms(
+                    weights[name], padded, shape
+                )
+                sq += computed.to(device)
+                extra += (bound - computed).to(device)
             else:
                 sq += batched_exact_squared_norms(weights[name], padded, shape, workspace).to(
                     device
                 )
 
-    if tensor_cores_active(device):  # covers the tensor cores' accumulation error
-        sq *= (1 + TENSOR_CORE_NORM_MARGIN) ** 2
+    clip_sq = sq
+    if bounded:  # retained gradients release what was normed, summed over units in float32
+        clip_sq = tensor_core_bound.inflate((sq + extra).sqrt(), 4).square()
+        clip_sq *= (1 + tensor_core_bound.ieee_error(n_units)) ** 2
     # clip factors, statistics: one device-to-host copy of the per-unit norms and losses
     token_loss = losses.detach().reshape(-1)[layout.positions].double()
     unit_loss = torch.zeros(n_units, dtype=torch.float64, device=device)
     unit_loss.index_add_(0, layout.position_unit, token_loss)
-    host = torch.stack([sq, unit_loss]).cpu()
+    host = torch.stack([clip_sq, unit_loss, sq]).cpu()
     factors: list[float | None] = []
     for j, span in enumerate(layout.spans):
         squared = float(host[0, j])
@@ -289,7 +308,7 @@ def _clip_and_add(
     verified = False
     if direct is not None and all(f is not None for f in factors):
         verify_attribution(params, direct, weights, retained)
-        verify_unit_norms(params, unit_checks or {}, host[0], tensor_cores_active(device))
+        verify_unit_norms(params, unit_checks or {}, host[2])
         verified = True
     kept = [j for j, f in enumerate(factors) if f is not None]
     if not kept:

@@ -3,16 +3,17 @@
 Clip factors are computed from the per-unit norms (:mod:`userdp.clients.norms`) and the clipped
 sum is built from these products, so their precision is part of the sensitivity argument.
 
-- Default: IEEE float32 GEMMs (CUDA cores; TF32 and reduced-precision reductions switched off for
-  the duration by :func:`exact_matmul`, whatever the caller's global settings say), so norms and
+- ``tensor_cores=False`` (``workers.tensor_core_matmul = false``, and every float32 operand):
+  IEEE float32 GEMMs (CUDA cores; TF32 and reduced-precision reductions switched off for the
+  duration by :func:`exact_matmul`, whatever the caller's global settings say), so norms and
   sums carry float32 rounding only.
-- ``tensor_cores=True`` (``workers.tensor_core_matmul``; bf16 operands on CUDA): bf16 GEMMs with
-  float32 output. Each product of two 8-bit significands is exact in float32, and a float32
-  operand that multiplies bf16 data (the book-keeping's c_t·R_t) is split into three bf16 parts
-  hi + mid + lo within 2^-24 relative (:func:`split_bf16`). The tensor cores' float32
-  ACCUMULATION is not IEEE, though: on an H100 it under-estimated a 50257-term sum of squares by
-  2.3e-4 relative (tests/clients/test_engine_gpu.py), so the engine inflates every norm by
-  :data:`TENSOR_CORE_NORM_MARGIN` in that mode. The margin is measured, not proven.
+- ``tensor_cores=True`` (``workers.tensor_core_matmul``, the default; bf16 operands on CUDA):
+  bf16 GEMMs with float32 output. Each product of two 8-bit significands is exact in float32,
+  and a float32 operand that multiplies bf16 data (the book-keeping's c_t·R_t) is split into
+  three bf16 parts hi + mid + lo within 2^-24 relative (:func:`split_bf16`). The tensor cores'
+  float32 ACCUMULATION is not IEEE (addends aligned and truncated inside each block FMA), so
+  the engine clips each unit by a proven bound on what it releases
+  (:mod:`userdp.clients.tensor_core_bound`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections.abc import Iterator
 
 import torch
 
-TENSOR_CORE_NORM_MARGIN = 1e-3
 _TENSOR_CORES: contextvars.ContextVar[bool] = contextvars.ContextVar("tensor_cores", default=False)
 
 

@@ -7,7 +7,8 @@ weight (two for a tied embedding / LM head). L is dense [n, d0] or onehot (token
 - :func:`materialize`: M itself (d0 × d1), cost n·d0·d1 (onehot: n·d1).
 - :func:`ghost_squared_norm`: ‖M‖² = Σ_{c,c'} ⟨L_c L_c'ᵀ, R_c R_c'ᵀ⟩, cost n²·(d0 + d1), no d0×d1
   buffer (Li et al. 2021's ghost norm, summed over ALL the unit's tokens: cross-token terms).
-- :func:`exact_squared_norm`: the cheaper of the two (Bu et al. 2023's mixed ghost clipping).
+- :func:`batched_exact_squared_norms`: the cheaper of the two per micro-batch (Bu et al. 2023's
+  mixed ghost clipping).
 - :func:`padded_unit_gradients`: every unit's M at once from padded factors (for its norm, or
   retained for the clipped sum by :mod:`userdp.clients.unit_gradients`).
 - :func:`sketch_squared_norm`: n̂ = ‖Mᵀ P‖², the Hutchinson estimate for probes P [d0, k].
@@ -92,17 +93,6 @@ def ghost_squared_norm(uses: Sequence[tuple[Factor, torch.Tensor]]) -> float:
             term = (gram(left_i, left_j).double() * (right_i.double() @ right_j.double().T)).sum()
             total += float(term) * (1 if i == j else 2)
     return total
-
-
-def exact_squared_norm(uses: Sequence[tuple[Factor, torch.Tensor]], shape: torch.Size) -> float:
-    """‖Σ_c L_cᵀ R_c‖² by whichever of ghost / materialization costs less."""
-    tokens = sum(len(right) for _, right in uses)
-    d0, d1 = shape
-    ghost_cost = tokens * tokens * (d0 + d1)
-    dense_cost = d0 * d1 + sum(len(r) * (d1 if f.dense is None else d0 * d1) for f, r in uses)
-    if ghost_cost < dense_cost:
-        return ghost_squared_norm(uses)
-    return float(materialize(uses, shape).double().pow(2).sum())
 
 
 def sketch_squared_norms(
@@ -266,10 +256,39 @@ def padded_unit_gradients(
     return matrix
 
 
-def unit_squared_norms(unit_gradients: torch.Tensor) -> torch.Tensor:
-    """[U] float64 of ‖M_u‖² for per-unit gradients [U, ...] (float32 accumulation)."""
+def unit_squared_norms(unit_gradients: torch.Tensor, float64: bool = False) -> torch.Tensor:
+    """[U] float64 of ‖M_u‖² for per-unit gradients [U, ...] (float32 accumulation, or float64
+    with ``float64``: a bound on it then needs no margin for the reduction's order)."""
     flat = unit_gradients.reshape(unit_gradients.shape[0], -1)
+    if float64:
+        return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
     return torch.linalg.vector_norm(flat, dim=1).double().square()
+
+
+def exact_norm_plan(
+    uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded, shape: torch.Size
+) -> tuple[bool, int]:
+    """(ghost, units per chunk): ghost or materialized norms, the cheaper for the micro-batch's
+    longest unit, in chunks of units bounded by ``MAX_BUFFER_ELEMENTS``."""
+    width = padded.index.shape[1]
+    d0, d1 = shape
+    onehot = [f.dense is None for f, _ in uses]
+    ghost_cost = sum(width * width * ((1 if a and b else d0) + d1) for a in onehot for b in onehot)
+    dense_cost = d0 * d1 + sum(width * (d1 if o else d0 * d1) for o in onehot)
+    ghost = ghost_cost < dense_cost
+    per_unit = width * width if ghost else d0 * d1
+    return ghost, max(1, MAX_BUFFER_ELEMENTS // max(per_unit, 1))
+
+
+def ghost_pairs(
+    lefts: Sequence[tuple[str, torch.Tensor]], rights: Sequence[torch.Tensor]
+) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    """(multiplicity, c, c', L_c L_c'ᵀ, R_c R_c'ᵀ) per unordered pair of uses, [u, T, T] each:
+    ‖M_u‖² = Σ multiplicity·⟨L_c L_c'ᵀ, R_c R_c'ᵀ⟩."""
+    for i in range(len(lefts)):
+        for j in range(i + 1):
+            right = mm32(rights[i], rights[j].transpose(1, 2))
+            yield (1 if i == j else 2), i, j, _batched_gram(lefts[i], lefts[j]), right
 
 
 def batched_exact_squared_norms(
@@ -278,17 +297,10 @@ def batched_exact_squared_norms(
     shape: torch.Size,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """[U] float64 of ‖Σ_c L_cᵀ R_c‖² per unit, ghost or materialized (the cheaper for the
-    micro-batch's longest unit), in chunks of units bounded by ``MAX_BUFFER_ELEMENTS``;
+    """[U] float64 of ‖Σ_c L_cᵀ R_c‖² per unit, ghost or materialized (:func:`exact_norm_plan`);
     materialized chunks of dense float32 uses go into ``workspace`` when given."""
-    n_units, width = padded.index.shape
-    d0, d1 = shape
-    onehot = [f.dense is None for f, _ in uses]
-    ghost_cost = sum(width * width * ((1 if a and b else d0) + d1) for a in onehot for b in onehot)
-    dense_cost = d0 * d1 + sum(width * (d1 if o else d0 * d1) for o in onehot)
-    ghost = ghost_cost < dense_cost
-    per_unit = width * width if ghost else d0 * d1
-    chunk = max(1, MAX_BUFFER_ELEMENTS // max(per_unit, 1))
+    n_units = padded.index.shape[0]
+    ghost, chunk = exact_norm_plan(uses, padded, shape)
     all_lefts, all_rights = padded_factors(uses, padded)
     out = []
     for start in range(0, n_units, chunk):
@@ -296,14 +308,10 @@ def batched_exact_squared_norms(
         lefts = [(kind, x[units]) for kind, x in all_lefts]
         rights = [r[units] for r in all_rights]
         if ghost:
-            total = None
-            for i in range(len(uses)):
-                for j in range(i + 1):
-                    term = _batched_gram(lefts[i], lefts[j]) * mm32(
-                        rights[i], rights[j].transpose(1, 2)
-                    )
-                    term = term.sum((1, 2)).double() * (1 if i == j else 2)
-                    total = term if total is None else total + term
+            total = sum_terms(
+                (gram_left * gram_right).sum((1, 2)).double() * times
+                for times, _, _, gram_left, gram_right in ghost_pairs(lefts, rights)
+            )
         else:
             total = unit_squared_norms(padded_unit_gradients(lefts, rights, shape, workspace))
         out.append(total)

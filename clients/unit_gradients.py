@@ -63,9 +63,9 @@ class UnitGradients:
 
     chunks: tuple[torch.Tensor, ...]
 
-    def squared_norms(self) -> torch.Tensor:
-        """[U] float64 of ‖M_u‖² (float32 accumulation)."""
-        return torch.cat([unit_squared_norms(c) for c in self.chunks])
+    def squared_norms(self, float64: bool = False) -> torch.Tensor:
+        """[U] float64 of ‖M_u‖² (float32 accumulation, or float64 with ``float64``)."""
+        return torch.cat([unit_squared_norms(c, float64) for c in self.chunks])
 
     def total(self) -> torch.Tensor:
         """[numel]: Σ_u M_u over all units."""

@@ -734,11 +734,11 @@ def mutation_budget_checked_only_at_append(monkeypatch):
 
 @pytest.fixture
 def mutation_tensor_core_margin_dropped(monkeypatch):
-    """The vectorized engine clips by the tensor cores' norms as they come, without the margin
-    that covers their non-IEEE accumulation."""
-    from userdp.clients import ghost
+    """The vectorized engine clips by the tensor cores' norms as they come: the rounding bound
+    that covers their non-IEEE accumulation is dropped (γ(n) = 0 for every GEMM)."""
+    from userdp.clients import tensor_core_bound
 
-    monkeypatch.setattr(ghost, "TENSOR_CORE_NORM_MARGIN", 0.0)
+    monkeypatch.setattr(tensor_core_bound, "dot_error", lambda n, align_bits=None: 0.0)
 
 
 @pytest.fixture

@@ -524,9 +524,9 @@ CASES: list[Case] = [
         "report_epsilon_per_epoch",
     ),
     *_cases(
-        "tensor-core norms clipped without their margin",
+        "tensor-core norms clipped without their rounding bound",
         "mutation_tensor_core_margin_dropped",
-        r"the tensor-core norm margin does not cover the accumulation error",
+        r"the engine.s rounding bound does not cover the model",
         "engine_tensor_core_margin",
     ),
 ]
@@ -562,7 +562,7 @@ REQUIRED_BUGS = frozenset(
         "accountant omits AboveThreshold's ε",
         "accountant given more probes than the norm estimate's tail",
         "budget checked only after the step's work",
-        "tensor-core norms clipped without their margin",
+        "tensor-core norms clipped without their rounding bound",
         "report states an uncertified Monte Carlo estimate as its ε",
     }
 )

@@ -263,13 +263,13 @@ class WorkersConfig(_Section):
     (``userdp deploy render --gpus``) instead."""
     token_budget: PositiveInt = 8192
     """Tokens per micro-batch; bounds worker memory."""
-    tensor_core_matmul: StrictBool = False
-    """Vectorized engines, bf16 models on CUDA only: run the per-unit norm and book-keeping
-    products as bf16 GEMMs on the tensor cores (about 1.6x faster end to end on an H100) instead
-    of IEEE float32 GEMMs. Tensor-core float32 accumulation is not IEEE: it under-estimated a
-    squared norm by 2.3e-4 relative over 50257 terms on an H100, so every norm is inflated by
-    0.1% (clipping slightly harder) to cover it. That margin is measured, not proven: keep the
-    default (false) where the clip bound must hold to float32 rounding (docs/worker.md)."""
+    tensor_core_matmul: StrictBool = True
+    """Vectorized engines, bf16 models on CUDA only (elsewhere it changes nothing): run the
+    per-unit norm and book-keeping products as bf16 GEMMs on the tensor cores (about 1.6x faster
+    end to end on an H100) instead of IEEE float32 GEMMs. Tensor-core accumulation is not IEEE,
+    so each unit is clipped by a proven bound on the norm of what it releases (clipping a little
+    harder; docs/worker.md, "Tensor cores: a proven norm bound"). false: IEEE float32 GEMMs,
+    whose norms and sums carry float32 rounding only."""
     cache_dir: str | None = None
     """Where a worker caches the per-example perplexities of ``data.selection = "highest_ppl" |
     "lowest_ppl"`` (keyed by model and shard sha256); default: ``cache/`` in the shard folder.

@@ -1,0 +1,175 @@
+"""The tensor-core rounding bound (clients/tensor_core_bound.py) against exact arithmetic, on
+worst cases of its error model:
+
+- a bit-level emulation of (A2), block FMAs that align their addends to the largest and truncate
+  them to p bits, then normalise to float32 by truncation, on inputs built to lose the most
+  (stagnation: an accumulator of 1 and products just under its last kept bit, every one of them
+  truncated away), up to GPT-2's 50257-term vocabulary and for several block sizes;
+- the model's own worst case, every step moving the sum by the most (A2) allows, for which the
+  closed form must still hold;
+- the per-unit bounds of a weight (ghost Gram products, materialized gradients, book-keeping
+  release) for units whose tokens cancel (‖M‖ far below Σ‖L_t‖‖R_t‖), under adversarial GEMMs.
+
+Exact references: ``math.fsum`` (the exact sum correctly rounded to float64: 1e-16 relative, far
+below every bound here) and float64 products of float32 factors (exact: 48 significant bits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from userdp.clients import norms, tensor_core_bound
+from userdp.clients.norms import Factor, Padded
+
+from tests.privacy.checks_tensor_cores import ALIGN_BITS, adversarial_matmul
+
+
+def _truncate(value: int, bits: int) -> int:
+    """``value`` with all but its top ``bits`` significant bits cleared (toward zero)."""
+    extra = abs(value).bit_length() - bits
+    if extra <= 0:
+        return value
+    magnitude = (abs(value) >> extra) << extra
+    return magnitude if value >= 0 else -magnitude
+
+
+def block_fma_dot(products: list[float], block: int, align_bits: int) -> float:
+    """Σ products as tensor cores compute it under (A2): per block, the accumulator and the
+    block's products are aligned to the largest of them, truncated to ``align_bits`` bits of it,
+    added exactly, and the sum is normalised to float32 by truncation."""
+    total = 0.0
+    for start in range(0, len(products), block):
+        addends = [total, *products[start : start + block]]
+        largest = max(addends, key=abs)
+        if largest == 0:
+            continue
+        exponent = math.frexp(largest)[1]  # |largest| < 2^exponent
+        scale = align_bits - exponent  # the kept bits are multiples of 2^-scale
+        exact = sum(math.trunc(math.ldexp(x, scale)) for x in addends)
+        total = math.ldexp(_truncate(exact, 24), -scale)
+    return total
+
+
+def _stagnation(n: int, align_bits: int) -> list[float]:
+    """1, then n − 1 products (255/128)·2^-align_bits: each is below the last bit an accumulator
+    near 1 keeps, so all of them are truncated away; bf16 factors (8 significant bits each)."""
+    return [1.0] + [math.ldexp(255 / 128, -align_bits)] * (n - 1)
+
+
+@pytest.mark.parametrize("block", [1, 4, 16])
+@pytest.mark.parametrize("n", [768, 3072, 50257])
+def test_stagnation_loses_a_fixed_share_of_the_bound_and_never_more(n, block):
+    products = _stagnation(n, tensor_core_bound.ALIGN_BITS)
+    exact = math.fsum(products)
+    error = abs(block_fma_dot(products, block, tensor_core_bound.ALIGN_BITS) - exact)
+    magnitude = math.fsum(abs(p) for p in products)
+    bound = tensor_core_bound.dot_error(n) * magnitude
+    assert error <= bound
+    # a worst case: about 2^-23 per product is lost, n·2^-23 against the bound's 3.5·n·2^-23
+    assert error >= 0.25 * bound
+
+
+@pytest.mark.parametrize("align_bits", [12, 24, 27])
+def test_more_aligned_bits_lose_less_and_stay_under_their_bound(align_bits):
+    n = min(4096, 2 ** (align_bits - 6))  # n·2^(2-p) ≤ 1/16: where the bound is informative
+    products = _stagnation(n, align_bits)
+    error = abs(block_fma_dot(products, 8, align_bits) - math.fsum(products))
+    bound = tensor_core_bound.dot_error(n, align_bits) * math.fsum(products)
+    assert error <= bound
+    # every product after the first is truncated away: the most alignment alone can lose
+    assert error == pytest.approx((n - 1) * math.ldexp(255 / 128, -align_bits), rel=1e-12)
+
+
+def test_mixed_signs_cancel_in_the_sum_but_not_in_the_bound():
+    """Large terms of both signs that cancel, then small ones: the error is measured against
+    Σ|p|, not against the (small) sum, and stays under γ(n)·Σ|p|."""
+    n = 8192
+    big = [math.ldexp(1 + k / 128, 4) * (-1) ** k for k in range(n // 2)]
+    small = [math.ldexp(255 / 128, -22 + 4)] * (n // 2)
+    products = [x for pair in zip(big, small, strict=True) for x in pair]
+    error = abs(block_fma_dot(products, 16, 24) - math.fsum(products))
+    assert error <= tensor_core_bound.dot_error(n) * math.fsum(abs(p) for p in products)
+    assert error > 0
+
+
+@pytest.mark.parametrize("direction", [-1, 1])
+@pytest.mark.parametrize("n", [1, 16, 768, 50257])
+def test_the_models_own_worst_case_is_inside_the_closed_form(n, direction):
+    """Every step moving the running sum by the most (A2) allows (one product per block, the
+    worst block size): the recursion compounds to at most γ(n)·Σ|p|."""
+    products = torch.full((1, n), 0.75, dtype=torch.float64)
+    ones = torch.ones((n, 1), dtype=torch.float64)
+    computed = float(adversarial_matmul(products, ones, direction)[0, 0])
+    exact = 0.75 * n
+    rate = 2.0 ** (2 - ALIGN_BITS)
+    error = abs(computed - exact)
+    assert error <= tensor_core_bound.dot_error(n, ALIGN_BITS) * exact
+    if n > 1:  # and the recursion really uses most of it
+        assert error >= 0.5 * (math.expm1(n * rate) if direction > 0 else -math.expm1(-n * rate))
+
+
+def test_dot_error_is_the_closed_form():
+    assert tensor_core_bound.dot_error(0) == 0.0
+    assert tensor_core_bound.dot_error(50257) == pytest.approx(math.expm1(50257 * 7 * 2.0**-24))
+    assert tensor_core_bound.dot_error(768) < tensor_core_bound.dot_error(769)
+    # IEEE float32's bound is the smaller one: an IEEE GEMM is covered too
+    assert tensor_core_bound.ieee_error(50257) < tensor_core_bound.dot_error(50257)
+
+
+def _cancelling_uses(tokens: int, d0: int, d1: int, onehot: bool) -> list[tuple[Factor, torch]]:
+    """One use whose rows cancel: consecutive tokens carry (a, g) and (a, −g + small), so the
+    unit's gradient Σ_t L_tᵀ R_t is small next to Σ_t ‖L_t‖‖R_t‖ (the Gram bound's hard case)."""
+    gen = torch.Generator().manual_seed(tokens + d0)
+    right = torch.randn(tokens // 2, d1, generator=gen).repeat_interleave(2, 0)
+    right[1::2] = -right[1::2] + 1e-2 * torch.randn(tokens // 2, d1, generator=gen)
+    if onehot:
+        return [(Factor(None, torch.arange(tokens) // 2 % d0, d0), right)]
+    left = torch.randn(tokens // 2, d0, generator=gen).repeat_interleave(2, 0)
+    return [(Factor(left, None, d0), right)]
+
+
+def _exact_unit_gradients(uses, spans, shape) -> list[torch.Tensor]:
+    out = []
+    for span in spans:
+        total = torch.zeros(shape, dtype=torch.float64)
+        for left, right in uses:
+            r = right[span].double()
+            if left.dense is None:
+                total.index_add_(0, left.index[span], r)
+            else:
+                total += left.dense[span].double().T @ r
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+@pytest.mark.parametrize("onehot", [False, True])
+def test_unit_bounds_cover_adversarial_gemms_on_cancelling_units(ghost, onehot, monkeypatch):
+    d0, d1, lengths = 24, 16, [8, 16, 12]
+    spans, start = [], 0
+    for length in lengths:
+        spans.append(slice(start, start + length))
+        start += length
+    uses = _cancelling_uses(start, d0, d1, onehot)
+    padded = Padded.of(spans, start, torch.device("cpu"))
+    monkeypatch.setattr(tensor_core_bound, "ALIGN_BITS", ALIGN_BITS)
+    monkeypatch.setattr(norms, "mm32", lambda a, b: adversarial_matmul(a, b, -1))
+    monkeypatch.setattr(tensor_core_bound, "exact_norm_plan", lambda *args: (ghost, 1 << 30))
+    computed, bound = tensor_core_bound.bounded_exact_squared_norms(uses, padded, (d0, d1))
+    magnitudes = []
+    for span in spans:
+        total = 0.0
+        for left, right in uses:
+            rows = torch.ones(right.shape[0]) if left.dense is None else left.dense.norm(dim=1)
+            total += float((rows[span].double() * right[span].double().norm(dim=1)).sum())
+        magnitudes.append(total)
+    release = tensor_core_bound.release_error(start, len(uses))
+    for j, exact in enumerate(_exact_unit_gradients(uses, spans, (d0, d1))):
+        norm = float(exact.norm())
+        assert magnitudes[j] > 5 * norm  # the tokens do cancel
+        # the adversary moved the dense GEMMs' norms (a onehot side is a scatter, or an exact
+        # Gram of 0s and 1s)
+        assert onehot or abs(float(computed[j]) - norm**2) > 1e-2 * norm**2
+        assert float(bound[j]) >= (norm + release * magnitudes[j]) ** 2
