@@ -212,11 +212,20 @@ def _micro_batch(
         )
 
 
-def bound_applies(params: dict[str, torch.Tensor], device: torch.device) -> bool:
-    """Tensor-core mode on a GPU and bf16 parameters, hence bf16 factors: the norm and
-    book-keeping GEMMs run on the tensor cores, and each unit is clipped by the rounding bound of
-    :mod:`userdp.clients.tensor_core_bound`. A float32 model's GEMMs stay IEEE float32."""
-    return tensor_cores_active(device) and any(p.dtype == torch.bfloat16 for p in params.values())
+def bound_applies(
+    weights: dict[str, list[tuple[Factor, torch.Tensor]]], device: torch.device
+) -> bool:
+    """Tensor-core mode on a GPU with a bf16 factor (a bf16 model's rows, or autocast's): some
+    norm or book-keeping GEMM runs on the tensor cores, and each unit is clipped by the rounding
+    bound of :mod:`userdp.clients.tensor_core_bound`. All-float32 factors keep IEEE GEMMs."""
+    if not tensor_cores_active(device):
+        return False
+    return any(
+        t is not None and t.dtype == torch.bfloat16
+        for uses in weights.values()
+        for left, right in uses
+        for t in (left.dense, right)
+    )
 
 
 def _clip_and_add(
@@ -241,10 +250,11 @@ def _clip_and_add(
     n_units = len(layout.spans)
     device = layout.positions.device
     sq = torch.zeros(n_units, dtype=torch.float64, device=device)
-    # tensor-core mode: each unit is clipped by a bound on the norm of what it releases, sq plus
-    # ``extra`` (docs/worker.md, "Tensor cores: a proven norm bound"); sq stays the computed norm
-    bounded = bound_applies(params, device)
-    extra = torch.zeros_like(sq)
+    # tensor-core mode: each unit is clipped by B_u, a bound on the norm of what it releases
+    # (docs/worker.md, "Tensor cores: a proven norm bound"); sq stays the computed norm
+    bounded = bound_applies(weights, device)
+    exact_bound = torch.zeros_like(sq)  # tensor-core mode: Σ over parameters of bound²
+    released: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (norm part, S_u, ε_bk)
     # per-unit gradients retained for the clipped sum Σ_u c_u M_u: biases, LayerNorm and generic
     # parameters always, weights where retains_unit_gradients says so (exact norms only)
     retained: dict[str, UnitGradients] = {}
@@ -264,6 +274,8 @@ def _clip_and_add(
         for name, per_unit in small.items():
             sq += per_unit.double().pow(2).sum(1)
             retained[name] = UnitGradients((per_unit,))
+        if bounded:  # released as computed: their computed norm is that of the release
+            exact_bound += sq
         # weights: exact (retained, ghost or materialized) or sketched, batched over the units
         for name in list(weights):
             shape = param_shape(params[name])
@@ -272,29 +284,43 @@ def _clip_and_add(
                     weights[name], probes, padded, shape[0], params[name].device
                 ).to(device)
                 sq += estimate
-                if bounded:  # (√n̂ + ε_bk·S)²: the release's rounding on top of the estimate
-                    release = tensor_core_bound.release_terms(weights[name], padded).to(device)
-                    extra += (estimate.sqrt() + release).square() - estimate
+                if bounded:  # the estimate, and the release's rounding on top of it
+                    exact_bound += estimate
+                    norms = tensor_core_bound.slot_norms(weights[name], padded)
+                    released.append(
+                        (
+                            None,
+                            tensor_core_bound.magnitudes(norms),
+                            tensor_core_bound.uses_release_error(weights[name]),
+                        )
+                    )
             elif retains_unit_gradients(weights[name], padded, shape):
                 # the weight's factors leave ``weights`` and are freed: from here on its
                 # per-unit gradients stand for them
                 retained[name] = batched_unit_gradients(weights.pop(name), padded, shape)
-                sq += retained[name].squared_norms(float64=bounded).to(device)
+                norms = retained[name].squared_norms(float64=bounded).to(device)
+                sq += norms
+                if bounded:
+                    exact_bound += norms
             elif bounded:
-                computed, bound = tensor_core_bound.bounded_exact_squared_norms(
+                computed, upper, magnitude = tensor_core_bound.bounded_exact_squared_norms(
                     weights[name], padded, shape
                 )
                 sq += computed.to(device)
-                extra += (bound - computed).to(device)
+                released.append(
+                    (
+                        upper.to(device),
+                        magnitude.to(device),
+                        tensor_core_bound.uses_release_error(weights[name]),
+                    )
+                )
             else:
                 sq += batched_exact_squared_norms(weights[name], padded, shape, workspace).to(
                     device
                 )
-
-    clip_sq = sq
-    if bounded:  # retained gradients release what was normed, summed over units in float32
-        clip_sq = tensor_core_bound.inflate((sq + extra).sqrt(), 4).square()
-        clip_sq *= (1 + tensor_core_bound.ieee_error(n_units)) ** 2
+    clip_sq = (
+        tensor_core_bound.clip_squared_norms(exact_bound, released, n_units) if bounded else sq
+    )
     # clip factors, statistics: one device-to-host copy of the per-unit norms and losses
     token_loss = losses.detach().reshape(-1)[layout.positions].double()
     unit_loss = torch.zeros(n_units, dtype=torch.float64, device=device)

@@ -5,7 +5,9 @@ references, is in docs/worker.md ("Tensor cores: a proven norm bound").
 
 The model of one entry of a GEMM, a dot product Σ_{i≤n} x_i y_i:
 
-- (A1) each product x_i y_i of two bf16 numbers is exact (16 significant bits fit float32's 24);
+- (A1) each product x_i y_i of two bf16 numbers is exact (16 significant bits fit float32's 24)
+  when it is in float32's normal range; a product below 2^{−126} may be lost, an absolute error
+  under n·2^{−126} per entry that no clip norm in use comes near;
 - (A2) products are added to a float32 accumulator c in block fused multiply-adds
   d = c + Σ_{i∈block} p_i of any block size b ≥ 1: the b + 1 addends are aligned to the largest
   and kept to at least ``ALIGN_BITS`` = p significant bits of it (the rest truncated), and d is
@@ -13,11 +15,14 @@ The model of one entry of a GEMM, a dot product Σ_{i≤n} x_i y_i:
 - (A3) the partial sums of a split inner dimension are added in IEEE float32 (reduced-precision
   reductions are switched off by :func:`~userdp.clients.matmul_precision.exact_matmul`).
 
-Under (A2) a block of b_j products errs by less than ((b_j + 1)·2^{1−p} + 2^{−23}) times the sum
-of its addends' magnitudes, which is at most b_j·(2^{2−p} + 2^{−23}). Along any path from a product
-to the result the relative errors compound, so
+Under (A2) a block of b_j products errs by less than (b_j + 1)·2^{1−p}·(1 + 2^{−23}) + 2^{−23}
+times the sum of its addends' magnitudes (alignment, then the normalisation of the aligned sum),
+which is at most b_j·(2^{2−p}(1 + 2^{−23}) + 2^{−23}). Along any path from a product to the result
+the relative errors compound (each split-K addition on the path is paid for by another product's
+2^{−24}), so
 
-    |fl(Σ x_i y_i) − Σ x_i y_i| ≤ γ(n)·Σ |x_i y_i|,  γ(n) = exp(n·(2^{2−p} + 2^{−23} + 2^{−24})) − 1
+    |fl(Σ x_i y_i) − Σ x_i y_i| ≤ γ(n)·Σ |x_i y_i|,
+    γ(n) = exp(n·(2^{2−p}(1 + 2^{−23}) + 2^{−23} + 2^{−24})) − 1
 
 for every block size and every split of the inner dimension (:func:`dot_error`). IEEE float32
 GEMMs (operands that are not bf16) satisfy the smaller bound n·2^{−24}/(1 − n·2^{−24}), so
@@ -54,7 +59,7 @@ def dot_error(n: int, align_bits: int | None = None) -> float:
     """γ(n): a length-``n`` dot product computed under (A1)-(A3) is within γ(n)·Σ|x_i y_i| of its
     exact value (module docstring)."""
     p = ALIGN_BITS if align_bits is None else align_bits
-    return math.expm1(max(n, 0) * (2.0 ** (2 - p) + 2 * F32 + F32))
+    return math.expm1(max(n, 0) * (2.0 ** (2 - p) * (1 + 2 * F32) + 2 * F32 + F32))
 
 
 def ieee_error(n: int, unit: float = F32) -> float:
@@ -67,118 +72,165 @@ def ieee_error(n: int, unit: float = F32) -> float:
 
 
 def row_norms(x: torch.Tensor) -> torch.Tensor:
-    """‖x_t‖ per row of ``x`` [..., d], in float64 (exact to float64 rounding for bf16 or float32
-    rows: a margin of ``ieee_error(d, F64)`` covers it)."""
+    """‖x_t‖ per row of ``x`` [..., d], in float64 (every float64 computation of the bounds has
+    fewer than 2³⁰ terms: :data:`FLOAT64_MARGIN` covers their rounding)."""
     return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
 
 
-def inflate(norm: torch.Tensor, terms: int) -> torch.Tensor:
-    """``norm`` raised by the float64 rounding of a sum of ``terms`` float64 values (row norms,
-    their products and sums): upper bounds stay upper bounds."""
-    return norm * (1 + ieee_error(terms + 4, F64))
+FLOAT64_MARGIN = 1 + 2**30 * F64 / (1 - 2**30 * F64)
+"""A factor that raises any float64 sum of fewer than 2³⁰ nonnegative terms, and any product of
+such sums, past its rounding: the bounds' own arithmetic keeps them upper bounds."""
+CLIP_FACTOR_ROUNDING = 1 + 2.0**-23
+"""The clip factor C/B_u is rounded to float32 (2⁻²⁴ relative, either way): raising B_u by this
+keeps the rounded factor at most C/(true B_u)."""
 
 
 def release_error(rows: int, uses: int) -> float:
     """ε_bk: the book-keeping product Σ_c L_cᵀ (c_t ⊙ R_c) over ``rows`` token rows releases, for
     each unit u, its clipped gradient c_u·M_u plus an error of norm at most ε_bk·c_u·S_u, where
-    S_u = Σ_c Σ_{t∈u} ‖L_c,t‖·‖R_c,t‖ (docs/worker.md). The terms: the GEMM (γ(rows), on a
-    factor whose three bf16 parts sum to at most (1 + 2⁻⁷) times its magnitude), the scaling
-    c_t·R_t and the three-part split (2⁻²⁴ each), the two float32 adds of the parts and one add
-    per further use (2⁻²⁴ each)."""
+    S_u = Σ_c Σ_{t∈u} ‖L_c,t‖·‖R_c,t‖ (docs/worker.md). The factors: c_t·R_t rounded to float32
+    and split into three bf16 parts (2⁻²⁴ each, relative); the GEMM over ``rows`` (γ(rows)) on
+    parts whose magnitudes sum to at most (1 + 2⁻⁷) times the factor's; the two float32 adds of
+    the parts and one add per further use (2⁻²⁴ each, on sums at most (1 + 2⁻⁷)(1 + γ) times
+    the magnitudes)."""
     gamma = dot_error(rows)
-    return (gamma * (1 + 2.0**-7) + (4 + uses) * F32) * (1 + gamma)
+    parts = 1 + 2.0**-7
+    adds = (1 + F32 * parts * (1 + gamma)) ** (2 + max(uses - 1, 0))
+    return (1 + F32) ** 2 * (1 + gamma * parts) * adds - 1
 
 
-def unit_magnitudes(uses: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """S_u per unit for padded per-use row norms ([U, T] of ‖L_c,t‖, [U, T] of ‖R_c,t‖): Σ over
-    the uses and the unit's slots of ‖L_c,t‖·‖R_c,t‖ (padded slots have R = 0), float64."""
+def slot_norms(
+    uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded
+) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """Per use, ([U, T] ‖L_c,t‖ or None for a onehot side, whose rows have norm 1; [U, T]
+    ‖R_c,t‖), float64 by slot, 0 past each unit's length."""
+    return [
+        (
+            None if left.dense is None else padded.ids(row_norms(left.dense)),
+            padded.ids(row_norms(right)),
+        )
+        for left, right in uses
+    ]
+
+
+def magnitudes(norms: Sequence[tuple[torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
+    """[U] float64 S_u = Σ_c Σ_t ‖L_c,t‖·‖R_c,t‖ from :func:`slot_norms` (a padded slot has
+    ‖R‖ = 0)."""
     total = None
-    for left, right in uses:
-        part = (left * right).sum(1)
+    for left, right in norms:
+        part = right.sum(1) if left is None else (left * right).sum(1)
         total = part if total is None else total + part
     if total is None:
         raise ValueError("a weight needs at least one use")
     return total
 
 
-def _slot_norms(uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded) -> list[tuple]:
-    """Per use, ([U, T] ‖L_c,t‖, [U, T] ‖R_c,t‖) in float64 by slot, 0 past each unit's length
-    (a onehot row has norm 1)."""
-    out = []
-    for left, right in uses:
-        norm_right = row_norms(right)
-        norm_left = torch.ones_like(norm_right) if left.dense is None else row_norms(left.dense)
-        out.append((padded.ids(norm_left), padded.ids(norm_right)))
-    return out
-
-
-def release_terms(uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded) -> torch.Tensor:
-    """[U] float64 of ε_bk·S_u (:func:`release_error`): the most the book-keeping product adds to
-    a unit's released gradient, per unit of its clip factor."""
-    rows = max(right.shape[0] for _, right in uses)
-    return release_error(rows, len(uses)) * unit_magnitudes(_slot_norms(uses, padded))
-
-
-def _quadratic(vector: torch.Tensor, matrix: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """[u] of vᵀ |A| w for nonnegative v, w [u, T] and A [u, T, T], raised past the float32
-    rounding of the product (a nonnegative sum of T terms is low by at most γ_T relative)."""
-    inner = torch.bmm(matrix.abs().to(torch.float32), other.to(torch.float32)[:, :, None])
-    total = (vector * inner[:, :, 0].double()).sum(1)
-    return total / (1 - ieee_error(matrix.shape[-1] + 2))
+def _quadratic(left: torch.Tensor | None, matrix: torch.Tensor, right: torch.Tensor | None):
+    """[u] float32 of vᵀ|A|w for nonnegative float32 v, w [u, T] (None: all ones) and A
+    [u, T, T]: a nonnegative sum, low by at most γ_32(2T + 2) relative (see the caller)."""
+    magnitude = matrix.abs()
+    if right is not None:
+        magnitude = torch.bmm(magnitude, right[:, :, None])
+    if left is not None:
+        return torch.bmm(left[:, None, :], magnitude).sum((1, 2))
+    return magnitude.sum((1, 2))
 
 
 def bounded_exact_squared_norms(
-    uses: Sequence[tuple[Factor, torch.Tensor]],
-    padded: Padded,
-    shape: torch.Size,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([U] computed ‖M_u‖², [U] B_u²) in float64 for one weight whose clipped gradient the
-    book-keeping releases: the norms as :func:`~userdp.clients.norms.batched_exact_squared_norms`
-    computes them (with float64 sums), and bounds B_u ≥ ‖M_u‖ + ε_bk·S_u on the norm of what the
-    book-keeping releases for u per unit of its clip factor, whatever the rounding under
-    (A1)-(A3) (docs/worker.md):
+    uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded, shape: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([U] computed ‖M_u‖², [U] upper bounds on ‖M_u‖, [U] S_u), float64, for one weight whose
+    clipped gradient the book-keeping releases; the computed norms are those of
+    :func:`~userdp.clients.norms.batched_exact_squared_norms` (with float64 sums), and the
+    upper bounds hold whatever the rounding under (A1)-(A3) (docs/worker.md):
 
     - ghost: |ĝL·ĝR − gL·gR| ≤ γ_L·α|ĝR| + γ_R·|ĝL|β + γ_L·γ_R·αβ per Gram entry, with
-      α_st = ‖L_s‖‖L_t‖, β_st = ‖R_s‖‖R_t‖, γ_L = γ(d0) (0 for a onehot side, whose Gram is
-      exact) and γ_R = γ(d1); plus the float32 product and the float64 sum of the entries;
-    - materialized: ‖M_u − M̂_u‖ ≤ γ(T·uses)·S_u (each entry errs by at most γ·Σ_t |L_t,i||R_t,j|)."""
+      α_st = ‖L_s‖‖L_t‖, β_st = ‖R_s‖‖R_t‖, γ_L = γ(d0) (0 for a pair with a onehot side,
+      whose Gram is exact) and γ_R = γ(d1); plus the float32 product and the float64 sum of the
+      entries;
+    - materialized: ‖M_u − M̂_u‖ ≤ γ(T·uses)·S_u (each entry errs by at most
+      γ·Σ_t |L_t,i||R_t,j|).
+    """
     n_units, width = padded.index.shape
     d0, d1 = shape
     ghost, chunk = exact_norm_plan(uses, padded, shape)
     all_lefts, all_rights = padded_factors(uses, padded)
-    all_norms = _slot_norms(uses, padded)
-    gamma_right = dot_error(d1)
+    all_norms = slot_norms(uses, padded)
+    magnitude = magnitudes(all_norms)
+    gamma_right, low = dot_error(d1), 1 / (1 - ieee_error(2 * width + 4))
     computed, upper = [], []
     for start in range(0, n_units, chunk):
         units = slice(start, min(start + chunk, n_units))
         lefts = [(kind, x[units]) for kind, x in all_lefts]
         rights = [r[units] for r in all_rights]
-        norms = [(left[units], right[units]) for left, right in all_norms]
-        magnitudes = [(left * right).sum(1) for left, right in norms]
-        if ghost:
-            total = error = None
-            for times, i, j, gram_left, gram_right in ghost_pairs(lefts, rights):
-                gamma_left = dot_error(d0) if lefts[i][0] == lefts[j][0] == "dense" else 0.0
-                both = magnitudes[i] * magnitudes[j]
-                entry = (
-                    gamma_left * _quadratic(norms[i][0], gram_right, norms[j][0])
-                    + gamma_right * _quadratic(norms[i][1], gram_left, norms[j][1])
-                    + gamma_left * gamma_right * both
-                    + (F32 + ieee_error(width * width, F64))
-                    * (1 + gamma_left)
-                    * (1 + gamma_right)
-                    * both
-                )
-                term = (gram_left * gram_right).sum((1, 2), dtype=torch.float64) * times
-                total = term if total is None else total + term
-                error = entry * times if error is None else error + entry * times
-            norm = (total + error).clamp_min(0).sqrt()
-        else:
-            matrix = padded_unit_gradients(lefts, rights, shape)  # bf16: never a workspace
+        if not ghost:
+            matrix = padded_unit_gradients(lefts, rights, shape)  # bf16 operands: no workspace
             total = unit_squared_norms(matrix, float64=True)
-            norm = total.sqrt() + dot_error(width * len(uses)) * sum(magnitudes)
+            computed.append(total)
+            upper.append(total.sqrt() + dot_error(width * len(uses)) * magnitude[units])
+            continue
+        norms = [
+            (None if left is None else left[units].float(), right[units].float())
+            for left, right in all_norms
+        ]
+        parts = [
+            magnitudes([(left[units] if left is not None else None, right[units])])
+            for left, right in all_norms
+        ]
+        total = quadratic = None
+        exact_terms = torch.zeros_like(magnitude[units])
+        for times, i, j, gram_left, gram_right in ghost_pairs(lefts, rights):
+            gamma_left = dot_error(d0) if lefts[i][0] == lefts[j][0] == "dense" else 0.0
+            term = (gram_left * gram_right).sum((1, 2), dtype=torch.float64)
+            total = term * times if total is None else total.add_(term, alpha=times)
+            part = _quadratic(norms[i][1], gram_left, norms[j][1]) * (times * gamma_right)
+            if gamma_left:
+                part.add_(
+                    _quadratic(norms[i][0], gram_right, norms[j][0]), alpha=times * gamma_left
+                )
+            quadratic = part if quadratic is None else quadratic.add_(part)
+            rounding = (F32 + ieee_error(width * width, F64)) * (1 + gamma_left) * (1 + gamma_right)
+            exact_terms.addcmul_(
+                parts[i], parts[j], value=times * (gamma_left * gamma_right + rounding)
+            )
         computed.append(total)
-        upper.append(norm)
-    release = release_terms(uses, padded)
-    bound = inflate(torch.cat(upper) + release, width * width * len(uses) ** 2).square()
-    return torch.cat(computed), inflate(bound, 4)
+        upper.append((total + quadratic.double() * low + exact_terms).clamp_min(0).sqrt())
+    return torch.cat(computed), torch.cat(upper), magnitude
+
+
+def uses_release_error(uses: Sequence[tuple[Factor, torch.Tensor]]) -> float:
+    """ε_bk of a weight's book-keeping product (over its uses' token rows)."""
+    return release_error(max(len(r) for _, r in uses), len(uses))
+
+
+def clip_squared_norms(
+    exact_bound: torch.Tensor,
+    released: list[tuple[torch.Tensor | None, torch.Tensor, float]],
+    n_units: int,
+) -> torch.Tensor:
+    """[U] B_u² for tensor-core mode. ``exact_bound``: Σ of the squared norms of what the
+    retained and small parameters release (and of sketched weights' estimates); ``released``,
+    per book-keeping weight: (an upper bound on ‖M_u‖, or None for a sketched weight, S_u, ε_bk).
+    An exact weight adds (bound + ε_bk·S_u)²; the sketched weights' release errors, of norm at
+    most ‖(ε_bk·S_u)_w‖ together, are added to the norm: B = √(n̂ + …) + ‖(ε_bk·S_u)_w‖, so a
+    unit releases at most C·max(1, ‖g_u‖/√n̂_u). The result is raised past float64's rounding,
+    the float32 weighted sum of retained gradients over units and the clip factor's rounding to
+    float32. One stacked computation for all weights (a few kernels, not a few per weight)."""
+    total, extra = exact_bound, None
+    exact = [(u, m, e) for u, m, e in released if u is not None]
+    sketched = [(m, e) for u, m, e in released if u is None]
+    if exact:
+        coef = torch.tensor([e for _, _, e in exact], dtype=torch.float64)
+        bounds = torch.addcmul(
+            torch.stack([u for u, _, _ in exact]),
+            coef.to(total.device)[:, None],
+            torch.stack([m for _, m, _ in exact]),
+        )
+        total = total + bounds.square().sum(0)
+    norm = total.sqrt()
+    if sketched:
+        coef = torch.tensor([e for _, e in sketched], dtype=torch.float64).to(total.device)
+        extra = (coef[:, None] * torch.stack([m for m, _ in sketched])).square().sum(0).sqrt()
+        norm = norm + extra
+    margin = FLOAT64_MARGIN * (1 + ieee_error(n_units)) * CLIP_FACTOR_ROUNDING
+    return (norm * margin).square()

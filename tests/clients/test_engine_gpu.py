@@ -217,6 +217,23 @@ def test_bf16_products_with_unaligned_dimensions(tensor_cores):
             assert bool(((got.double() - want).abs() <= allowed).all())
 
 
+@pytest.mark.parametrize("shift", [0, 4, 8])
+def test_tensor_core_accumulation_keeps_the_bits_the_bound_assumes(shift):
+    """Stagnation on the hardware: an accumulator of 1, then products (255/128)·2^-(24 − shift)
+    of bf16 factors. A device that keeps p ≥ 24 aligned bits loses less than 2^-23 of each, inside
+    γ(n)·Σ|p|; one that keeps 24 − shift bits or fewer loses every one of them, about 2^(shift+1)/7
+    times the bound for shift ≥ 4: the test fails on a device outside the model."""
+    n = 4096
+    left = torch.full((1, n), 255 / 128 * 2.0**-12, device=CUDA)
+    right = torch.full((n, 1), 2.0 ** (-12 + shift), device=CUDA)
+    left[0, 0] = right[0, 0] = 1.0
+    left, right = left.to(torch.bfloat16), right.to(torch.bfloat16)
+    exact = float(left.double() @ right.double())
+    with matmul_precision.exact_matmul(tensor_cores=True):
+        got = float(matmul_precision.mm32(left, right))
+    assert abs(got - exact) <= tensor_core_bound.dot_error(n) * exact
+
+
 def test_tensor_core_mode_matches_ieee_float32_and_clips_by_a_bound():
     """workers.tensor_core_matmul (the default) on a bf16 model: the same sums as IEEE float32
     GEMMs to bf16-product accuracy, and every norm it clips by at least the IEEE one (the

@@ -264,7 +264,8 @@ class WorkersConfig(_Section):
     token_budget: PositiveInt = 8192
     """Tokens per micro-batch; bounds worker memory."""
     tensor_core_matmul: StrictBool = True
-    """Vectorized engines, bf16 models on CUDA only (elsewhere it changes nothing): run the
+    """Vectorized engines on CUDA with bf16 activations (a bf16 model, or autocast; otherwise
+    every GEMM is IEEE float32 and this changes nothing): run the
     per-unit norm and book-keeping products as bf16 GEMMs on the tensor cores (about 1.6x faster
     end to end on an H100) instead of IEEE float32 GEMMs. Tensor-core accumulation is not IEEE,
     so each unit is clipped by a proven bound on the norm of what it releases (clipping a little
