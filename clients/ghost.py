@@ -110,6 +110,7 @@ from userdp.clients.norms import (
 )
 from userdp.clients.sketch import ProbeSource, sketched_squared_norms
 from userdp.clients.unit_gradients import (
+    ParameterBlock,
     UnitGradients,
     batched_unit_gradients,
     retains_unit_gradients,
@@ -271,9 +272,11 @@ def _clip_and_add(
         for call, owned in generic:
             for name, per_unit in generic_unit_grads(call, owned, layout, capture).items():
                 small[name] = small[name] + per_unit if name in small else per_unit
-        for name, per_unit in small.items():
-            sq += per_unit.double().pow(2).sum(1)
-            retained[name] = UnitGradients((per_unit,))
+        # side by side: one norm, and later one weighted sum over units, for all of them
+        block = ParameterBlock.of(small)
+        if block is not None:
+            sq += block.gradients.squared_norms(float64=True)
+            retained.update(block.views())
         if bounded:  # released as computed: their computed norm is that of the release
             exact_bound += sq
         # weights: exact (retained, ghost or materialized) or sketched, batched over the units
@@ -348,6 +351,7 @@ def _clip_and_add(
         keep = keep.to(device)
     token_factor = unit_factor[layout.position_unit][keep][:, None]
     with record_function("userdp.bookkeeping"):
+        block_sum = None if block is None else block.gradients.clipped_sum(unit_factor, kept)
         # in the parameters' order: under ZeRO-3 each add is a collective (clients/sharded_sums.py)
         for name in params:
             shape, total = param_shape(params[name]), None
@@ -357,7 +361,10 @@ def _clip_and_add(
                 scaled = [(f.select(keep), r[keep] * token_factor) for f, r in uses]  # float32
                 total = materialize(scaled, shape)
             if name in retained:  # retained per-unit gradients: Σ_u c_u M_u, finite units
-                part = retained[name].clipped_sum(unit_factor, kept).reshape(shape)
+                if block is not None and name in block.slices:
+                    part = block_sum[block.slices[name]].reshape(shape)
+                else:
+                    part = retained[name].clipped_sum(unit_factor, kept).reshape(shape)
                 total = part if total is None else total + part
             if total is not None:  # one add per parameter and pass
                 acc.add(name, total)

@@ -10,7 +10,7 @@ sum is built from these products, so their precision is part of the sensitivity 
 - ``tensor_cores=True`` (``workers.tensor_core_matmul``, the default; bf16 operands on CUDA):
   bf16 GEMMs with float32 output. Each product of two 8-bit significands is exact in float32,
   and a float32 operand that multiplies bf16 data (the book-keeping's c_t·R_t) is split into
-  three bf16 parts hi + mid + lo within 2^-24 relative (:func:`split_bf16`). The tensor cores'
+  two bf16 parts hi + lo within 2^-16 relative (:func:`split_bf16`). The tensor cores'
   float32 ACCUMULATION is not IEEE (addends aligned and truncated inside each block FMA), so
   the engine clips each unit by a proven bound on what it releases
   (:mod:`userdp.clients.tensor_core_bound`).
@@ -120,24 +120,24 @@ def _at_least_float32(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def split_bf16(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``x`` [n, d] as three bf16 parts concatenated on the last axis [n, 3d]:
-    hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid); each subtraction is exact in
-    float32 and |x - hi - mid - lo| <= 2^-24 |x| (three 8-bit significands)."""
+    """float32 ``x`` [n, d] as two bf16 parts concatenated on the last axis [n, 2d]:
+    hi = bf16(x), lo = bf16(x - hi); the subtraction is exact in float32 and
+    |x - hi - lo| <= 2^-16 |x| (two 8-bit significands). The rounding bound of tensor-core mode
+    counts the 2^-16 (:func:`userdp.clients.tensor_core_bound.release_error`); a third part would
+    cost a third more book-keeping FLOPs for an error far below the GEMM's own."""
     x = x.to(torch.float32)
     hi = x.to(torch.bfloat16)
-    rest = x - hi.to(torch.float32)
-    mid = rest.to(torch.bfloat16)
-    lo = (rest - mid.to(torch.float32)).to(torch.bfloat16)
-    return torch.cat([hi, mid, lo], dim=-1)
+    lo = (x - hi.to(torch.float32)).to(torch.bfloat16)
+    return torch.cat([hi, lo], dim=-1)
 
 
 def left_times_scaled(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """Lᵀ R [d0, d1] float32 for dense ``left`` [n, d0] and float32 ``right`` [n, d1] (the
     book-keeping product): in tensor-core mode with a bf16 ``left`` on CUDA, one bf16 GEMM
-    against the three-part split of ``right``; otherwise a float32 GEMM."""
+    against the two-part split of ``right``; otherwise a float32 GEMM."""
     if bf16_exact(left):
         d1 = right.shape[1]
         parts = mm32(left.T, split_bf16(right))
-        return parts[:, :d1] + parts[:, d1 : 2 * d1] + parts[:, 2 * d1 :]
+        return parts[:, :d1] + parts[:, d1:]
     dtype = _at_least_float32(left, right)
     return left.to(dtype).T @ right.to(dtype)

@@ -89,14 +89,14 @@ def release_error(rows: int, uses: int) -> float:
     """ε_bk: the book-keeping product Σ_c L_cᵀ (c_t ⊙ R_c) over ``rows`` token rows releases, for
     each unit u, its clipped gradient c_u·M_u plus an error of norm at most ε_bk·c_u·S_u, where
     S_u = Σ_c Σ_{t∈u} ‖L_c,t‖·‖R_c,t‖ (docs/worker.md). The factors: c_t·R_t rounded to float32
-    and split into three bf16 parts (2⁻²⁴ each, relative); the GEMM over ``rows`` (γ(rows)) on
-    parts whose magnitudes sum to at most (1 + 2⁻⁷) times the factor's; the two float32 adds of
-    the parts and one add per further use (2⁻²⁴ each, on sums at most (1 + 2⁻⁷)(1 + γ) times
-    the magnitudes)."""
+    (2⁻²⁴) and split into two bf16 parts (2⁻¹⁶, :func:`~userdp.clients.matmul_precision.
+    split_bf16`); the GEMM over ``rows`` (γ(rows)) on parts whose magnitudes sum to at most
+    (1 + 2⁻⁷) times the factor's; the float32 add of the two parts and one add per further use
+    (2⁻²⁴ each, on sums at most (1 + 2⁻⁷)(1 + γ) times the magnitudes)."""
     gamma = dot_error(rows)
     parts = 1 + 2.0**-7
-    adds = (1 + F32 * parts * (1 + gamma)) ** (2 + max(uses - 1, 0))
-    return (1 + F32) ** 2 * (1 + gamma * parts) * adds - 1
+    adds = (1 + F32 * parts * (1 + gamma)) ** max(uses, 1)
+    return (1 + F32) * (1 + 2.0**-16) * (1 + gamma * parts) * adds - 1
 
 
 def slot_norms(

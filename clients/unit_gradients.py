@@ -93,6 +93,32 @@ class UnitGradients:
         return total.view(-1)
 
 
+@dataclass(frozen=True)
+class ParameterBlock:
+    """Small parameters' per-unit gradients side by side, [U, Σ numel] float32 (biases, norms'
+    weights, generic parameters): one norm and one weighted sum over units for all of them
+    instead of a few kernels per parameter."""
+
+    gradients: UnitGradients
+    slices: dict[str, slice]
+
+    @classmethod
+    def of(cls, per_unit: dict[str, torch.Tensor]) -> ParameterBlock | None:
+        """The block of ``per_unit`` ([U, numel] each, in order), or None when it is empty."""
+        if not per_unit:
+            return None
+        slices, start = {}, 0
+        for name, gradients in per_unit.items():
+            slices[name] = slice(start, start + gradients.shape[1])
+            start += gradients.shape[1]
+        return cls(UnitGradients((torch.cat(list(per_unit.values()), dim=1),)), slices)
+
+    def views(self) -> dict[str, UnitGradients]:
+        """Each parameter's per-unit gradients, as views of the block."""
+        (block,) = self.gradients.chunks
+        return {name: UnitGradients((block[:, part],)) for name, part in self.slices.items()}
+
+
 def batched_unit_gradients(
     uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded, shape: torch.Size
 ) -> UnitGradients:

@@ -138,9 +138,9 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def test_bf16_products_are_float32_exact_on_the_tensor_cores():
     """Tensor-core mode: mm32 on bf16 operands (exact products, float32 accumulation) and the book-keeping's
-    three-part split of a float32 right factor agree with float64 as closely as a float32 GEMM
-    of the same values does (float32 accumulation over 4096 terms: a few 1e-6), not to bf16
-    rounding: the clip factors and the clipped sum are as exact as in float32."""
+    two-part split of a float32 right factor agree with float64 as closely as a float32 GEMM
+    of the same values does (float32 accumulation over 4096 terms: a few 1e-6; the split adds
+    at most 2^-16 per entry, a few 1e-6 over random data), not to bf16 rounding."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     left = torch.randn(4096, 768, device=CUDA, generator=gen).to(torch.bfloat16)
     right = torch.randn(4096, 3072, device=CUDA, generator=gen).to(torch.bfloat16)
