@@ -132,7 +132,7 @@ def _quadratic(left: torch.Tensor | None, matrix: torch.Tensor, right: torch.Ten
     if right is not None:
         magnitude = torch.bmm(magnitude, right[:, :, None])
     if left is not None:
-        return torch.bmm(left[:, None, :], magnitude).sum((1, 2))
+        return torch.bmm(left[:, None, :], magnitude).view(-1)
     return magnitude.sum((1, 2))
 
 
@@ -156,7 +156,8 @@ def bounded_exact_squared_norms(
     ghost, chunk = exact_norm_plan(uses, padded, shape)
     all_lefts, all_rights = padded_factors(uses, padded)
     all_norms = slot_norms(uses, padded)
-    magnitude = magnitudes(all_norms)
+    per_use = [magnitudes([use]) for use in all_norms]  # S_u of each use
+    magnitude = per_use[0] if len(per_use) == 1 else sum(per_use)
     gamma_right, low = dot_error(d1), 1 / (1 - ieee_error(2 * width + 4))
     computed, upper = [], []
     for start in range(0, n_units, chunk):
@@ -173,12 +174,7 @@ def bounded_exact_squared_norms(
             (None if left is None else left[units].float(), right[units].float())
             for left, right in all_norms
         ]
-        parts = [
-            magnitudes([(left[units] if left is not None else None, right[units])])
-            for left, right in all_norms
-        ]
-        total = quadratic = None
-        exact_terms = torch.zeros_like(magnitude[units])
+        total = quadratic = exact = None
         for times, i, j, gram_left, gram_right in ghost_pairs(lefts, rights):
             gamma_left = dot_error(d0) if lefts[i][0] == lefts[j][0] == "dense" else 0.0
             term = (gram_left * gram_right).sum((1, 2), dtype=torch.float64)
@@ -190,11 +186,14 @@ def bounded_exact_squared_norms(
                 )
             quadratic = part if quadratic is None else quadratic.add_(part)
             rounding = (F32 + ieee_error(width * width, F64)) * (1 + gamma_left) * (1 + gamma_right)
-            exact_terms.addcmul_(
-                parts[i], parts[j], value=times * (gamma_left * gamma_right + rounding)
-            )
+            coefficient = times * (gamma_left * gamma_right + rounding)
+            both = per_use[i][units] * per_use[j][units] * coefficient
+            exact = both if exact is None else exact.add_(both)
         computed.append(total)
-        upper.append((total + quadratic.double() * low + exact_terms).clamp_min(0).sqrt())
+        bound = (total + exact).add_(quadratic.double(), alpha=low)
+        upper.append(bound.clamp_min_(0).sqrt_())
+    if len(computed) == 1:
+        return computed[0], upper[0], magnitude
     return torch.cat(computed), torch.cat(upper), magnitude
 
 
