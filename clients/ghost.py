@@ -358,8 +358,8 @@ def _clip_and_add(
             if name in weights:
                 # book-keeping: Σ_u c_u M_u = Σ_c L_cᵀ (c_t ⊙ R_c) over the finite units' tokens
                 uses = weights[name]
-                scaled = [(f.select(keep), r[keep] * token_factor) for f, r in uses]  # float32
-                total = materialize(scaled, shape)
+                kept_uses = [(f.select(keep), r[keep]) for f, r in uses]
+                total = materialize(kept_uses, shape, token_factor)  # R·c in float32
             if name in retained:  # retained per-unit gradients: Σ_u c_u M_u, finite units
                 if block is not None and name in block.slices:
                     part = block_sum[block.slices[name]].reshape(shape)

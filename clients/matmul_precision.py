@@ -119,25 +119,39 @@ def _at_least_float32(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def split_bf16(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``x`` [n, d] as two bf16 parts concatenated on the last axis [n, 2d]:
-    hi = bf16(x), lo = bf16(x - hi); the subtraction is exact in float32 and
-    |x - hi - lo| <= 2^-16 |x| (two 8-bit significands). The rounding bound of tensor-core mode
-    counts the 2^-16 (:func:`userdp.clients.tensor_core_bound.release_error`); a third part would
-    cost a third more book-keeping FLOPs for an error far below the GEMM's own."""
-    x = x.to(torch.float32)
-    hi = x.to(torch.bfloat16)
-    lo = (x - hi.to(torch.float32)).to(torch.bfloat16)
-    return torch.cat([hi, lo], dim=-1)
+def split_bf16(x: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 x = ``x`` (times ``factor`` [n, 1] when given) [n, d] as two bf16 parts
+    concatenated on the last axis [n, 2d]: hi = bf16(x), lo = bf16(x - hi); the subtraction is
+    exact in float32 and |x - hi - lo| <= 2^-16 |x| (two 8-bit significands). The rounding bound
+    of tensor-core mode counts the 2^-16 (:func:`userdp.clients.tensor_core_bound.release_error`);
+    a third part would cost a third more book-keeping FLOPs for an error far below the GEMM's.
+
+    Four passes and no temporary beyond x: x = x·factor, hi written into the output, x -= hi in
+    place, lo written into the output."""
+    if factor is None:
+        x = x.to(torch.float32, copy=True)  # subtracted from in place below
+    else:
+        x = torch.mul(x, factor.to(torch.float32))
+    d = x.shape[-1]
+    out = torch.empty(*x.shape[:-1], 2 * d, dtype=torch.bfloat16, device=x.device)
+    hi, lo = out[..., :d], out[..., d:]
+    hi.copy_(x)
+    x.sub_(hi)
+    lo.copy_(x)
+    return out
 
 
-def left_times_scaled(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """Lᵀ R [d0, d1] float32 for dense ``left`` [n, d0] and float32 ``right`` [n, d1] (the
-    book-keeping product): in tensor-core mode with a bf16 ``left`` on CUDA, one bf16 GEMM
-    against the two-part split of ``right``; otherwise a float32 GEMM."""
+def left_times_scaled(
+    left: torch.Tensor, right: torch.Tensor, factor: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Lᵀ (R ⊙ c) [d0, d1] float32 for dense ``left`` [n, d0], ``right`` [n, d1] and an optional
+    per-row ``factor`` c [n, 1] (the book-keeping product; R·c is formed in float32): in
+    tensor-core mode with a bf16 ``left`` on CUDA, one bf16 GEMM against the two-part split of
+    R·c (:func:`split_bf16`, which forms the product itself); otherwise a float32 GEMM."""
     if bf16_exact(left):
         d1 = right.shape[1]
-        parts = mm32(left.T, split_bf16(right))
+        parts = mm32(left.T, split_bf16(right, factor))
         return parts[:, :d1] + parts[:, d1:]
     dtype = _at_least_float32(left, right)
-    return left.to(dtype).T @ right.to(dtype)
+    right = right.to(dtype) if factor is None else right * factor.to(dtype)
+    return left.to(dtype).T @ right

@@ -64,18 +64,24 @@ def gram(a: Factor, b: Factor) -> torch.Tensor:
     return a.dense[:, b.index]
 
 
-def materialize(uses: Sequence[tuple[Factor, torch.Tensor]], shape: torch.Size) -> torch.Tensor:
-    """Σ_c L_cᵀ R_c as a [d0, d1] float32 matrix (the first term is the sum's buffer: no zero
-    start)."""
+def materialize(
+    uses: Sequence[tuple[Factor, torch.Tensor]],
+    shape: torch.Size,
+    factor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ_c L_cᵀ (R_c ⊙ c) as a [d0, d1] float32 matrix, c = ``factor`` [n, 1] per row when given
+    (the book-keeping's clip factors; R·c is formed in float32), else 1 (the first term is the
+    sum's buffer: no zero start)."""
     total = None
     for left, right in uses:
         if left.dense is not None:
-            if right.dtype == torch.float32:
-                term = left_times_scaled(left.dense, right)
+            if factor is not None or right.dtype == torch.float32:
+                term = left_times_scaled(left.dense, right, factor)
             else:
                 term = mm32(left.dense.T, right)
         else:
-            term = scatter_rows(left.index, right.to(torch.float32), shape[0])
+            rows = right.to(torch.float32) if factor is None else right * factor
+            term = scatter_rows(left.index, rows, shape[0])
         if total is None:  # a float64 term (the tests' references) is rounded as 0 + term was
             total = term.to(torch.float32)
         else:

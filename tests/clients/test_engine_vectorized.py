@@ -362,6 +362,18 @@ def test_split_bf16_represents_float32_to_within_two_to_the_minus_16():
     assert float((magnitudes / x.double().abs()).max()) <= 1 + 2.0**-7  # release_error's factor
 
 
+def test_split_bf16_with_a_row_factor_equals_the_split_of_the_product():
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randn(300, 40, generator=gen).to(torch.bfloat16)
+    factor = torch.rand(300, 1, generator=gen)
+    fused = matmul_precision.split_bf16(rows, factor)
+    assert torch.equal(fused, matmul_precision.split_bf16(rows.float() * factor))
+    x = torch.randn(30, 8, generator=gen)
+    before = x.clone()
+    matmul_precision.split_bf16(x)
+    assert torch.equal(x, before)  # the caller's float32 tensor is not written to
+
+
 def test_a_layer_that_mixes_units_tokens_is_detected_not_mis_clipped():
     """Flattened tokens in sequence-first order have the shape of batch-first ones, so the hooks
     attribute them to the wrong units; the sum over units is unchanged, but single units' norms

@@ -74,7 +74,11 @@ def emulated_tensor_cores(path: str):
         mock.patch.object(tensor_core_bound, "ALIGN_BITS", ALIGN_BITS),
         mock.patch.object(norms, "mm32", lambda a, b: adversarial_matmul(a, b, -1)),
         mock.patch.object(
-            norms, "left_times_scaled", lambda left, right: adversarial_matmul(left.T, right, 1)
+            norms,
+            "left_times_scaled",
+            lambda left, right, factor=None: adversarial_matmul(
+                left.T, right if factor is None else right * factor, 1
+            ),
         ),
         mock.patch.object(ghost, "retains_unit_gradients", lambda *args: path == "retained"),
         mock.patch.object(
