@@ -801,6 +801,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=RESULTS / "cpu-2c-gpu_cost.json",
         help="results JSON whose fit is used when no H200 row is counted",
     )
+    parser.add_argument(
+        "--keep-calibration",
+        action="store_true",
+        help="use --calibration's fit even where H200 rows are counted: the predictions for a "
+        "changed engine, with the fit of the engine those H200 rows measured",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.seq_lens, args.groups = ["gpt2-tiny"], [64], [1, 2]
@@ -820,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     started = time.time()
     rows = [r for m in args.models for s in args.seq_lens for r in count_shape(api, m, s, args)]
-    calibration = calibrate(rows)
+    calibration = None if args.keep_calibration else calibrate(rows)
     if calibration is not None:
         calibration["source"] = "fitted to the H200 rows counted in this run"
     elif args.calibration.exists():
