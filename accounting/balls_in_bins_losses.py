@@ -260,9 +260,8 @@ class LossSampler:
             streamed = self._equal_diagonal_lse(index, sigma)
             if streamed is None:
                 k, g = self._normals(index)
-                base_k, lse_base = self._diagonal_lse(k, g, sigma)
-            else:
-                k, base_k, lse_base = streamed
+                streamed = (k, *self._diagonal_lse(k, g, sigma))
+            k, base_k, lse_base = streamed
             with np.errstate(divide="ignore"):
                 rest = lse_base + np.log1p(-np.exp(np.minimum(base_k - lse_base, 0.0)))
             lse_pos = np.logaddexp(rest, base_k + self.diag[k] / sigma**2)
@@ -331,15 +330,11 @@ class LossSampler:
         self, index: int, sigma: float
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(k, base_k, log Σ_i e^{base_i}) in float64 for base = √d·g/σ − d/(2σ²) when every
-        diagonal entry equals d (fixed bins without correlation, per-epoch bins); None when G's
-        diagonal is not constant or a row overflows (the caller takes the max-shifted path on
-        the same draws).
-
-        The shift is then a constant c: lse(base) = log Σ_i e^{s·g_i} − c, one pass (draw, scale,
-        exp, sum) over blocks of rows small enough to stay in cache, drawn into one reused
-        buffer: the same draws as :meth:`_normals` (the generator's stream does not depend on
-        how it is cut) without a chunk-sized array's page faults and memory traffic. e^{s·g}
-        cannot overflow float32 unless s·max g > 88."""
+        diagonal entry equals d (fixed bins without correlation, per-epoch bins), else None, as
+        when a row overflows (s·max g > 88; the caller then takes the max-shifted path). The
+        shift is a constant c: lse(base) = log Σ_i e^{s·g_i} − c, one pass (draw, scale, exp,
+        sum) over cache-sized blocks of rows drawn into one buffer: :meth:`_normals`'s draws (a
+        generator's stream does not depend on how it is cut) without a chunk-sized array."""
         diag = self.diag
         if not (diag.size and np.all(diag == diag[0])):
             return None
@@ -347,8 +342,7 @@ class LossSampler:
         shift = 0.5 * float(diag[0]) / sigma**2
         rng, k = self._modes(index)
         size = k.shape[1]
-        g_k = np.empty(size)
-        total = np.empty(size)
+        g_k, total = np.empty(size), np.empty(size)
         block = np.empty((min(size, _BLOCK_ELEMENTS // self.bins), self.bins), np.float32)
         for start in range(0, size, block.shape[0]):
             rows = block[: min(block.shape[0], size - start)]
@@ -363,9 +357,7 @@ class LossSampler:
             return None
         return k, (scale * g_k - shift)[None], (np.log(total) - shift)[None]
 
-    def _diagonal_lse(
-        self, k: np.ndarray, g: np.ndarray, sigma: float
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _diagonal_lse(self, k: np.ndarray, g: np.ndarray, sigma: float) -> tuple:
         """(base_k, log Σ_i e^{base_i}) in float64 for base = √diag·g/σ − diag/(2σ²), max-shifted
         (any diagonal G; any draws); ``g`` is overwritten."""
         base = g
