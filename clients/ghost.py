@@ -262,12 +262,12 @@ def _clip_and_add(
     with record_function("userdp.norms"):
         small: dict[str, torch.Tensor] = {}
         for name, parts in token_rows.items():
-            rows = parts[0].to(torch.float32)
+            rows = parts[0]
             for part in parts[1:]:
-                rows = rows + part.to(torch.float32)
+                rows = rows.to(torch.float32) + part.to(torch.float32)
             # per-unit sums over each unit's own slots (not a matmul with an assignment matrix:
-            # 0·NaN from a non-finite unit's rows would reach every other unit)
-            small[name] = padded.rows(rows).sum(1)
+            # 0·NaN from a non-finite unit's rows would reach every other unit), in float32
+            small[name] = padded.rows(rows, keep_bf16=True).sum(1, dtype=torch.float32)
         token_rows.clear()  # the rows (an output gradient, for a bias) are used up
         for call, owned in generic:
             for name, per_unit in generic_unit_grads(call, owned, layout, capture).items():
@@ -289,14 +289,11 @@ def _clip_and_add(
                 sq += estimate
                 if bounded:  # the estimate, and the release's rounding on top of it
                     exact_bound += estimate
-                    norms = tensor_core_bound.slot_norms(weights[name], padded)
-                    released.append(
-                        (
-                            None,
-                            tensor_core_bound.magnitudes(norms),
-                            tensor_core_bound.uses_release_error(weights[name]),
-                        )
-                    )
+                    uses = weights[name]
+                    norms = tensor_core_bound.slot_norms(uses, padded)
+                    magnitude = sum(tensor_core_bound.magnitudes(uses, norms))
+                    error = tensor_core_bound.uses_release_error(uses)
+                    released.append((None, magnitude.to(device), error))
             elif retains_unit_gradients(weights[name], padded, shape):
                 # the weight's factors leave ``weights`` and are freed: from here on its
                 # per-unit gradients stand for them

@@ -71,12 +71,6 @@ def ieee_error(n: int, unit: float = F32) -> float:
     return nu / (1 - nu)
 
 
-def row_norms(x: torch.Tensor) -> torch.Tensor:
-    """‖x_t‖ per row of ``x`` [..., d], in float64 (every float64 computation of the bounds has
-    fewer than 2³⁰ terms: :data:`FLOAT64_MARGIN` covers their rounding)."""
-    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
-
-
 FLOAT64_MARGIN = 1 + 2**30 * F64 / (1 - 2**30 * F64)
 """A factor that raises any float64 sum of fewer than 2³⁰ nonnegative terms, and any product of
 such sums, past its rounding: the bounds' own arithmetic keeps them upper bounds."""
@@ -99,30 +93,47 @@ def release_error(rows: int, uses: int) -> float:
     return (1 + F32) * (1 + 2.0**-16) * (1 + gamma * parts) * adds - 1
 
 
+def norm_margin(width: int) -> float:
+    """A factor that raises a float32 row norm over ``width`` entries (a float32 sum of squares,
+    then a square root) and a float32 product of two such norms past their rounding."""
+    return (1 + 2 * F32) / (1 - ieee_error(width + 2))
+
+
 def slot_norms(
     uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded
 ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
     """Per use, ([U, T] ‖L_c,t‖ or None for a onehot side, whose rows have norm 1; [U, T]
-    ‖R_c,t‖), float64 by slot, 0 past each unit's length."""
+    ‖R_c,t‖), float32 by slot (each low by less than :func:`norm_margin`), 0 past each unit's
+    length."""
     return [
         (
-            None if left.dense is None else padded.ids(row_norms(left.dense)),
-            padded.ids(row_norms(right)),
+            None if left.dense is None else padded.ids(_norms(left.dense)),
+            padded.ids(_norms(right)),
         )
         for left, right in uses
     ]
 
 
-def magnitudes(norms: Sequence[tuple[torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
-    """[U] float64 S_u = Σ_c Σ_t ‖L_c,t‖·‖R_c,t‖ from :func:`slot_norms` (a padded slot has
-    ‖R‖ = 0)."""
-    total = None
-    for left, right in norms:
-        part = right.sum(1) if left is None else (left * right).sum(1)
-        total = part if total is None else total + part
-    if total is None:
-        raise ValueError("a weight needs at least one use")
-    return total
+def _norms(rows: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
+
+
+def magnitudes(
+    uses: Sequence[tuple[Factor, torch.Tensor]],
+    norms: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Per use, [U] float64 S_u = Σ_t ‖L_c,t‖·‖R_c,t‖ from :func:`slot_norms` (a padded slot has
+    ‖R‖ = 0), raised past the rounding of the norms and their products."""
+    out = []
+    for (left, right), (norm_left, norm_right) in zip(uses, norms, strict=True):
+        margin = norm_margin(right.shape[-1])
+        if norm_left is None:
+            part = norm_right.sum(1, dtype=torch.float64)
+        else:
+            margin *= norm_margin(left.dense.shape[-1])
+            part = (norm_left * norm_right).sum(1, dtype=torch.float64)
+        out.append(part.mul_(margin * FLOAT64_MARGIN))
+    return out
 
 
 def _quadratic(left: torch.Tensor | None, matrix: torch.Tensor, right: torch.Tensor | None):
@@ -155,10 +166,13 @@ def bounded_exact_squared_norms(
     d0, d1 = shape
     ghost, chunk = exact_norm_plan(uses, padded, shape)
     all_lefts, all_rights = padded_factors(uses, padded)
-    all_norms = slot_norms(uses, padded)
-    per_use = [magnitudes([use]) for use in all_norms]  # S_u of each use
+    norms = slot_norms(uses, padded)
+    per_use = magnitudes(uses, norms)  # S_u of each use
     magnitude = per_use[0] if len(per_use) == 1 else sum(per_use)
-    gamma_right, low = dot_error(d1), 1 / (1 - ieee_error(2 * width + 4))
+    # the quadratic forms: float32 products of float32 norms, raised past both roundings
+    low = FLOAT64_MARGIN / (1 - ieee_error(2 * width + 4))
+    low_left, low_right = low * norm_margin(d0) ** 2, low * norm_margin(d1) ** 2
+    gamma_right = dot_error(d1)
     computed, upper = [], []
     for start in range(0, n_units, chunk):
         units = slice(start, min(start + chunk, n_units))
@@ -170,28 +184,23 @@ def bounded_exact_squared_norms(
             computed.append(total)
             upper.append(total.sqrt() + dot_error(width * len(uses)) * magnitude[units])
             continue
-        norms = [
-            (None if left is None else left[units].float(), right[units].float())
-            for left, right in all_norms
-        ]
-        total = quadratic = exact = None
+        total = torch.zeros_like(magnitude[units])
+        bound = torch.zeros_like(total)  # Σ of the error terms, then of the computed norm too
         for times, i, j, gram_left, gram_right in ghost_pairs(lefts, rights):
             gamma_left = dot_error(d0) if lefts[i][0] == lefts[j][0] == "dense" else 0.0
             term = (gram_left * gram_right).sum((1, 2), dtype=torch.float64)
-            total = term * times if total is None else total.add_(term, alpha=times)
-            part = _quadratic(norms[i][1], gram_left, norms[j][1]) * (times * gamma_right)
+            total.add_(term, alpha=times)
+            (norm_left_i, norm_right_i), (norm_left_j, norm_right_j) = norms[i], norms[j]
+            quadratic = _quadratic(norm_right_i[units], gram_left, norm_right_j[units])
+            bound.add_(quadratic, alpha=times * gamma_right * low_right)
             if gamma_left:
-                part.add_(
-                    _quadratic(norms[i][0], gram_right, norms[j][0]), alpha=times * gamma_left
-                )
-            quadratic = part if quadratic is None else quadratic.add_(part)
+                quadratic = _quadratic(norm_left_i[units], gram_right, norm_left_j[units])
+                bound.add_(quadratic, alpha=times * gamma_left * low_left)
             rounding = (F32 + ieee_error(width * width, F64)) * (1 + gamma_left) * (1 + gamma_right)
             coefficient = times * (gamma_left * gamma_right + rounding)
-            both = per_use[i][units] * per_use[j][units] * coefficient
-            exact = both if exact is None else exact.add_(both)
+            bound.addcmul_(per_use[i][units], per_use[j][units], value=coefficient)
         computed.append(total)
-        bound = (total + exact).add_(quadratic.double(), alpha=low)
-        upper.append(bound.clamp_min_(0).sqrt_())
+        upper.append(bound.add_(total).clamp_min_(0).sqrt_())
     if len(computed) == 1:
         return computed[0], upper[0], magnitude
     return torch.cat(computed), torch.cat(upper), magnitude

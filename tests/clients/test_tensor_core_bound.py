@@ -201,7 +201,8 @@ def test_unit_bounds_cover_adversarial_gemms_on_cancelling_units(ghost, onehot, 
         for left, right in uses:
             rows = torch.ones(len(right)) if left.dense is None else left.dense.double().norm(dim=1)
             want += float((rows[spans[j]].double() * right[spans[j]].double().norm(dim=1)).sum())
-        assert float(magnitude[j]) == pytest.approx(want, rel=1e-9)
+        # S_u, raised past the float32 row norms' rounding (a few 1e-6 at these widths)
+        assert want <= float(magnitude[j]) <= want * (1 + 1e-5)
         assert want > 5 * norm  # the tokens do cancel
         # the adversary moved the dense GEMMs' norms (a onehot side is a scatter, or an exact
         # Gram of 0s and 1s)
