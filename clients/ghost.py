@@ -274,6 +274,7 @@ def _clip_and_add(
                 small[name] = small[name] + per_unit if name in small else per_unit
         # side by side: one norm, and later one weighted sum over units, for all of them
         block = ParameterBlock.of(small)
+        small.clear()  # the block holds them now
         if block is not None:
             sq += block.gradients.squared_norms(float64=True)
             retained.update(block.views())

@@ -65,7 +65,8 @@ class UnitGradients:
 
     def squared_norms(self, float64: bool = False) -> torch.Tensor:
         """[U] float64 of ‖M_u‖² (float32 accumulation, or float64 with ``float64``)."""
-        return torch.cat([unit_squared_norms(c, float64) for c in self.chunks])
+        norms = [unit_squared_norms(c, float64) for c in self.chunks]
+        return norms[0] if len(norms) == 1 else torch.cat(norms)
 
     def total(self) -> torch.Tensor:
         """[numel]: Σ_u M_u over all units."""

@@ -12,7 +12,8 @@ with every GEMM of the norms replaced by an ADVERSARIAL accumulation that stays 
 products exact, then added one at a time (block size 1, the worst block size for the bound),
 each step moving the running sum by the most the model allows, 2^{2−p} times the magnitudes it
 adds: toward zero in the norm GEMMs (Gram products, per-unit gradients), away from zero in the
-book-keeping product that releases the clipped sum. With p = 12 aligned bits instead of the
+book-keeping product that releases the clipped sum (formed from the two-part bf16 split of the
+scaled rows, as on a GPU). With p = 12 aligned bits instead of the
 hardware's 24 these errors are about 6 % over the tiny model's dimensions, four orders of
 magnitude over float32 rounding, so a bound that does not cover them shows at once. The engine's
 bound is computed for the same p. Each unit of a real tiny GPT-2 is then clipped alone, with C
@@ -35,7 +36,7 @@ import contextlib
 from unittest import mock
 
 import torch
-from userdp.clients import ghost, norms, tensor_core_bound
+from userdp.clients import ghost, matmul_precision, norms, tensor_core_bound
 from userdp.clients.engine import ClippingEngine
 
 from .checks_clipping import _clip_norm_below, _model, _norm, _unit_gradient, _units
@@ -65,6 +66,14 @@ def adversarial_matmul(a: torch.Tensor, b: torch.Tensor, direction: int) -> torc
     return total.to(torch.float32)
 
 
+def adversarial_book_keeping(left, right, factor=None):
+    """The tensor-core book-keeping product Lᵀ(R ⊙ c) as the engine forms it on a GPU (the
+    two-part bf16 split of R·c, one GEMM, the parts added), with the GEMM accumulating away from
+    zero."""
+    parts = adversarial_matmul(left.T, matmul_precision.split_bf16(right, factor), 1)
+    return parts[:, : right.shape[1]] + parts[:, right.shape[1] :]
+
+
 @contextlib.contextmanager
 def emulated_tensor_cores(path: str):
     """The engine's tensor-core branch on CPU with adversarial GEMMs (module docstring), every
@@ -73,13 +82,7 @@ def emulated_tensor_cores(path: str):
         mock.patch.object(ghost, "bound_applies", lambda params, device: True),
         mock.patch.object(tensor_core_bound, "ALIGN_BITS", ALIGN_BITS),
         mock.patch.object(norms, "mm32", lambda a, b: adversarial_matmul(a, b, -1)),
-        mock.patch.object(
-            norms,
-            "left_times_scaled",
-            lambda left, right, factor=None: adversarial_matmul(
-                left.T, right if factor is None else right * factor, 1
-            ),
-        ),
+        mock.patch.object(norms, "left_times_scaled", adversarial_book_keeping),
         mock.patch.object(ghost, "retains_unit_gradients", lambda *args: path == "retained"),
         mock.patch.object(
             tensor_core_bound, "exact_norm_plan", lambda *args: (path == "ghost", 1 << 30)
