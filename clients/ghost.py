@@ -250,12 +250,15 @@ def _clip_and_add(
     gradients it retains (they leave ``weights``), so that their memory is freed as it goes."""
     n_units = len(layout.spans)
     device = layout.positions.device
-    sq = torch.zeros(n_units, dtype=torch.float64, device=device)
     # tensor-core mode: each unit is clipped by B_u, a bound on the norm of what it releases
-    # (docs/worker.md, "Tensor cores: a proven norm bound"); sq stays the computed norm
+    # (docs/worker.md, "Tensor cores: a proven norm bound")
     bounded = bound_applies(weights, device)
-    exact_bound = torch.zeros_like(sq)  # tensor-core mode: Σ over parameters of bound²
-    released: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (norm part, S_u, ε_bk)
+    # squared norms of what is released as computed (everything outside tensor-core mode) or
+    # estimated; in tensor-core mode the book-kept weights' computed norms go to ``booked`` and
+    # their bounds to ``released``: (an upper bound on ‖M_u‖ or None if sketched, S_u, ε_bk)
+    sq = torch.zeros(n_units, dtype=torch.float64, device=device)
+    booked = torch.zeros_like(sq) if bounded else None
+    released: list[tuple[torch.Tensor | None, torch.Tensor, float]] = []
     # per-unit gradients retained for the clipped sum Σ_u c_u M_u: biases, LayerNorm and generic
     # parameters always, weights where retains_unit_gradients says so (exact norms only)
     retained: dict[str, UnitGradients] = {}
@@ -278,8 +281,6 @@ def _clip_and_add(
         if block is not None:
             sq += block.gradients.squared_norms(float64=True)
             retained.update(block.views())
-        if bounded:  # released as computed: their computed norm is that of the release
-            exact_bound += sq
         # weights: exact (retained, ghost or materialized) or sketched, batched over the units
         for name in list(weights):
             shape = param_shape(params[name])
@@ -288,8 +289,7 @@ def _clip_and_add(
                     weights[name], probes, padded, shape[0], params[name].device
                 ).to(device)
                 sq += estimate
-                if bounded:  # the estimate, and the release's rounding on top of it
-                    exact_bound += estimate
+                if bounded:  # the release's rounding on top of the estimate
                     uses = weights[name]
                     norms = tensor_core_bound.slot_norms(uses, padded)
                     magnitude = sum(tensor_core_bound.magnitudes(uses, norms))
@@ -299,15 +299,12 @@ def _clip_and_add(
                 # the weight's factors leave ``weights`` and are freed: from here on its
                 # per-unit gradients stand for them
                 retained[name] = batched_unit_gradients(weights.pop(name), padded, shape)
-                norms = retained[name].squared_norms(float64=bounded).to(device)
-                sq += norms
-                if bounded:
-                    exact_bound += norms
+                sq += retained[name].squared_norms(float64=bounded).to(device)
             elif bounded:
                 computed, upper, magnitude = tensor_core_bound.bounded_exact_squared_norms(
                     weights[name], padded, shape
                 )
-                sq += computed.to(device)
+                booked += computed.to(device)
                 released.append(
                     (
                         upper.to(device),
@@ -319,14 +316,15 @@ def _clip_and_add(
                 sq += batched_exact_squared_norms(weights[name], padded, shape, workspace).to(
                     device
                 )
-    clip_sq = (
-        tensor_core_bound.clip_squared_norms(exact_bound, released, n_units) if bounded else sq
-    )
+    clip_sq, computed_sq = sq, sq
+    if bounded:
+        clip_sq = tensor_core_bound.clip_squared_norms(sq, released, n_units)
+        computed_sq = sq + booked
     # clip factors, statistics: one device-to-host copy of the per-unit norms and losses
     token_loss = losses.detach().reshape(-1)[layout.positions].double()
     unit_loss = torch.zeros(n_units, dtype=torch.float64, device=device)
     unit_loss.index_add_(0, layout.position_unit, token_loss)
-    host = torch.stack([clip_sq, unit_loss, sq]).cpu()
+    host = torch.stack([clip_sq, unit_loss, computed_sq]).cpu()
     factors: list[float | None] = []
     for j, span in enumerate(layout.spans):
         squared = float(host[0, j])

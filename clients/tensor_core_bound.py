@@ -229,7 +229,7 @@ def clip_squared_norms(
     unit releases at most C·max(1, ‖g_u‖/√n̂_u). The result is raised past float64's rounding,
     the float32 weighted sum of retained gradients over units and the clip factor's rounding to
     float32. One stacked computation for all weights (a few kernels, not a few per weight)."""
-    total, extra = exact_bound, None
+    total = exact_bound
     exact = [(u, m, e) for u, m, e in released if u is not None]
     sketched = [(m, e) for u, m, e in released if u is None]
     if exact:
@@ -243,7 +243,7 @@ def clip_squared_norms(
     norm = total.sqrt()
     if sketched:
         coef = torch.tensor([e for _, e in sketched], dtype=torch.float64).to(total.device)
-        extra = (coef[:, None] * torch.stack([m for m, _ in sketched])).square().sum(0).sqrt()
-        norm = norm + extra
+        errors = coef[:, None] * torch.stack([m for m, _ in sketched])
+        norm = norm + errors.square().sum(0).sqrt()
     margin = FLOAT64_MARGIN * (1 + ieee_error(n_units)) * CLIP_FACTOR_ROUNDING
     return (norm * margin).square()
