@@ -254,11 +254,9 @@ def _clip_and_add(
     # (docs/worker.md, "Tensor cores: a proven norm bound")
     bounded = bound_applies(weights, device)
     # squared norms of what is released as computed (everything outside tensor-core mode) or
-    # estimated; in tensor-core mode the book-kept weights' computed norms go to ``booked`` and
-    # their bounds to ``released``: (an upper bound on ‖M_u‖ or None if sketched, S_u, ε_bk)
+    # estimated; in tensor-core mode the book-kept weights' norms and bounds go to ``bound_terms``
     sq = torch.zeros(n_units, dtype=torch.float64, device=device)
-    booked = torch.zeros_like(sq) if bounded else None
-    released: list[tuple[torch.Tensor | None, torch.Tensor, float]] = []
+    bound_terms = tensor_core_bound.BoundTerms(padded) if bounded else None
     # per-unit gradients retained for the clipped sum Σ_u c_u M_u: biases, LayerNorm and generic
     # parameters always, weights where retains_unit_gradients says so (exact norms only)
     retained: dict[str, UnitGradients] = {}
@@ -290,36 +288,23 @@ def _clip_and_add(
                 ).to(device)
                 sq += estimate
                 if bounded:  # the release's rounding on top of the estimate
-                    uses = weights[name]
-                    norms = tensor_core_bound.slot_norms(uses, padded)
-                    magnitude = sum(tensor_core_bound.magnitudes(uses, norms))
-                    error = tensor_core_bound.uses_release_error(uses)
-                    released.append((None, magnitude.to(device), error))
+                    bound_terms.add_sketched(weights[name])
             elif retains_unit_gradients(weights[name], padded, shape):
                 # the weight's factors leave ``weights`` and are freed: from here on its
                 # per-unit gradients stand for them
                 retained[name] = batched_unit_gradients(weights.pop(name), padded, shape)
                 sq += retained[name].squared_norms(float64=bounded).to(device)
-            elif bounded:
-                computed, upper, magnitude = tensor_core_bound.bounded_exact_squared_norms(
-                    weights[name], padded, shape
-                )
-                booked += computed.to(device)
-                released.append(
-                    (
-                        upper.to(device),
-                        magnitude.to(device),
-                        tensor_core_bound.uses_release_error(weights[name]),
-                    )
-                )
+            elif bounded:  # the bound's terms, combined for all weights below
+                bound_terms.add_exact(weights[name], shape)
             else:
                 sq += batched_exact_squared_norms(weights[name], padded, shape, workspace).to(
                     device
                 )
-    clip_sq, computed_sq = sq, sq
-    if bounded:
-        clip_sq = tensor_core_bound.clip_squared_norms(sq, released, n_units)
-        computed_sq = sq + booked
+        clip_sq, computed_sq = sq, sq
+        if bounded:
+            bounds = bound_terms.finish()
+            clip_sq = tensor_core_bound.clip_squared_norms(sq, bounds, n_units)
+            computed_sq = sq + bounds.booked
     # clip factors, statistics: one device-to-host copy of the per-unit norms and losses
     token_loss = losses.detach().reshape(-1)[layout.positions].double()
     unit_loss = torch.zeros(n_units, dtype=torch.float64, device=device)

@@ -29,6 +29,7 @@ engine). A failed task fails on every rank and rank 0 reports it; the ranks go o
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -283,7 +284,11 @@ def _apply_version(
 def leave_process_group() -> None:
     """The ranks' last collective once rank 0 sent ``stop``: a barrier, then the process group is
     destroyed on every rank. (A rank that exits while another still tears down its gloo
-    connections can make that one abort at exit, which the launcher reports as a failure.)"""
+    connections can make that one abort at exit, which the launcher reports as a failure.)
+    Unreachable objects are collected first: a collective's work handle that DeepSpeed dropped
+    without waiting keeps tensors alive in gloo's threads, and freeing them during interpreter
+    finalization (no GIL to take) aborts the process."""
+    gc.collect()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from userdp.clients.norms import (
@@ -123,33 +124,205 @@ def _norms(rows: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
 
 
-def magnitudes(
-    uses: Sequence[tuple[Factor, torch.Tensor]],
-    norms: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
-) -> list[torch.Tensor]:
-    """Per use, [U] float64 S_u = Σ_t ‖L_c,t‖·‖R_c,t‖ from :func:`slot_norms` (a padded slot has
-    ‖R‖ = 0), raised past the rounding of the norms and their products."""
-    out = []
-    for (left, right), (norm_left, norm_right) in zip(uses, norms, strict=True):
-        margin = norm_margin(right.shape[-1])
-        if norm_left is None:
-            part = norm_right.sum(1, dtype=torch.float64)
-        else:
-            margin *= norm_margin(left.dense.shape[-1])
-            part = (norm_left * norm_right).sum(1, dtype=torch.float64)
-        out.append(part.mul_(margin * FLOAT64_MARGIN))
-    return out
+class BoundTerms:
+    """The bound's per-weight terms of one micro-batch, combined for every weight at once.
+
+    Per weight only what needs the weight's factors runs as it comes (:meth:`add_exact`,
+    :meth:`add_sketched`): the row norms, the Gram products, the sums of their entrywise
+    products and the matrix-vector halves |G|·w of the quadratic forms. Everything that is
+    arithmetic on [U] vectors (the magnitudes S_u, the quadratic forms' second halves, the
+    coefficients, the square roots) waits for :meth:`finish`, which does it for all weights in a
+    fixed number of stacked kernels: on a GPU these are launch-bound, and a few per weight would
+    be a few hundred per micro-batch. The arithmetic, and so the bound, is the same as per
+    weight (:func:`bounded_exact_squared_norms` is one weight's :meth:`finish`)."""
+
+    def __init__(self, padded: Padded) -> None:
+        self.padded = padded
+        self.weights = 0
+        self.exact: list[int] = []  # weight index of each exact weight, in order
+        self.errors: list[float] = []  # ε_bk per weight
+        self.additive: list[float] = []  # per exact weight: γ of a materialized norm, else 0
+        self.norms: list[torch.Tensor] = []  # [U, T] float32 row norms: each use's L, then R
+        self.uses: list[tuple[int, int | None, int, float]] = []  # (weight, L, R, margin)
+        self.terms: list[tuple[int, float, torch.Tensor]] = []  # (exact weight, times, [U])
+        self.halves: list[tuple[int, float, int, torch.Tensor]] = []  # (.., partner norm, |G|w)
+        self.pairs: list[tuple[int, float, int, int]] = []  # (exact weight, coef, use i, use j)
+
+    def _add_uses(self, uses: Sequence[tuple[Factor, torch.Tensor]]) -> tuple[list, list]:
+        """Records one weight's uses and their row norms (:func:`slot_norms`); returns the uses'
+        indices and, per use, (table row of L's norms or None, of R's, L's norms, R's)."""
+        first, out = len(self.uses), []
+        for (left, right), (norm_left, norm_right) in zip(
+            uses, slot_norms(uses, self.padded), strict=True
+        ):
+            margin = norm_margin(right.shape[-1]) * FLOAT64_MARGIN
+            index_left = None
+            if norm_left is not None:
+                margin *= norm_margin(left.dense.shape[-1])
+                index_left = len(self.norms)
+                self.norms.append(norm_left)
+            self.norms.append(norm_right)
+            self.uses.append((self.weights, index_left, len(self.norms) - 1, margin))
+            out.append((index_left, len(self.norms) - 1, norm_left, norm_right))
+        self.weights += 1
+        return [first + k for k in range(len(uses))], out
+
+    def add_sketched(self, uses: Sequence[tuple[Factor, torch.Tensor]]) -> None:
+        """A sketched weight: only its release error, ε_bk·S_u, is bounded."""
+        self._add_uses(uses)
+        self.errors.append(uses_release_error(uses))
+
+    def add_exact(self, uses: Sequence[tuple[Factor, torch.Tensor]], shape: torch.Size) -> None:
+        """A book-kept weight with exact norms, ghost or materialized (module docstring of
+        :func:`bounded_exact_squared_norms`)."""
+        n_units, width = self.padded.index.shape
+        d0, d1 = shape
+        ghost, chunk = exact_norm_plan(uses, self.padded, shape)
+        use_ids, norms = self._add_uses(uses)
+        weight = len(self.exact)
+        self.exact.append(self.weights - 1)
+        self.errors.append(uses_release_error(uses))
+        self.additive.append(0.0 if ghost else dot_error(width * len(uses)))
+        all_lefts, all_rights = padded_factors(uses, self.padded)
+        # the quadratic forms' first halves: float32 products of float32 norms, raised past both
+        # roundings (with the second halves' in finish)
+        low = FLOAT64_MARGIN / (1 - ieee_error(2 * width + 4))
+        low_left, low_right = low * norm_margin(d0) ** 2, low * norm_margin(d1) ** 2
+        gamma_right = dot_error(d1)
+        parts: dict[tuple, list[torch.Tensor]] = {}
+        coefficients: dict[tuple, tuple[float, int]] = {}
+        pairs: dict[tuple[int, int], float] = {}  # (use i, use j) -> coefficient of S_i·S_j
+        for start in range(0, n_units, chunk):
+            units = slice(start, min(start + chunk, n_units))
+            lefts = [(kind, x[units]) for kind, x in all_lefts]
+            rights = [r[units] for r in all_rights]
+            if not ghost:
+                matrix = padded_unit_gradients(lefts, rights, shape)  # bf16: no workspace
+                parts.setdefault(("term",), []).append(unit_squared_norms(matrix, float64=True))
+                coefficients[("term",)] = (1.0, -1)
+                continue
+            for times, i, j, gram_left, gram_right in ghost_pairs(lefts, rights):
+                gamma_left = dot_error(d0) if lefts[i][0] == lefts[j][0] == "dense" else 0.0
+                key = ("term", i, j)
+                term = (gram_left * gram_right).sum((1, 2), dtype=torch.float64)
+                parts.setdefault(key, []).append(term)
+                coefficients[key] = (float(times), -1)
+                left_i, right_i = norms[i][:2]  # table rows of use i's norms
+                norm_left_j, norm_right_j = norms[j][2:]
+                key = ("half", i, j, "right")
+                parts.setdefault(key, []).append(_half(gram_left, norm_right_j[units]))
+                coefficients[key] = (times * gamma_right * low_right, right_i)
+                if gamma_left:
+                    key = ("half", i, j, "left")
+                    parts.setdefault(key, []).append(_half(gram_right, norm_left_j[units]))
+                    coefficients[key] = (times * gamma_left * low_left, left_i)
+                rounding = (F32 + ieee_error(width * width, F64)) * (1 + gamma_left)
+                rounding *= 1 + gamma_right
+                pairs[use_ids[i], use_ids[j]] = times * (gamma_left * gamma_right + rounding)
+        self.pairs += [(weight, c, i, j) for (i, j), c in pairs.items()]
+        for key, chunks in parts.items():
+            vector = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            coefficient, partner = coefficients[key]
+            if key[0] == "term":
+                self.terms.append((weight, coefficient, vector))
+            else:
+                self.halves.append((weight, coefficient, partner, vector))
+
+    def finish(self) -> Bounds:
+        """Every weight's bound terms combined (:class:`Bounds`), in a fixed number of kernels
+        (the index and coefficient lists reach the device in two copies)."""
+        n_units, width = self.padded.index.shape
+        device = self.padded.index.device
+        f64 = {"dtype": torch.float64, "device": device}
+        exact = set(self.exact)
+        sketched = [w for w in range(self.weights) if w not in exact]
+        ones = len(self.norms)  # the table's row of ones: a onehot side's rows have norm 1
+        lists = {  # name -> (indices, coefficients)
+            "use": ([w for w, *_ in self.uses], [m for *_, m in self.uses]),
+            "left": ([ones if i is None else i for _, i, _, _ in self.uses], []),
+            "right": ([r for _, _, r, _ in self.uses], []),
+            "exact": (self.exact, [self.errors[w] for w in self.exact]),
+            "sketched": (sketched, [self.errors[w] for w in sketched]),
+            "additive": ([], self.additive),
+            "term": ([w for w, *_ in self.terms], [c for _, c, _ in self.terms]),
+            "half": ([w for w, *_ in self.halves], [c for _, c, _, _ in self.halves]),
+            "partner": ([p for _, _, p, _ in self.halves], []),
+            "pair": ([w for w, *_ in self.pairs], [c for _, c, _, _ in self.pairs]),
+            "first": ([i for *_, i, _ in self.pairs], []),
+            "second": ([j for *_, j in self.pairs], []),
+        }
+        index, coefficient = _to_device(lists, device)
+        table = torch.cat(
+            [*(n[None] for n in self.norms), torch.ones(1, n_units, width, device=device)]
+        )
+        # S_u per use: Σ_t ‖L_t‖·‖R_t‖ in float64, raised past the norms' rounding
+        sides = table.index_select(0, torch.cat([index["left"], index["right"]]))
+        use_magnitude = sides.view(2, len(self.uses), n_units, width).prod(0)
+        use_magnitude = use_magnitude.sum(-1, dtype=torch.float64).mul_(coefficient["use"][:, None])
+        magnitude = torch.zeros(self.weights, n_units, **f64)
+        magnitude.index_add_(0, index["use"], use_magnitude)
+        bounds = Bounds(
+            torch.zeros(n_units, **f64),
+            magnitude.index_select(0, index["exact"]),
+            torch.zeros(0, n_units, **f64),
+            coefficient["exact"],
+            magnitude.index_select(0, index["sketched"]),
+            coefficient["sketched"],
+        )
+        if not self.exact:
+            return bounds
+        total = torch.zeros(len(self.exact), n_units, **f64)
+        if self.terms:
+            values = torch.stack([v for *_, v in self.terms])
+            total.index_add_(0, index["term"], values * coefficient["term"][:, None])
+        bound = torch.zeros_like(total)
+        if self.halves:  # the quadratic forms' second halves: vᵀ(|G|w), float32
+            halves = torch.stack([v for *_, v in self.halves])
+            forms = (halves * table.index_select(0, index["partner"])).sum(-1).double()
+            bound.index_add_(0, index["half"], forms * coefficient["half"][:, None])
+        if self.pairs:  # (γ_Lγ_R + rounding)·S_i·S_j
+            products = use_magnitude.index_select(0, index["first"])
+            products *= use_magnitude.index_select(0, index["second"])
+            bound.index_add_(0, index["pair"], products * coefficient["pair"][:, None])
+        bounds.booked = total.sum(0)
+        bounds.upper = bound.add_(total).clamp_min_(0).sqrt_()
+        bounds.upper.addcmul_(coefficient["additive"][:, None], bounds.magnitude)
+        return bounds
 
 
-def _quadratic(left: torch.Tensor | None, matrix: torch.Tensor, right: torch.Tensor | None):
-    """[u] float32 of vᵀ|A|w for nonnegative float32 v, w [u, T] (None: all ones) and A
-    [u, T, T]: a nonnegative sum, low by at most γ_32(2T + 2) relative (see the caller)."""
-    magnitude = matrix.abs()
-    if right is not None:
-        magnitude = torch.bmm(magnitude, right[:, :, None])
-    if left is not None:
-        return torch.bmm(left[:, None, :], magnitude).view(-1)
-    return magnitude.sum((1, 2))
+def _to_device(
+    lists: dict[str, tuple[list[int], list[float]]], device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Named index (int64) and coefficient (float64) lists as views of one device tensor each."""
+    indices = torch.tensor([i for ids, _ in lists.values() for i in ids], dtype=torch.long)
+    values = torch.tensor([c for _, cs in lists.values() for c in cs], dtype=torch.float64)
+    indices, values = indices.to(device), values.to(device)
+    out_i, out_c, at_i, at_c = {}, {}, 0, 0
+    for name, (ids, cs) in lists.items():
+        out_i[name], out_c[name] = indices[at_i : at_i + len(ids)], values[at_c : at_c + len(cs)]
+        at_i, at_c = at_i + len(ids), at_c + len(cs)
+    return out_i, out_c
+
+
+def _half(matrix: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """[u, T] float32 of |A|·w for A [u, T, T] and nonnegative w [u, T]: the first half of the
+    quadratic form vᵀ|A|w (:meth:`BoundTerms.finish` takes the second; together low by at most
+    γ_32(2T + 2) relative)."""
+    return torch.bmm(matrix.abs(), right[:, :, None]).view(right.shape)
+
+
+@dataclass
+class Bounds:
+    """One micro-batch's bound terms, [W, U] per exact (or sketched) weight: Σ of the exact
+    weights' computed ‖M_u‖² (``booked``), S_u and an upper bound on ‖M_u‖ per exact weight, ε_bk
+    per weight, S_u and ε_bk per sketched weight."""
+
+    booked: torch.Tensor
+    magnitude: torch.Tensor
+    upper: torch.Tensor | None
+    error: torch.Tensor
+    sketched_magnitude: torch.Tensor
+    sketched_error: torch.Tensor
 
 
 def bounded_exact_squared_norms(
@@ -166,49 +339,13 @@ def bounded_exact_squared_norms(
       entries;
     - materialized: ‖M_u − M̂_u‖ ≤ γ(T·uses)·S_u (each entry errs by at most
       γ·Σ_t |L_t,i||R_t,j|).
+
+    The engine collects these terms for all its weights in one :class:`BoundTerms`.
     """
-    n_units, width = padded.index.shape
-    d0, d1 = shape
-    ghost, chunk = exact_norm_plan(uses, padded, shape)
-    all_lefts, all_rights = padded_factors(uses, padded)
-    norms = slot_norms(uses, padded)
-    per_use = magnitudes(uses, norms)  # S_u of each use
-    magnitude = per_use[0] if len(per_use) == 1 else sum(per_use)
-    # the quadratic forms: float32 products of float32 norms, raised past both roundings
-    low = FLOAT64_MARGIN / (1 - ieee_error(2 * width + 4))
-    low_left, low_right = low * norm_margin(d0) ** 2, low * norm_margin(d1) ** 2
-    gamma_right = dot_error(d1)
-    computed, upper = [], []
-    for start in range(0, n_units, chunk):
-        units = slice(start, min(start + chunk, n_units))
-        lefts = [(kind, x[units]) for kind, x in all_lefts]
-        rights = [r[units] for r in all_rights]
-        if not ghost:
-            matrix = padded_unit_gradients(lefts, rights, shape)  # bf16 operands: no workspace
-            total = unit_squared_norms(matrix, float64=True)
-            computed.append(total)
-            upper.append(total.sqrt() + dot_error(width * len(uses)) * magnitude[units])
-            continue
-        total = torch.zeros_like(magnitude[units])
-        bound = torch.zeros_like(total)  # Σ of the error terms, then of the computed norm too
-        for times, i, j, gram_left, gram_right in ghost_pairs(lefts, rights):
-            gamma_left = dot_error(d0) if lefts[i][0] == lefts[j][0] == "dense" else 0.0
-            term = (gram_left * gram_right).sum((1, 2), dtype=torch.float64)
-            total.add_(term, alpha=times)
-            (norm_left_i, norm_right_i), (norm_left_j, norm_right_j) = norms[i], norms[j]
-            quadratic = _quadratic(norm_right_i[units], gram_left, norm_right_j[units])
-            bound.add_(quadratic, alpha=times * gamma_right * low_right)
-            if gamma_left:
-                quadratic = _quadratic(norm_left_i[units], gram_right, norm_left_j[units])
-                bound.add_(quadratic, alpha=times * gamma_left * low_left)
-            rounding = (F32 + ieee_error(width * width, F64)) * (1 + gamma_left) * (1 + gamma_right)
-            coefficient = times * (gamma_left * gamma_right + rounding)
-            bound.addcmul_(per_use[i][units], per_use[j][units], value=coefficient)
-        computed.append(total)
-        upper.append(bound.add_(total).clamp_min_(0).sqrt_())
-    if len(computed) == 1:
-        return computed[0], upper[0], magnitude
-    return torch.cat(computed), torch.cat(upper), magnitude
+    terms = BoundTerms(padded)
+    terms.add_exact(uses, shape)
+    bounds = terms.finish()
+    return bounds.booked, bounds.upper[0], bounds.magnitude[0]
 
 
 def uses_release_error(uses: Sequence[tuple[Factor, torch.Tensor]]) -> float:
@@ -216,34 +353,22 @@ def uses_release_error(uses: Sequence[tuple[Factor, torch.Tensor]]) -> float:
     return release_error(max(len(r) for _, r in uses), len(uses))
 
 
-def clip_squared_norms(
-    exact_bound: torch.Tensor,
-    released: list[tuple[torch.Tensor | None, torch.Tensor, float]],
-    n_units: int,
-) -> torch.Tensor:
+def clip_squared_norms(exact_bound: torch.Tensor, bounds: Bounds, n_units: int) -> torch.Tensor:
     """[U] B_u² for tensor-core mode. ``exact_bound``: Σ of the squared norms of what the
-    retained and small parameters release (and of sketched weights' estimates); ``released``,
-    per book-keeping weight: (an upper bound on ‖M_u‖, or None for a sketched weight, S_u, ε_bk).
-    An exact weight adds (bound + ε_bk·S_u)²; the sketched weights' release errors, of norm at
-    most ‖(ε_bk·S_u)_w‖ together, are added to the norm: B = √(n̂ + …) + ‖(ε_bk·S_u)_w‖, so a
-    unit releases at most C·max(1, ‖g_u‖/√n̂_u). The result is raised past float64's rounding,
-    the float32 weighted sum of retained gradients over units and the clip factor's rounding to
-    float32. One stacked computation for all weights (a few kernels, not a few per weight)."""
+    retained and small parameters release (and of sketched weights' estimates); ``bounds``: the
+    book-kept weights' terms (:meth:`BoundTerms.finish`). An exact weight adds
+    (bound + ε_bk·S_u)²; the sketched weights' release errors, of norm at most ‖(ε_bk·S_u)_w‖
+    together, are added to the norm: B = √(n̂ + …) + ‖(ε_bk·S_u)_w‖, so a unit releases at most
+    C·max(1, ‖g_u‖/√n̂_u). The result is raised past float64's rounding, the float32 weighted sum
+    of retained gradients over units and the clip factor's rounding to float32. One stacked
+    computation for all weights (a few kernels, not a few per weight)."""
     total = exact_bound
-    exact = [(u, m, e) for u, m, e in released if u is not None]
-    sketched = [(m, e) for u, m, e in released if u is None]
-    if exact:
-        coef = torch.tensor([e for _, _, e in exact], dtype=torch.float64)
-        bounds = torch.addcmul(
-            torch.stack([u for u, _, _ in exact]),
-            coef.to(total.device)[:, None],
-            torch.stack([m for _, m, _ in exact]),
-        )
-        total = total + bounds.square().sum(0)
+    if len(bounds.upper):
+        released = torch.addcmul(bounds.upper, bounds.error[:, None], bounds.magnitude)
+        total = total + released.square().sum(0)
     norm = total.sqrt()
-    if sketched:
-        coef = torch.tensor([e for _, e in sketched], dtype=torch.float64).to(total.device)
-        errors = coef[:, None] * torch.stack([m for m, _ in sketched])
+    if len(bounds.sketched_magnitude):
+        errors = bounds.sketched_error[:, None] * bounds.sketched_magnitude
         norm = norm + errors.square().sum(0).sqrt()
     margin = FLOAT64_MARGIN * (1 + ieee_error(n_units)) * CLIP_FACTOR_ROUNDING
     return (norm * margin).square()

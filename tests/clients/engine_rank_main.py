@@ -20,6 +20,7 @@ first sent the same way, as the coordinator's initial model version.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -265,5 +266,11 @@ def main(
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a native abort prints every thread's Python stack
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]), *sys.argv[5:6])
+    # the results are written and the ranks left together: exit without interpreter finalization,
+    # whose teardown of native threads' leftovers can abort a process that did all its work
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -22,6 +22,7 @@ import pytest
 import torch
 from userdp.clients import norms, tensor_core_bound
 from userdp.clients.norms import Factor, Padded
+from userdp.clients.tensor_core_bound import Bounds
 
 from tests.privacy.checks_tensor_cores import ALIGN_BITS, adversarial_matmul
 
@@ -216,18 +217,135 @@ def test_clip_norms_add_each_weights_release_and_combine_sketched_errors_as_one_
     sketched weights: B = √(n̂ + retained) + ‖(ε_w·S_w)_w‖ (their errors are orthogonal
     components of one release); both raised by the named margins only."""
     retained = torch.tensor([4.0, 0.0], dtype=torch.float64)
-    upper = [torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([3.0, 0.5])]
-    magnitude = [torch.tensor([10.0, 20.0], dtype=torch.float64), torch.tensor([5.0, 1.0])]
-    released = [(u, m.double(), e) for u, m, e in zip(upper, magnitude, [0.01, 0.1], strict=True)]
+    upper = torch.tensor([[1.0, 2.0], [3.0, 0.5]], dtype=torch.float64)
+    magnitude = torch.tensor([[10.0, 20.0], [5.0, 1.0]], dtype=torch.float64)
+    error = torch.tensor([0.01, 0.1], dtype=torch.float64)
+    none = torch.zeros(0, 2, dtype=torch.float64)
     margin = (
         tensor_core_bound.FLOAT64_MARGIN
         * (1 + tensor_core_bound.ieee_error(2))
         * tensor_core_bound.CLIP_FACTOR_ROUNDING
     )
-    got = tensor_core_bound.clip_squared_norms(retained, released, 2)
-    want = retained + sum((u.double() + e * m) ** 2 for u, m, e in released)
+    exact = Bounds(retained, magnitude, upper, error, none, error[:0])
+    got = tensor_core_bound.clip_squared_norms(retained, exact, 2)
+    want = retained + ((upper + error[:, None] * magnitude) ** 2).sum(0)
     torch.testing.assert_close(got, want * margin**2, rtol=1e-12, atol=0)
-    sketched = [(None, m, e) for _, m, e in released]
+    sketched = Bounds(retained, none, none, error[:0], magnitude, error)
     got = tensor_core_bound.clip_squared_norms(retained, sketched, 2)
-    errors = torch.stack([e * m for _, m, e in sketched]).square().sum(0).sqrt()
+    errors = (error[:, None] * magnitude).square().sum(0).sqrt()
     torch.testing.assert_close(got, ((retained.sqrt() + errors) * margin) ** 2, rtol=1e-12, atol=0)
+
+
+def _reference_upper(uses, spans, width, ghost: bool) -> torch.Tensor:
+    """docs/worker.md's upper bound on ‖M_u‖ per unit, written out in float64 one unit and one
+    pair of uses at a time (no margins for the bound's own float32/float64 arithmetic, which move
+    it by well under 1e-6 relative here)."""
+    out = []
+    for span in spans:
+        rows = []
+        for left, right in uses:
+            r = right[span].double()
+            if left.dense is None:
+                idx = left.index[span]
+                rows.append((None, idx, torch.ones(len(r), dtype=torch.float64), r))
+            else:
+                x = left.dense[span].double()
+                rows.append((x, None, x.norm(dim=1), r))
+        magnitudes = [(nl * r.norm(dim=1)).sum() for _, _, nl, r in rows]
+        if not ghost:
+            total = sum(
+                (
+                    x.T @ r
+                    if x is not None
+                    else torch.zeros(9, r.shape[1]).double().index_add(0, i, r)
+                )
+                for x, i, _, r in rows
+            )
+            gamma = tensor_core_bound.dot_error(width * len(uses))
+            out.append(float(total.norm()) + gamma * float(sum(magnitudes)))
+            continue
+        squared = 0.0
+        for i in range(len(rows)):
+            for j in range(i + 1):
+                times = 1 if i == j else 2
+                (xi, ii, nli, ri), (xj, ij, nlj, rj) = rows[i], rows[j]
+                if xi is not None and xj is not None:
+                    gram_left = xi @ xj.T
+                elif xi is None and xj is None:
+                    gram_left = (ii[:, None] == ij[None, :]).double()
+                elif xi is None:
+                    gram_left = xj[:, ii].T
+                else:
+                    gram_left = xi[:, ij]
+                gram_right = ri @ rj.T
+                gamma_left = (
+                    tensor_core_bound.dot_error(xi.shape[1])
+                    if xi is not None and xj is not None
+                    else 0.0
+                )
+                gamma_right = tensor_core_bound.dot_error(ri.shape[1])
+                squared += times * float((gram_left * gram_right).sum())
+                beta = ri.norm(dim=1) @ gram_left.abs() @ rj.norm(dim=1)
+                squared += times * gamma_right * float(beta)
+                squared += times * gamma_left * float(nli @ gram_right.abs() @ nlj)
+                squared += times * gamma_left * gamma_right * float(magnitudes[i] * magnitudes[j])
+        out.append(max(squared, 0.0) ** 0.5)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_bound_terms_of_many_weights_equal_each_weights_own_bound(monkeypatch):
+    """The engine collects every weight's bound terms and combines them at once: the result is
+    each weight's own bound, written out unit by unit (ghost in chunks of two units, a tied
+    onehot + dense weight, a materialized one), and a sketched weight's S_u. At p = 12 the
+    bound's terms are large enough (γ ≈ 0.5 %) that a term counted twice, or a quadratic form
+    taken with the wrong norms, moves the bound by far more than the tolerance."""
+    monkeypatch.setattr(tensor_core_bound, "ALIGN_BITS", ALIGN_BITS)
+    lengths = [5, 7, 4]
+    spans, start = [], 0
+    for length in lengths:
+        spans.append(slice(start, start + length))
+        start += length
+    padded = Padded.of(spans, start, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+
+    def dense(d0, d1):
+        return (Factor(torch.randn(start, d0, generator=gen), None, d0), torch.randn(start, d1))
+
+    tied = [
+        (Factor(None, torch.randint(0, 9, (start,), generator=gen), 9), torch.randn(start, 3)),
+        (Factor(torch.randn(start, 9, generator=gen), None, 9), torch.randn(start, 3)),
+    ]
+    weights = [([dense(6, 5)], (6, 5)), (tied, (9, 3)), ([dense(4, 3)], (4, 3))]
+    sketched = [dense(7, 2)]
+    plans = {(6, 5): (True, 2), (9, 3): (True, 1 << 30), (4, 3): (False, 1 << 30)}
+    monkeypatch.setattr(tensor_core_bound, "exact_norm_plan", lambda u, p, s: plans[tuple(s)])
+    terms = tensor_core_bound.BoundTerms(padded)
+    terms.add_exact(*weights[0])
+    terms.add_sketched(sketched)
+    for uses, shape in weights[1:]:
+        terms.add_exact(uses, shape)
+    got = terms.finish()
+    booked = torch.zeros(len(lengths), dtype=torch.float64)
+    for w, (uses, shape) in enumerate(weights):
+        ghost = plans[tuple(shape)][0]
+        want = _reference_upper(uses, spans, max(lengths), ghost)
+        torch.testing.assert_close(got.upper[w], want, rtol=1e-6, atol=0)
+        for j, span in enumerate(spans):
+            unit = [(f.select(span), r[span]) for f, r in uses]
+            booked[j] += norms.ghost_squared_norm(unit)
+            want = sum(
+                float(
+                    (f.times(torch.eye(f.dim)).norm(dim=1).double() * r.double().norm(dim=1)).sum()
+                )
+                for f, r in unit
+            )
+            assert want <= float(got.magnitude[w, j]) <= want * (1 + 3e-5)
+        assert float(got.error[w]) == tensor_core_bound.uses_release_error(uses)
+    torch.testing.assert_close(got.booked, booked, rtol=1e-6, atol=0)
+    ((left, right),) = sketched
+    rows = left.dense.norm(dim=1).double() * right.norm(dim=1).double()
+    want = torch.stack([rows[span].sum() for span in spans])
+    assert (got.sketched_magnitude[0] >= want).all()
+    assert (got.sketched_magnitude[0] <= want * (1 + 3e-5)).all()
+    assert float(got.sketched_error[0]) == tensor_core_bound.uses_release_error(sketched)
+    assert got.upper.shape == (3, 3) and got.sketched_magnitude.shape == (1, 3)

@@ -16,6 +16,7 @@ Rank 0 drives :class:`BroadcastCompute` like the worker's gRPC client does; the 
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -121,4 +122,10 @@ def main(out_dir: str, scenario: str) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a native abort prints every thread's Python stack
     main(sys.argv[1], sys.argv[2])
+    # the results are written and the ranks left together: exit without interpreter finalization,
+    # whose teardown of native threads' leftovers can abort a process that did all its work
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
