@@ -126,18 +126,15 @@ def split_bf16(x: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Ten
     of tensor-core mode counts the 2^-16 (:func:`userdp.clients.tensor_core_bound.release_error`);
     a third part would cost a third more book-keeping FLOPs for an error far below the GEMM's.
 
-    Four passes and no temporary beyond x: x = x·factor, hi written into the output, x -= hi in
-    place, lo written into the output."""
-    if factor is None:
-        x = x.to(torch.float32, copy=True)  # subtracted from in place below
-    else:
-        x = torch.mul(x, factor.to(torch.float32))
+    Three passes and no temporary beyond x: x = x·factor in float32, hi = bf16(x) written into
+    the output, lo = bf16(x − hi) computed in float32 and written into the output by one
+    subtraction."""
+    x = x.to(torch.float32) if factor is None else torch.mul(x, factor.to(torch.float32))
     d = x.shape[-1]
     out = torch.empty(*x.shape[:-1], 2 * d, dtype=torch.bfloat16, device=x.device)
     hi, lo = out[..., :d], out[..., d:]
     hi.copy_(x)
-    x.sub_(hi)
-    lo.copy_(x)
+    torch.sub(x, hi, out=lo)  # float32 x − hi (exact), rounded to bf16 as it is stored
     return out
 
 
