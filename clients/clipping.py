@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from userdp.clients.batching import (
@@ -31,6 +32,9 @@ from userdp.clients.zero3 import Lockstep, param_numel, param_shape
 from userdp.proto.results import TaskSum
 from userdp.proto.tensors import flat_views
 from userdp.strategies.unit_stats import UnitStats
+
+if TYPE_CHECKING:
+    from userdp.clients.unit_gradients import ParameterBlock, UnitGradients
 
 
 def clip_factor(norm: float, clip_norm: float) -> float:
@@ -50,6 +54,9 @@ class Accumulator:
     device: torch.device | None = None
     """Where the sums live; default: the parameters' device. A single-rank ZeRO-3 worker whose
     parameters are offloaded to host memory keeps them there too (the engine decides)."""
+    defers_block_sums: ClassVar[bool] = True
+    """:meth:`add_block` may hold the small parameters' sums until they are read (a sharded
+    accumulator adds every parameter in order, pass by pass, instead)."""
 
     def __post_init__(self) -> None:
         # one flat float32 buffer with a view per parameter: the result leaves the device in
@@ -63,6 +70,7 @@ class Accumulator:
         self.flat = torch.empty(size, dtype=torch.float32, device=device)
         self.sums = flat_views(self.flat, {name: param_shape(p) for name, p in self.params.items()})
         self._unwritten = set(self.sums)
+        self._blocks: dict[tuple, torch.Tensor] = {}
 
     def record(self, norm: float, loss_sum: float, tokens: int) -> float | None:
         """Count one unit; return its clip factor, or None (contributes zero) if not finite."""
@@ -84,6 +92,59 @@ class Accumulator:
             view.zero_().add_(value, alpha=scale)
         self._unwritten.discard(name)
 
+    def add_unit_sum(
+        self, name: str, gradients: UnitGradients, factors: torch.Tensor, finite: Sequence[int]
+    ) -> None:
+        """Add Σ_u c_u M_u of one parameter's retained per-unit gradients over the ``finite``
+        units (c = ``factors`` [U] float32): where it can (one chunk, every unit finite, on the
+        sums' device), one [1, U] × [U, numel] GEMM that writes or accumulates into the
+        parameter's view, with no separate add pass; else their clipped sum, added."""
+        view = self.sums[name]
+        chunk = gradients.chunks[0]
+        if not self._fusable(gradients, finite, view.device):
+            self.add(name, gradients.clipped_sum(factors, finite).reshape(view.shape))
+            return
+        flat = view.view(1, -1)
+        if name in self._unwritten:
+            torch.mm(factors[None], chunk, out=flat)
+            self._unwritten.discard(name)
+        else:
+            flat.addmm_(factors[None], chunk)
+
+    def add_block(
+        self, block: ParameterBlock, factors: torch.Tensor, finite: Sequence[int]
+    ) -> None:
+        """Add the small parameters' Σ_u c_u M_u (:class:`ParameterBlock`): kept in a running
+        [Σ numel] sum of the block's own across micro-batches (one GEMM each) and added to the
+        parameters' views once, when the sums are read, instead of one add per parameter and
+        micro-batch."""
+        key = tuple((name, part.start, part.stop) for name, part in block.slices.items())
+        running = self._blocks.get(key)
+        if not self._fusable(block.gradients, finite, self.flat.device):
+            part = block.gradients.clipped_sum(factors, finite).to(self.flat.device)
+            if running is None:
+                self._blocks[key] = part  # the clipped sum's own buffer
+            else:
+                running.add_(part)
+            return
+        chunk = block.gradients.chunks[0]
+        if running is None:
+            self._blocks[key] = torch.mm(factors[None], chunk).view(-1)
+        else:
+            running.view(1, -1).addmm_(factors[None], chunk)
+
+    @staticmethod
+    def _fusable(gradients: UnitGradients, finite: Sequence[int], device: torch.device) -> bool:
+        (chunk, *more) = gradients.chunks
+        return not more and len(finite) == chunk.shape[0] and chunk.device == device
+
+    def _flush_blocks(self) -> None:
+        """The running block sums, added to their parameters' views."""
+        for key, running in self._blocks.items():
+            for name, start, stop in key:
+                self.add(name, running[start:stop].view(self.sums[name].shape))
+        self._blocks.clear()
+
     def end_round(self) -> None:
         """The end of one pass of the ZeRO-3 lockstep: nothing to do for a whole buffer (see
         :class:`userdp.clients.sharded_sums.ShardedAccumulator`)."""
@@ -94,6 +155,7 @@ class Accumulator:
         copy into page-locked memory (torch's caching host allocator reuses the block once the
         previous result is freed), several times faster than per-tensor copies into pageable
         memory."""
+        self._flush_blocks()
         for name in self._unwritten:  # no unit added to these: their sum is zero
             self.sums[name].zero_()
         self._unwritten.clear()
@@ -118,6 +180,12 @@ class Discard(Accumulator):
         self.sums = {}
 
     def add(self, name: str, value: torch.Tensor, scale: float = 1.0) -> None:
+        return None
+
+    def add_unit_sum(self, name, gradients, factors, finite) -> None:
+        return None
+
+    def add_block(self, block, factors, finite) -> None:
         return None
 
 

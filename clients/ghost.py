@@ -332,7 +332,13 @@ def _clip_and_add(
         keep = keep.to(device)
     token_factor = unit_factor[layout.position_unit][keep][:, None]
     with record_function("userdp.bookkeeping"):
-        block_sum = None if block is None else block.gradients.clipped_sum(unit_factor, kept)
+        # the small parameters: one weighted sum over units for all of them, held by the
+        # accumulator until it is read, or added parameter by parameter below
+        block_sum, in_block = None, set() if block is None else set(block.slices)
+        if block is not None and acc.defers_block_sums:
+            acc.add_block(block, unit_factor, kept)
+        elif block is not None:
+            block_sum = block.gradients.clipped_sum(unit_factor, kept)
         # in the parameters' order: under ZeRO-3 each add is a collective (clients/sharded_sums.py)
         for name in params:
             shape, total = param_shape(params[name]), None
@@ -341,12 +347,15 @@ def _clip_and_add(
                 uses = weights[name]
                 kept_uses = [(f.select(keep), r[keep]) for f, r in uses]
                 total = materialize(kept_uses, shape, token_factor)  # R·c in float32
-            if name in retained:  # retained per-unit gradients: Σ_u c_u M_u, finite units
-                if block is not None and name in block.slices:
+            if name in in_block:
+                if block_sum is not None:
                     part = block_sum[block.slices[name]].reshape(shape)
-                else:
-                    part = retained[name].clipped_sum(unit_factor, kept).reshape(shape)
-                total = part if total is None else total + part
+                    total = part if total is None else total + part
+            elif name in retained:  # retained per-unit gradients: Σ_u c_u M_u, finite units
+                if total is None:  # written into the sums by one GEMM where it can be
+                    acc.add_unit_sum(name, retained[name], unit_factor, kept)
+                    continue
+                total = total + retained[name].clipped_sum(unit_factor, kept).reshape(shape)
             if total is not None:  # one add per parameter and pass
                 acc.add(name, total)
     return verified

@@ -90,6 +90,13 @@ class ShardedAccumulator(Accumulator):
         self._scatter(name, whole.reshape(-1), scale)
         self.cursor = position + 1
 
+    defers_block_sums = False
+
+    def add_unit_sum(self, name, gradients, factors, finite) -> None:
+        """Σ_u c_u M_u of retained per-unit gradients, added (a collective, in order)."""
+        shape = param_shape(self.params[name])
+        self.add(name, gradients.clipped_sum(factors, finite).reshape(shape))
+
     def end_round(self) -> None:
         self._zeros_until(len(self.order))
         self.cursor = 0

@@ -383,3 +383,33 @@ def test_a_layer_that_mixes_units_tokens_is_detected_not_mis_clipped():
     with pytest.raises(EngineError, match="mixes units' tokens"):
         ClippingEngine(module, engine="vectorized").clipped_sum(units, 1.0)
     assert ClippingEngine(module, engine="loop").clipped_sum(units, 1.0).stats.count == 4
+
+
+def test_accumulator_fuses_retained_and_block_sums_into_what_per_parameter_adds_give():
+    """Retained per-unit gradients go into the sums by one GEMM per parameter (written, then
+    accumulated), the small parameters' block into a running sum added when the sums are read;
+    both equal adding each parameter's clipped sum, micro-batch by micro-batch, including a
+    micro-batch with a non-finite unit left out (not multiplied by 0: its rows are NaN)."""
+    from userdp.clients.clipping import Accumulator
+    from userdp.clients.unit_gradients import ParameterBlock, UnitGradients
+
+    params = {"w": torch.zeros(3, 4), "b": torch.zeros(4), "g": torch.zeros(2), "x": torch.zeros(5)}
+    fused, plain = Accumulator(params, 1.0), Accumulator(params, 1.0)
+    gen = torch.Generator().manual_seed(3)
+    for finite in ([0, 1, 2], [0, 2], [1]):
+        grads = {name: torch.randn(3, p.numel(), generator=gen) for name, p in params.items()}
+        for name in grads:
+            grads[name][[j for j in range(3) if j not in finite]] = float("nan")
+        factors = torch.rand(3, generator=gen)
+        retained = UnitGradients((grads["w"],))
+        block = ParameterBlock.of({"b": grads["b"], "g": grads["g"]})
+        fused.add_unit_sum("w", retained, factors, finite)
+        fused.add_block(block, factors, finite)
+        for name in ("w", "b", "g"):
+            part = UnitGradients((grads[name],)).clipped_sum(factors, finite)
+            plain.add(name, part.reshape(params[name].shape))
+    got, want = fused.host_sums(), plain.host_sums()
+    for name in params:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(got["w"]).all() and got["w"].abs().sum() > 0
+    assert torch.equal(got["x"], torch.zeros(5))  # never added: zero
