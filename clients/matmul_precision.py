@@ -102,7 +102,11 @@ def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     padded rows/columns of the product are cut off."""
     if bf16_exact(a, b):
         m, n = a.shape[-2], b.shape[-1]
-        a, b = _align(a), _align(b)
+        if _is_transpose(b, a):  # a Gram x xᵀ: one padded copy serves both sides
+            a = _align(a)
+            b = a.transpose(-1, -2)
+        else:
+            a, b = _align(a), _align(b)
         if a.shape[-1] != b.shape[-2]:  # the inner dimension was padded on one side only
             k = max(a.shape[-1], b.shape[-2])
             a = _pad(a, -1, k) if a.shape[-1] < k else a
@@ -114,27 +118,41 @@ def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.to(dtype), b.to(dtype))
 
 
+def _is_transpose(b: torch.Tensor, a: torch.Tensor) -> bool:
+    """``b`` is ``a``'s last two dimensions transposed, in the same memory."""
+    return (
+        b.data_ptr() == a.data_ptr()
+        and b.shape == (*a.shape[:-2], a.shape[-1], a.shape[-2])
+        and b.stride() == (*a.stride()[:-2], a.stride()[-1], a.stride()[-2])
+    )
+
+
 def _at_least_float32(*tensors: torch.Tensor) -> torch.dtype:
     """float32, or float64 when an operand is float64 (the tests' references)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def split_bf16(x: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 x = ``x`` (times ``factor`` [n, 1] when given) [n, d] as two bf16 parts
-    concatenated on the last axis [n, 2d]: hi = bf16(x), lo = bf16(x - hi); the subtraction is
-    exact in float32 and |x - hi - lo| <= 2^-16 |x| (two 8-bit significands). The rounding bound
-    of tensor-core mode counts the 2^-16 (:func:`userdp.clients.tensor_core_bound.release_error`);
-    a third part would cost a third more book-keeping FLOPs for an error far below the GEMM's.
+    """x = ``x`` (times ``factor`` [n, 1] when given) [n, d] as two bf16 parts concatenated on
+    the last axis [n, 2d], x ≈ hi − rest: hi = bf16(x·c), rest = bf16(hi − x·c), both products
+    and the difference formed in float32 (a fused multiply-add may skip the product's own
+    rounding). |x·c − hi + rest| ≤ (2^-16 + 2^-24)·|x·c| (two 8-bit significands, and x·c's
+    rounding to float32) and |hi| + |rest| ≤ (1 + 2^-7)·|x·c|. The rounding bound of tensor-core
+    mode counts both (:func:`userdp.clients.tensor_core_bound.release_error`); a third part would
+    cost a third more book-keeping FLOPs for an error far below the GEMM's.
 
-    Three passes and no temporary beyond x: x = x·factor in float32, hi = bf16(x) written into
-    the output, lo = bf16(x − hi) computed in float32 and written into the output by one
-    subtraction."""
-    x = x.to(torch.float32) if factor is None else torch.mul(x, factor.to(torch.float32))
+    Two passes that read ``x`` and write bf16, no float32 temporary: hi, then rest by one
+    ``addcmul`` (hi − x·c); the remainder is kept negated so that no pass negates it."""
     d = x.shape[-1]
     out = torch.empty(*x.shape[:-1], 2 * d, dtype=torch.bfloat16, device=x.device)
-    hi, lo = out[..., :d], out[..., d:]
-    hi.copy_(x)
-    torch.sub(x, hi, out=lo)  # float32 x − hi (exact), rounded to bf16 as it is stored
+    hi, rest = out[..., :d], out[..., d:]
+    if factor is None:
+        hi.copy_(x)
+        torch.sub(hi, x, out=rest)  # float32 hi − x (exact), rounded to bf16 as it is stored
+    else:
+        factor = factor.to(torch.float32)
+        torch.mul(x, factor, out=hi)  # float32 x·c, rounded to bf16 as it is stored
+        torch.addcmul(hi, x, factor, value=-1, out=rest)
     return out
 
 
@@ -144,11 +162,12 @@ def left_times_scaled(
     """Lᵀ (R ⊙ c) [d0, d1] float32 for dense ``left`` [n, d0], ``right`` [n, d1] and an optional
     per-row ``factor`` c [n, 1] (the book-keeping product; R·c is formed in float32): in
     tensor-core mode with a bf16 ``left`` on CUDA, one bf16 GEMM against the two-part split of
-    R·c (:func:`split_bf16`, which forms the product itself); otherwise a float32 GEMM."""
+    R·c (:func:`split_bf16`, which forms the product itself), the parts' products subtracted;
+    otherwise a float32 GEMM."""
     if bf16_exact(left):
         d1 = right.shape[1]
         parts = mm32(left.T, split_bf16(right, factor))
-        return parts[:, :d1] + parts[:, d1:]
+        return parts[:, :d1] - parts[:, d1:]
     dtype = _at_least_float32(left, right)
     right = right.to(dtype) if factor is None else right * factor.to(dtype)
     return left.to(dtype).T @ right

@@ -354,7 +354,7 @@ def test_split_bf16_represents_float32_to_within_two_to_the_minus_16():
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(5)) * 1e3
     parts = matmul_precision.split_bf16(x)
     assert parts.dtype == torch.bfloat16 and parts.shape == (512, 128)
-    rebuilt = parts[:, :64].double() + parts[:, 64:].double()
+    rebuilt = parts[:, :64].double() - parts[:, 64:].double()  # hi − rest
     error = ((rebuilt - x.double()).abs() / x.double().abs()).max()
     assert 2.0**-24 < float(error) <= 2.0**-16  # two 8-bit significands, not float32's 24
     assert float(((parts[:, :64].double() - x.double()).abs() / x.double().abs()).max()) > 2.0**-12
@@ -362,12 +362,20 @@ def test_split_bf16_represents_float32_to_within_two_to_the_minus_16():
     assert float((magnitudes / x.double().abs()).max()) <= 1 + 2.0**-7  # release_error's factor
 
 
-def test_split_bf16_with_a_row_factor_equals_the_split_of_the_product():
+def test_split_bf16_with_a_row_factor_splits_the_product_within_the_bound():
+    """hi is the product rounded to float32 then bf16; hi − rest is within (2^-16 + 2^-24) of
+    the exact product (whether or not the remainder's multiply-add is fused), and the parts'
+    magnitudes stay within release_error's (1 + 2^-7)."""
     gen = torch.Generator().manual_seed(6)
     rows = torch.randn(300, 40, generator=gen).to(torch.bfloat16)
     factor = torch.rand(300, 1, generator=gen)
     fused = matmul_precision.split_bf16(rows, factor)
-    assert torch.equal(fused, matmul_precision.split_bf16(rows.float() * factor))
+    exact = rows.double() * factor.double()
+    assert torch.equal(fused[:, :40], (rows.float() * factor).to(torch.bfloat16))
+    hi, rest = fused[:, :40].double(), fused[:, 40:].double()
+    assert ((hi - rest - exact).abs() <= (2.0**-16 + 2.0**-24) * exact.abs()).all()
+    assert float(rest.abs().max()) > 0  # the remainder is kept, not dropped
+    assert ((hi.abs() + rest.abs()) <= (1 + 2.0**-7) * exact.abs()).all()
     x = torch.randn(30, 8, generator=gen)
     before = x.clone()
     matmul_precision.split_bf16(x)

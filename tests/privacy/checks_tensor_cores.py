@@ -68,10 +68,10 @@ def adversarial_matmul(a: torch.Tensor, b: torch.Tensor, direction: int) -> torc
 
 def adversarial_book_keeping(left, right, factor=None):
     """The tensor-core book-keeping product Lᵀ(R ⊙ c) as the engine forms it on a GPU (the
-    two-part bf16 split of R·c, one GEMM, the parts added), with the GEMM accumulating away from
-    zero."""
+    two-part bf16 split of R·c, one GEMM, the parts subtracted), with the GEMM accumulating away
+    from zero."""
     parts = adversarial_matmul(left.T, matmul_precision.split_bf16(right, factor), 1)
-    return parts[:, : right.shape[1]] + parts[:, right.shape[1] :]
+    return parts[:, : right.shape[1]] - parts[:, right.shape[1] :]
 
 
 @contextlib.contextmanager
