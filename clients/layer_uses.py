@@ -88,7 +88,8 @@ def rms_weight_rows(call: Call, layout: Layout) -> torch.Tensor:
     x32 = x.to(torch.float32)
     scale = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + rms_epsilon(call.module))
     normalized = torch.mul(x32, scale, out=torch.empty_like(x))  # rounded to x's dtype
-    per_element = call.grad.to(torch.float32) * normalized  # promoted: the product in float32
+    # promoted: the product in float32 (float64 inputs, the tests' references, cast back)
+    per_element = (call.grad.to(torch.float32) * normalized).to(torch.float32)
     if per_element.dim() > 3:
         per_element = per_element.sum(dim=tuple(range(2, per_element.dim() - 1)))
     return layout.real(per_element, f"{type(call.module).__name__} input")

@@ -10,7 +10,7 @@ sum is built from these products, so their precision is part of the sensitivity 
 - ``tensor_cores=True`` (``workers.tensor_core_matmul``, the default; bf16 operands on CUDA):
   bf16 GEMMs with float32 output. Each product of two 8-bit significands is exact in float32,
   and a float32 operand that multiplies bf16 data (the book-keeping's c_t·R_t) is split into
-  two bf16 parts hi + lo within 2^-16 relative (:func:`split_bf16`). The tensor cores'
+  two bf16 parts, hi − rest, within 2^-16 relative (:func:`split_bf16`). The tensor cores'
   float32 ACCUMULATION is not IEEE (addends aligned and truncated inside each block FMA), so
   the engine clips each unit by a proven bound on what it releases
   (:mod:`userdp.clients.tensor_core_bound`).
