@@ -96,47 +96,32 @@ class Accumulator:
         self, name: str, gradients: UnitGradients, factors: torch.Tensor, finite: Sequence[int]
     ) -> None:
         """Add Σ_u c_u M_u of one parameter's retained per-unit gradients over the ``finite``
-        units (c = ``factors`` [U] float32): where it can (one chunk, every unit finite, on the
-        sums' device), one [1, U] × [U, numel] GEMM that writes or accumulates into the
-        parameter's view, with no separate add pass; else their clipped sum, added."""
+        units (c = ``factors`` [U] float32): written or accumulated into the parameter's view by
+        the GEMMs themselves where the gradients are on the sums' device; else their clipped
+        sum, added."""
         view = self.sums[name]
-        chunk = gradients.chunks[0]
-        if not self._fusable(gradients, finite, view.device):
+        if gradients.chunks[0].device != view.device:
             self.add(name, gradients.clipped_sum(factors, finite).reshape(view.shape))
             return
-        flat = view.view(1, -1)
-        if name in self._unwritten:
-            torch.mm(factors[None], chunk, out=flat)
-            self._unwritten.discard(name)
-        else:
-            flat.addmm_(factors[None], chunk)
+        first = name in self._unwritten
+        gradients.clipped_sum(factors, finite, out=view.view(-1), accumulate=not first)
+        self._unwritten.discard(name)
 
     def add_block(
         self, block: ParameterBlock, factors: torch.Tensor, finite: Sequence[int]
     ) -> None:
         """Add the small parameters' Σ_u c_u M_u (:class:`ParameterBlock`): kept in a running
-        [Σ numel] sum of the block's own across micro-batches (one GEMM each) and added to the
-        parameters' views once, when the sums are read, instead of one add per parameter and
-        micro-batch."""
+        [Σ numel] sum of the block's own across micro-batches (the GEMMs accumulate into it) and
+        added to the parameters' views once, when the sums are read, instead of one add per
+        parameter and micro-batch."""
         key = tuple((name, part.start, part.stop) for name, part in block.slices.items())
         running = self._blocks.get(key)
-        if not self._fusable(block.gradients, finite, self.flat.device):
-            part = block.gradients.clipped_sum(factors, finite).to(self.flat.device)
-            if running is None:
-                self._blocks[key] = part  # the clipped sum's own buffer
-            else:
-                running.add_(part)
-            return
-        chunk = block.gradients.chunks[0]
-        if running is None:
-            self._blocks[key] = torch.mm(factors[None], chunk).view(-1)
+        if running is None:  # the clipped sum's own buffer
+            self._blocks[key] = block.gradients.clipped_sum(factors, finite).to(self.flat.device)
+        elif block.gradients.chunks[0].device == running.device:
+            block.gradients.clipped_sum(factors, finite, out=running, accumulate=True)
         else:
-            running.view(1, -1).addmm_(factors[None], chunk)
-
-    @staticmethod
-    def _fusable(gradients: UnitGradients, finite: Sequence[int], device: torch.device) -> bool:
-        (chunk, *more) = gradients.chunks
-        return not more and len(finite) == chunk.shape[0] and chunk.device == device
+            running.add_(block.gradients.clipped_sum(factors, finite).to(running.device))
 
     def _flush_blocks(self) -> None:
         """The running block sums, added to their parameters' views."""

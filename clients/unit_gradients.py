@@ -72,10 +72,19 @@ class UnitGradients:
         """[numel]: Σ_u M_u over all units."""
         return sum_terms(c.sum(0) for c in self.chunks)
 
-    def clipped_sum(self, factors: torch.Tensor, finite: Sequence[int]) -> torch.Tensor:
+    def clipped_sum(
+        self,
+        factors: torch.Tensor,
+        finite: Sequence[int],
+        out: torch.Tensor | None = None,
+        accumulate: bool = False,
+    ) -> torch.Tensor:
         """[numel]: Σ_u c_u M_u over the units in ``finite``, c = ``factors`` [U] float32; the
-        other units are left out, not multiplied by 0 (0·NaN = NaN)."""
-        total, start = None, 0
+        other units are left out, not multiplied by 0 (0·NaN = NaN). With ``out`` (a contiguous
+        float32 tensor of numel elements on the chunks' device) the GEMMs write the sum into it,
+        or add it to what it holds with ``accumulate``: no separate add pass."""
+        total = None if out is None else out.view(1, -1)
+        written, start = accumulate, 0
         for chunk in self.chunks:
             stop = start + chunk.shape[0]
             rows = [j - start for j in finite if start <= j < stop]
@@ -84,12 +93,15 @@ class UnitGradients:
                 if len(rows) < chunk.shape[0]:
                     index = torch.tensor(rows, device=chunk.device)
                     chunk, weights = chunk[index], weights[index]
-                if total is None:
+                if written:
+                    total.addmm_(weights[None], chunk)
+                elif total is None:
                     total = torch.mm(weights[None], chunk)
                 else:
-                    total.addmm_(weights[None], chunk)
+                    torch.mm(weights[None], chunk, out=total)
+                written = True
             start = stop
-        if total is None:
+        if not written:
             raise ValueError("no unit to sum")
         return total.view(-1)
 

@@ -394,7 +394,7 @@ def test_a_layer_that_mixes_units_tokens_is_detected_not_mis_clipped():
 
 
 def test_accumulator_fuses_retained_and_block_sums_into_what_per_parameter_adds_give():
-    """Retained per-unit gradients go into the sums by one GEMM per parameter (written, then
+    """Retained per-unit gradients (two chunks) go into the sums by their GEMMs (written, then
     accumulated), the small parameters' block into a running sum added when the sums are read;
     both equal adding each parameter's clipped sum, micro-batch by micro-batch, including a
     micro-batch with a non-finite unit left out (not multiplied by 0: its rows are NaN)."""
@@ -409,7 +409,7 @@ def test_accumulator_fuses_retained_and_block_sums_into_what_per_parameter_adds_
         for name in grads:
             grads[name][[j for j in range(3) if j not in finite]] = float("nan")
         factors = torch.rand(3, generator=gen)
-        retained = UnitGradients((grads["w"],))
+        retained = UnitGradients((grads["w"][:2], grads["w"][2:]))  # two chunks
         block = ParameterBlock.of({"b": grads["b"], "g": grads["g"]})
         fused.add_unit_sum("w", retained, factors, finite)
         fused.add_block(block, factors, finite)
