@@ -54,9 +54,18 @@ class Accumulator:
     device: torch.device | None = None
     """Where the sums live; default: the parameters' device. A single-rank ZeRO-3 worker whose
     parameters are offloaded to host memory keeps them there too (the engine decides)."""
+    early_copy: bool = False
+    """Copy the sums to host memory range by range during the last pass (:meth:`last_pass`)
+    while the device goes on, instead of all at once when they are read: a single-process
+    CUDA worker's engine sets it. On CPU it adds a copy (the accumulator's own buffer is the
+    result otherwise); tests set it there to check the ranges."""
     defers_block_sums: ClassVar[bool] = True
     """:meth:`add_block` may hold the small parameters' sums until they are read (a sharded
     accumulator adds every parameter in order, pass by pass, instead)."""
+    COPY_ELEMENTS: ClassVar[int] = 8 << 20
+    """During the last pass, a range of final sums is copied once it holds this many float32
+    elements (32 MiB: a few hundred microseconds of copy each, and a few dozen copies for a
+    billion parameters); the rest when the sums are read."""
 
     def __post_init__(self) -> None:
         # one flat float32 buffer with a view per parameter: the result leaves the device in
@@ -71,6 +80,42 @@ class Accumulator:
         self.sums = flat_views(self.flat, {name: param_shape(p) for name, p in self.params.items()})
         self._unwritten = set(self.sums)
         self._blocks: dict[tuple, torch.Tensor] = {}
+        self._copy: HostCopy | None = None  # from :meth:`last_pass` on, with early_copy
+        self._final: set[str] = set()  # written in the last pass
+        self._order = list(self.sums)
+        self._starts = [0] * (len(self._order) + 1)  # each view's offset in ``flat``, then its end
+        for i, name in enumerate(self._order):
+            self._starts[i + 1] = self._starts[i] + self.sums[name].numel()
+        self._ranges = dict(zip(self._order, zip(self._starts, self._starts[1:])))
+        self._next = 0  # the first parameter, in order, that is not final yet
+        self._copied = 0  # ``flat[:_copied]`` is on its way to host memory
+
+    def last_pass(self) -> None:
+        """The next pass is the last one that adds to the sums (the engine knows: its last
+        micro-batch, no oversized unit after it). With ``early_copy``, from here on a parameter's
+        sum is final once that pass writes it: the copy to host memory starts as soon as the
+        parameters written so far, in order, form a range of :attr:`COPY_ELEMENTS` (on a side
+        stream on CUDA, so that it overlaps the book-keeping of the parameters after them), and
+        only what is left is copied when the sums are read. A sum written again after its copy
+        started is copied again (the copies run in order), so the result is the same."""
+        if self.early_copy and self._copy is None:
+            self._copy = HostCopy(self.flat)
+
+    def _written(self, name: str) -> None:
+        """``name``'s view was just written: in the last pass, copy what has become final."""
+        if self._copy is None:
+            return
+        start, stop = self._ranges[name]
+        if start < self._copied:  # its copy started already: copy it again, after this write
+            self._copy.copy(start, stop)
+            return
+        self._final.add(name)
+        while self._next < len(self._order) and self._order[self._next] in self._final:
+            self._next += 1
+        end = self._starts[self._next]
+        if end - self._copied >= self.COPY_ELEMENTS:
+            self._copy.copy(self._copied, end)
+            self._copied = end
 
     def record(self, norm: float, loss_sum: float, tokens: int) -> float | None:
         """Count one unit; return its clip factor, or None (contributes zero) if not finite."""
@@ -85,12 +130,12 @@ class Accumulator:
         value = value.to(device=view.device, dtype=torch.float32)
         if name not in self._unwritten:
             view.add_(value, alpha=scale)
-            return
-        if value.shape == view.shape:  # the first add sets every element (0 + s·v = s·v)
+        elif value.shape == view.shape:  # the first add sets every element (0 + s·v = s·v)
             torch.mul(value, scale, out=view)
         else:  # a broadcast add: start from zero
             view.zero_().add_(value, alpha=scale)
         self._unwritten.discard(name)
+        self._written(name)
 
     def add_unit_sum(
         self, name: str, gradients: UnitGradients, factors: torch.Tensor, finite: Sequence[int]
@@ -106,14 +151,16 @@ class Accumulator:
         first = name in self._unwritten
         gradients.clipped_sum(factors, finite, out=view.view(-1), accumulate=not first)
         self._unwritten.discard(name)
+        self._written(name)
 
     def add_block(
         self, block: ParameterBlock, factors: torch.Tensor, finite: Sequence[int]
     ) -> None:
         """Add the small parameters' Σ_u c_u M_u (:class:`ParameterBlock`): kept in a running
         [Σ numel] sum of the block's own across micro-batches (the GEMMs accumulate into it) and
-        added to the parameters' views once, when the sums are read, instead of one add per
-        parameter and micro-batch."""
+        added to the parameters' views once, when the sums are read (or in the last pass with
+        ``early_copy``, so that their copy can start), instead of one add per parameter and
+        micro-batch."""
         key = tuple((name, part.start, part.stop) for name, part in block.slices.items())
         running = self._blocks.get(key)
         if running is None:  # the clipped sum's own buffer
@@ -122,6 +169,8 @@ class Accumulator:
             block.gradients.clipped_sum(factors, finite, out=running, accumulate=True)
         else:
             running.add_(block.gradients.clipped_sum(factors, finite).to(running.device))
+        if self._copy is not None:
+            self._flush_blocks()
 
     def _flush_blocks(self) -> None:
         """The running block sums, added to their parameters' views."""
@@ -136,24 +185,57 @@ class Accumulator:
 
     def host_sums(self) -> dict[str, torch.Tensor]:
         """The sums as CPU float32 tensors (views of one host buffer). On CPU, the accumulator's
-        own buffer (no copy; an accumulator is done once its result is taken). From CUDA: one
-        copy into page-locked memory (torch's caching host allocator reuses the block once the
+        own buffer (no copy; an accumulator is done once its result is taken). From CUDA: copies
+        into page-locked memory (torch's caching host allocator reuses the block once the
         previous result is freed), several times faster than per-tensor copies into pageable
-        memory."""
+        memory: all of it here, or what :meth:`last_pass` has not copied yet."""
+        self.finish()
+        if self._copy is None and self.flat.device.type == "cpu":
+            host = self.flat.detach()
+        else:
+            copy = self._copy or HostCopy(self.flat)
+            if self._copied < self.flat.numel():
+                copy.copy(self._copied, self.flat.numel())
+            host = copy.wait()
+        return flat_views(host, {name: tensor.shape for name, tensor in self.sums.items()})
+
+    def finish(self) -> None:
+        """Make the device buffer ``flat`` hold every sum: the held block sums added, the
+        views no unit added to zeroed."""
         self._flush_blocks()
         for name in self._unwritten:  # no unit added to these: their sum is zero
             self.sums[name].zero_()
         self._unwritten.clear()
-        if self.flat.device.type == "cpu":
-            host = self.flat.detach()
-        else:
-            host = torch.empty(self.flat.shape, dtype=torch.float32, pin_memory=True)
-            host.copy_(self.flat.detach(), non_blocking=True)
-            torch.cuda.current_stream(self.flat.device).synchronize()
-        return flat_views(host, {name: tensor.shape for name, tensor in self.sums.items()})
 
     def result(self) -> TaskSum:
         return TaskSum(self.host_sums(), self.stats, self.skipped_examples)
+
+
+class HostCopy:
+    """Copies of ranges of a flat float32 buffer into one host buffer (page-locked from CUDA),
+    in order: on CUDA on a side stream that waits for what the compute stream has queued, so
+    that a copy overlaps the kernels queued after it."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat.detach()
+        cuda = flat.device.type == "cuda"
+        self.host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=cuda)
+        self.stream = torch.cuda.Stream(flat.device) if cuda else None
+
+    def copy(self, start: int, stop: int) -> None:
+        """Copy ``flat[start:stop]`` as it stands once the kernels queued so far have run."""
+        if self.stream is None:
+            self.host[start:stop].copy_(self.flat[start:stop])
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.flat.device))
+        with torch.cuda.stream(self.stream):
+            self.host[start:stop].copy_(self.flat[start:stop], non_blocking=True)
+
+    def wait(self) -> torch.Tensor:
+        """The host buffer, once every copy has landed."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        return self.host
 
 
 class Discard(Accumulator):

@@ -5,8 +5,8 @@ placement, process-group setup (gloo on CPU, NCCL on GPU), bf16 and ZeRO stage 0
 (stage 3: :mod:`userdp.clients.zero3`), but per-unit gradients are computed with
 ``torch.autograd.grad`` on ``engine.module`` into our own buffers. ``autograd.grad`` never runs the AccumulateGrad nodes on which ZeRO-1/2 hang their
 bucketing/reduction hooks, so no unclipped unit gradient is ever reduced across ranks. Inside one
-worker the ranks split the UNITS (a unit is never split) and :func:`all_reduce_result` sums the
-clipped task sums and statistics. ZeRO-1/2 require an optimizer: a torch SGD with lr 0 is
+worker the ranks split the UNITS (a unit is never split); :func:`all_reduce_sums` sums the
+clipped task sums on the device and :func:`all_reduce_statistics` the statistics. ZeRO-1/2 require an optimizer: a torch SGD with lr 0 is
 passed and never stepped (the coordinator owns the update; the worker only copies parameters).
 ZeRO-3 gets none: DeepSpeed then only partitions and gathers parameters.
 """
@@ -18,15 +18,17 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from userdp.clients.batching import EngineError
 from userdp.clients.deepspeed_config import deepspeed_json_problem
 from userdp.clients.deepspeed_ops import build_startup_ops
 from userdp.proto.results import TaskSum
-from userdp.proto.tensors import flat_views
 from userdp.strategies.unit_stats import UnitStats
+
+if TYPE_CHECKING:
+    from userdp.clients.clipping import Accumulator
 
 log = logging.getLogger(__name__)
 
@@ -231,14 +233,12 @@ def raise_if_any_rank_failed(
         raise EngineError(message)
 
 
-def all_reduce_result(result: TaskSum, device: torch.device) -> TaskSum:
-    """Sum the ranks' task sums and statistics (min/max for the norm extremes)."""
-    dist = torch.distributed
-    names = sorted(result.sums)
-    flat = torch.cat([result.sums[n].reshape(-1) for n in names]).to(device)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    sums = flat_views(flat.cpu(), {name: result.sums[name].shape for name in names})
-    return all_reduce_statistics(TaskSum(sums, result.stats, result.skipped_examples), device)
+def all_reduce_sums(acc: Accumulator) -> None:
+    """Sum the ranks' task sums where they are, in the accumulator's one flat buffer (the same
+    layout on every rank: the same parameters in the same order), before the one copy to host
+    memory."""
+    acc.finish()
+    torch.distributed.all_reduce(acc.flat, op=torch.distributed.ReduceOp.SUM)
 
 
 def all_reduce_statistics(result: TaskSum, device: torch.device) -> TaskSum:

@@ -44,8 +44,8 @@ from userdp.clients.batching import EngineError, Unit, prepare_units
 from userdp.clients.clipping import Accumulator, loop_clipped_sum
 from userdp.clients.deepspeed_config import read_deepspeed_json
 from userdp.clients.distributed import (
-    all_reduce_result,
     all_reduce_statistics,
+    all_reduce_sums,
     partitioned_build,
     prepare_deepspeed,
     raise_if_any_rank_failed,
@@ -195,7 +195,8 @@ class ClippingEngine:
             )
             if isinstance(acc, ShardedAccumulator):  # reduce-scattered already; rank 0 gathers
                 return all_reduce_statistics(acc.result(), self.device)
-            return all_reduce_result(acc.result(), self.device)
+            all_reduce_sums(acc)
+            return all_reduce_statistics(acc.result(), self.device)
         if error is not None:
             raise error
         return acc.result()
@@ -237,6 +238,9 @@ class ClippingEngine:
             acc: Accumulator = ShardedAccumulator(self.params, float(clip_norm))
         else:
             acc = Accumulator(self.params, float(clip_norm), device=offload_device(self.params))
+            # one process: the sums start for host memory during the last micro-batch; ranks
+            # first sum them on the device (all_reduce_sums)
+            acc.early_copy = world_size == 1 and acc.flat.device.type == "cuda"
         acc.skipped_examples = sum(prepared[i].skipped for i in mine)
         if local_steps:
             fedavg_clipped_sum(

@@ -405,6 +405,8 @@ def vectorized_clipped_sum(
         else:  # lockstep only: a dummy pass, its sums thrown away
             batch = make_batch(lockstep.dummy, [0], device, pad_id)
             target = Discard(params, 1.0)
+        if real and i == len(batches) - 1 and not oversized:
+            acc.last_pass()  # nothing is added after this micro-batch
         run_check = check if lockstep is not None else verify
         passed = _micro_batch(
             module, params, batch, target, probes, run_check, tensor_cores, workspace

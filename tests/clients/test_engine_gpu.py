@@ -255,3 +255,30 @@ def test_tensor_core_mode_matches_ieee_float32_and_clips_by_a_bound():
     assert diff <= 2e-3 * scale
     ratio = tc.stats.norm_sum / default.stats.norm_sum
     assert 1 - 1e-4 < ratio < 1.05
+
+
+def test_sums_copied_on_a_side_stream_during_the_last_micro_batch_equal_one_copy():
+    """The single-process CUDA engine copies its sums to page-locked host memory during its
+    last micro-batch, range by range on a side stream: bit for bit what one copy at the end
+    gives (a range copied before the compute stream wrote it would differ)."""
+    from userdp.clients.batching import prepare_units
+    from userdp.clients.clipping import Accumulator
+    from userdp.clients.ghost import vectorized_clipped_sum
+
+    engine = ClippingEngine(tiny_model().to(CUDA), engine="vectorized", token_budget=60)
+    units = random_units(16, seed=41, max_examples=2)
+    prepared = prepare_units(units, engine.max_positions)
+    results = []
+    for flag in (False, True):
+        acc = Accumulator(engine.params, 2.5, early_copy=flag)
+        acc.COPY_ELEMENTS = 4096  # many ranges, each racing the kernels queued after it
+        vectorized_clipped_sum(
+            engine.module, engine.params, prepared, range(len(units)), acc, 60, engine.pad_id
+        )
+        assert (acc._copied > 0) == flag
+        results.append(acc.host_sums())
+    assert all(t.is_pinned() for t in results[1].values())
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+    got = ClippingEngine(tiny_model().to(CUDA), engine="vectorized", token_budget=60)
+    assert_sums_close(got.clipped_sum(units, 2.5).sums, results[0], rtol=1e-6)

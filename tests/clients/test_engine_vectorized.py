@@ -421,3 +421,69 @@ def test_accumulator_fuses_retained_and_block_sums_into_what_per_parameter_adds_
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
     assert torch.isfinite(got["w"]).all() and got["w"].abs().sum() > 0
     assert torch.equal(got["x"], torch.zeros(5))  # never added: zero
+
+
+def test_sums_copied_range_by_range_in_the_last_pass_equal_one_copy_when_read():
+    """``early_copy``: in the last pass each parameter's sum is final once written; ranges of
+    final sums, in order, are copied as they complete. A sum written again after its copy
+    started (``w`` below), one written before the parameters in front of it (``x``), the block
+    flushed early and a parameter never added to (``z``): the host buffer equals the sums."""
+    from userdp.clients.clipping import Accumulator
+    from userdp.clients.unit_gradients import ParameterBlock, UnitGradients
+
+    params = {n: torch.zeros(k) for n, k in (("w", 6), ("b", 4), ("x", 5), ("v", 3), ("z", 2))}
+    gen = torch.Generator().manual_seed(5)
+    early, plain = (Accumulator(params, 1.0, early_copy=flag) for flag in (True, False))
+    early.COPY_ELEMENTS = 4  # a copy as soon as four elements in order are final
+
+    def one_pass(acc, grads, factors, last=False):
+        if last:
+            acc.last_pass()
+        acc.add_block(ParameterBlock.of({"b": grads["b"]}), factors, [0, 1])
+        acc.add_unit_sum("w", UnitGradients((grads["w"],)), factors, [0, 1])
+        if last and acc.early_copy:  # ``w`` and ``b`` (the block, flushed) are final: copied
+            assert acc._copied == 10
+        acc.add("x", grads["x"][0])
+        acc.add("v", grads["v"][1])
+        acc.add("w", grads["w"][1], 0.5)  # again, after its copy started
+        acc.add("x", grads["x"][1])
+
+    for last in (False, True):
+        grads = {n: torch.randn(2, p.numel(), generator=gen) for n, p in params.items()}
+        factors = torch.rand(2, generator=gen)
+        for acc in (early, plain):
+            one_pass(acc, grads, factors, last)
+    assert early._copy is not None and plain._copy is None
+    got, want = early.host_sums(), plain.host_sums()
+    for name in params:
+        assert torch.equal(got[name], want[name]), name
+    assert got["w"].data_ptr() != early.flat.data_ptr()  # the host copy, not the device buffer
+    assert torch.equal(got["z"], torch.zeros(2))
+
+
+def test_the_engine_copying_sums_during_its_last_micro_batch_gives_the_same_sums(model):
+    """The vectorized engine declares its last micro-batch (none after it, no oversized unit):
+    with ``early_copy`` the sums copied range by range while it runs equal those copied when
+    read, bit for bit; with an oversized unit after the micro-batches nothing is copied early."""
+    from userdp.clients.batching import prepare_units
+    from userdp.clients.clipping import Accumulator
+
+    engine = ClippingEngine(model, engine="vectorized", token_budget=40)
+    units = random_units(6, seed=21, max_examples=1)  # none over the budget
+    for oversized in (False, True):
+        if oversized:
+            units.append(Unit("long", [np.arange(3, 27)] * 3))  # 69 positions > 40
+        prepared = prepare_units(units, engine.max_positions)
+        results = []
+        for flag in (False, True):
+            acc = Accumulator(engine.params, 2.0, early_copy=flag)
+            acc.COPY_ELEMENTS = 5000
+            ghost.vectorized_clipped_sum(
+                engine.module, engine.params, prepared, range(len(units)), acc, 40, engine.pad_id
+            )
+            assert (acc._copy is not None) == (flag and not oversized)
+            copied_before_read = acc._copied
+            results.append(acc.host_sums())
+        assert copied_before_read > 0 or oversized  # copies ran while the engine did
+        for name in results[0]:
+            assert torch.equal(results[0][name], results[1][name]), name
