@@ -86,7 +86,9 @@ class Accumulator:
         self._starts = [0] * (len(self._order) + 1)  # each view's offset in ``flat``, then its end
         for i, name in enumerate(self._order):
             self._starts[i + 1] = self._starts[i] + self.sums[name].numel()
-        self._ranges = dict(zip(self._order, zip(self._starts, self._starts[1:])))
+        self._ranges = {
+            name: (self._starts[i], self._starts[i + 1]) for i, name in enumerate(self._order)
+        }
         self._next = 0  # the first parameter, in order, that is not final yet
         self._copied = 0  # ``flat[:_copied]`` is on its way to host memory
 
