@@ -58,6 +58,7 @@ from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.model import build_model, model_shape
 from userdp.clients.sharded_sums import ShardedAccumulator
 from userdp.clients.sketch import SKETCHES, GaussianProbes
+from userdp.clients.unit_cost import device_rates
 from userdp.clients.zero3 import Lockstep, any_partitioned, offload_device
 from userdp.proto.results import TaskSum
 
@@ -116,6 +117,8 @@ class ClippingEngine:
         if not self.params:
             raise EngineError("the model has no trainable parameters")
         self.device = next(iter(self.params.values())).device
+        if self.engine != "loop":  # measured now, before any activation takes device memory
+            device_rates(self.device)
         config = getattr(module, "config", None)
         self.max_positions = getattr(config, "n_positions", None) or getattr(
             config, "max_position_embeddings", None

@@ -32,7 +32,9 @@ Per micro-batch (rows = examples of whole units, see :mod:`userdp.clients.batchi
      bytes of the weight's captured rows, materialize them and keep them for step 5, which then
      needs no product of its own: the norm costs the T_u·d0·d1 per unit the clipped sum costs
      anyway. Long users (float32 GPT-2 small: T_u ≥ 307 tokens for the MLP weights) take this
-     way (:func:`userdp.clients.unit_gradients.retains_unit_gradients`).
+     way (:func:`userdp.clients.unit_gradients.retains_unit_gradients`); on a GPU only where the
+     device's measured rates price it no dearer than the book-keeping
+     (:mod:`userdp.clients.unit_cost`).
    - otherwise the cheaper of ghost, ≈ T_u²(d0 + d1), and a materialized gradient that is
      squared and discarded, T_u·d0·d1 (onehot uses: T_u·d1). Short examples use the ghost
      identity.
@@ -109,6 +111,7 @@ from userdp.clients.norms import (
     materialize,
 )
 from userdp.clients.sketch import ProbeSource, sketched_squared_norms
+from userdp.clients.unit_cost import device_rates
 from userdp.clients.unit_gradients import (
     ParameterBlock,
     UnitGradients,
@@ -260,6 +263,7 @@ def _clip_and_add(
     # per-unit gradients retained for the clipped sum Σ_u c_u M_u: biases, LayerNorm and generic
     # parameters always, weights where retains_unit_gradients says so (exact norms only)
     retained: dict[str, UnitGradients] = {}
+    rates = device_rates(device)  # a GPU's, to choose retained or book-kept by cost
     with record_function("userdp.norms"):
         small: dict[str, torch.Tensor] = {}
         for name, parts in token_rows.items():
@@ -289,7 +293,7 @@ def _clip_and_add(
                 sq += estimate
                 if bounded:  # the release's rounding on top of the estimate
                     bound_terms.add_sketched(weights[name])
-            elif retains_unit_gradients(weights[name], padded, shape):
+            elif retains_unit_gradients(weights[name], padded, shape, rates):
                 # the weight's factors leave ``weights`` and are freed: from here on its
                 # per-unit gradients stand for them
                 retained[name] = batched_unit_gradients(weights.pop(name), padded, shape)

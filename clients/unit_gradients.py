@@ -18,6 +18,7 @@ from userdp.clients.norms import (
     sum_terms,
     unit_squared_norms,
 )
+from userdp.clients.unit_cost import DeviceRates, path_costs
 
 RETAIN_RATIO = 2.0
 """A weight's per-unit gradients [U, d0, d1] (float32) are retained for the clipped sum when they
@@ -25,19 +26,27 @@ take at most this many times the bytes of its captured rows (:func:`retains_unit
 
 
 def retains_unit_gradients(
-    uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded, shape: torch.Size
+    uses: Sequence[tuple[Factor, torch.Tensor]],
+    padded: Padded,
+    shape: torch.Size,
+    rates: DeviceRates | None = None,
 ) -> bool:
     """Whether the exact engine materializes this weight's per-unit gradients M_u and RETAINS
     them: the clipped sum is then Σ_u c_u M_u (U·d0·d1 multiply-adds) instead of the book-keeping
     product Σ_c L_cᵀ (c_t ⊙ R_c) (N·d0·d1, a weight-gradient pass), so the norm costs the one
     product the clipped sum needs anyway (N·d0·d1), where the ghost norm adds T_u²(d0 + d1) per
     unit to the book-keeping and a discarded materialization adds N·d0·d1. The price is memory:
-    the U gradients live until every weight's norm is known. They are retained when their
-    float32 bytes are at most ``RETAIN_RATIO`` times those of the weight's captured rows (N rows
-    of L and R; an onehot L is one index per row), i.e. in a float32 model for units of
-    d0·d1 / (RETAIN_RATIO·(d0 + d1)) tokens or more (GPT-2 small's 768×3072 MLP weight: 307),
-    in a bf16 model from twice that. That memory is thus bounded by the token budget like the
-    rows, and the engine frees a weight's rows once its gradients are materialized."""
+    the U gradients live until every weight's norm is known.
+
+    Two conditions. Memory, everywhere: their float32 bytes are at most ``RETAIN_RATIO`` times
+    those of the weight's captured rows (N rows of L and R; an onehot L is one index per row),
+    i.e. in a float32 model for units of d0·d1 / (RETAIN_RATIO·(d0 + d1)) tokens or more (GPT-2
+    small's 768×3072 MLP weight: 307), in a bf16 model from twice that. That memory is thus
+    bounded by the token budget like the rows, and the engine frees a weight's rows once its
+    gradients are materialized. Cost, on a device whose ``rates`` are given (a GPU,
+    :func:`userdp.clients.unit_cost.device_rates`): the retained path is not the dearer of the
+    two there (:func:`userdp.clients.unit_cost.path_costs`), where reading and writing U·d0·d1
+    float32 three times can cost more than the tensor cores' book-keeping."""
     n_units = padded.index.shape[0]
     d0, d1 = shape
     row_bytes = 0
@@ -46,7 +55,12 @@ def retains_unit_gradients(
         row_bytes += (
             left.index.element_size() if left.dense is None else d0 * left.dense.element_size()
         )
-    return n_units * d0 * d1 * 4 <= RETAIN_RATIO * padded.n * row_bytes
+    if n_units * d0 * d1 * 4 > RETAIN_RATIO * padded.n * row_bytes:
+        return False
+    if rates is None:
+        return True
+    costs = path_costs(uses, padded, (d0, d1), rates)
+    return costs.retained <= costs.book_kept
 
 
 RETAINED_CHUNK_ELEMENTS = (16 << 20) // 4

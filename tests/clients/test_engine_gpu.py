@@ -282,3 +282,15 @@ def test_sums_copied_on_a_side_stream_during_the_last_micro_batch_equal_one_copy
         assert torch.equal(results[0][name], results[1][name]), name
     got = ClippingEngine(tiny_model().to(CUDA), engine="vectorized", token_budget=60)
     assert_sums_close(got.clipped_sum(units, 2.5).sums, results[0], rtol=1e-6)
+
+
+def test_device_rates_are_measured_once_with_the_tensor_cores_ahead():
+    """The rates the vectorized engine prices retained against book-kept weights with
+    (clients/unit_cost.py): measured once per device, bf16 tensor-core GEMMs faster than IEEE
+    float32 ones, memory in the range of any datacenter GPU."""
+    from userdp.clients.unit_cost import device_rates
+
+    rates = device_rates(CUDA)
+    assert rates is device_rates(torch.device("cuda", torch.cuda.current_device()))
+    assert rates.bf16_flops > 2 * rates.float32_flops > 1e12
+    assert 1e11 < rates.memory_bytes < 1e14
