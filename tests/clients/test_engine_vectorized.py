@@ -98,8 +98,8 @@ def spy_retained(monkeypatch) -> list[tuple[tuple[int, ...], bool]]:
     decisions = []
     plan = ghost.retains_unit_gradients
 
-    def spy(uses, padded, shape):
-        retained = plan(uses, padded, shape)
+    def spy(uses, padded, shape, rates=None):
+        retained = plan(uses, padded, shape, rates)
         decisions.append((tuple(shape), retained))
         return retained
 
