@@ -59,6 +59,9 @@ PCIe 5.0 x16, 64 GB/s):
     T = F_bf16/(989T·e_tc) + F_tf32/(495T·e_tc) + F_fp32/(67T·e_fp32) + B/(HBM·e_mem)
         + launches·t_launch + host bytes/64 GB/s
 
+(in a private step's prediction, the host copy only where it outlasts the last micro-batch's
+book-keeping, which it overlaps: :func:`exposed_host_copy`)
+
 (a GEMM site's F or its bytes, whichever takes longer). The terms add: no overlap of launches
 with kernels, no L2 reuse. e_tc, e_fp32, e_mem and t_launch are fitted by least squares (log
 residuals) to the measured H200 rows that were counted (:data:`H200_RATIOS`; the fitted rows of
@@ -145,6 +148,13 @@ class Device:
     fp32_flops: float
     memory_bytes: float
     host_link_bytes: float
+
+
+def _datasheet_rates():
+    """The H200's datasheet rates as the engine's cost rule takes them (bf16, float32, memory)."""
+    from userdp.clients.unit_cost import DeviceRates
+
+    return DeviceRates(989e12, 67e12, 4.8e12)
 
 
 DEVICES = {
@@ -324,8 +334,9 @@ def _gemm_flops(func, name: str, args: tuple, kwargs: dict, out) -> int:
 @contextlib.contextmanager
 def gpu_code_paths() -> Iterator[None]:
     """The engine's GPU code paths on a CPU: ``bf16_exact`` and ``tensor_cores_active`` without
-    their CUDA test, and the retained per-unit gradients of a weight in one chunk (their CPU-only
-    16 MiB chunking off). The one place this benchmark reaches into the engine; it fails loudly
+    their CUDA test, the retained per-unit gradients of a weight in one chunk (their CPU-only
+    16 MiB chunking off), and an H200's datasheet rates where the engine prices retained
+    against book-kept weights (``clients/unit_cost.py``; it measures them on a GPU). The one place this benchmark reaches into the engine; it fails loudly
     if a name moved."""
     from userdp.clients import ghost, matmul_precision, norms, unit_gradients
 
@@ -338,6 +349,7 @@ def gpu_code_paths() -> Iterator[None]:
         ),
         (norms, "bf16_exact", lambda *ts: flag.get() and all(t.dtype in LOW for t in ts)),
         (ghost, "tensor_cores_active", lambda device: flag.get()),
+        (ghost, "device_rates", lambda device: _datasheet_rates()),
         (unit_gradients, "RETAINED_CHUNK_ELEMENTS", 1 << 62),
     ]
     saved = []
@@ -631,6 +643,16 @@ def calibrate(rows: list[dict]) -> dict | None:
     }
 
 
+def exposed_host_copy(row: dict, device: Device, eff: Efficiency) -> float:
+    """Seconds of the sums' copy to host memory not hidden behind the last micro-batch's
+    book-keeping: the engine copies ranges of final sums on a side stream while that
+    book-keeping runs (``Accumulator.last_pass``); a step's micro-batches are taken as equal."""
+    copy = row["totals"].get("host copy bytes", 0) / device.host_link_bytes
+    book = row["phases"].get("userdp.bookkeeping")
+    last = sum(predict_terms(book, device, eff).values()) / row["micro_batches"] if book else 0.0
+    return max(0.0, copy - last)
+
+
 def predictions(rows: list[dict], eff: Efficiency) -> list[dict]:
     """Per private row and device: the predicted ratio, step times and terms."""
     counted, out = _lookup(rows), []
@@ -640,6 +662,7 @@ def predictions(rows: list[dict], eff: Efficiency) -> list[dict]:
             continue
         for name, device in DEVICES.items():
             private = predict_terms(row["totals"], device, eff)
+            private["host copy"] = exposed_host_copy(row, device, eff)
             plain = predict_terms(base["totals"], device, eff)
             extra = {k: private[k] - plain[k] for k in private}
             measured = H200_RATIOS.get((model, seq, run, precision)) if name == "H200" else None
