@@ -336,9 +336,9 @@ def gpu_code_paths() -> Iterator[None]:
     """The engine's GPU code paths on a CPU: ``bf16_exact`` and ``tensor_cores_active`` without
     their CUDA test, the retained per-unit gradients of a weight in one chunk (their CPU-only
     16 MiB chunking off), and an H200's datasheet rates where the engine prices retained
-    against book-kept weights (``clients/unit_cost.py``; it measures them on a GPU). The one place this benchmark reaches into the engine; it fails loudly
-    if a name moved."""
-    from userdp.clients import ghost, matmul_precision, norms, unit_gradients
+    against book-kept weights (``clients/unit_cost.py``; it measures them on a GPU). The one
+    place this benchmark reaches into the engine; it fails loudly if a name moved."""
+    from userdp.clients import ghost, matmul_precision, norms, unit_cost, unit_gradients
 
     flag = matmul_precision._TENSOR_CORES
     patches = [
@@ -350,6 +350,7 @@ def gpu_code_paths() -> Iterator[None]:
         (norms, "bf16_exact", lambda *ts: flag.get() and all(t.dtype in LOW for t in ts)),
         (ghost, "tensor_cores_active", lambda device: flag.get()),
         (ghost, "device_rates", lambda device: _datasheet_rates()),
+        (unit_cost, "bf16_exact", lambda *ts: flag.get() and all(t.dtype in LOW for t in ts)),
         (unit_gradients, "RETAINED_CHUNK_ELEMENTS", 1 << 62),
     ]
     saved = []

@@ -117,8 +117,7 @@ class ClippingEngine:
         if not self.params:
             raise EngineError("the model has no trainable parameters")
         self.device = next(iter(self.params.values())).device
-        if self.engine != "loop":  # measured now, before any activation takes device memory
-            device_rates(self.device)
+        device_rates(self.device)  # a GPU's, measured now, before any activation is in memory
         config = getattr(module, "config", None)
         self.max_positions = getattr(config, "n_positions", None) or getattr(
             config, "max_position_embeddings", None

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from userdp.clients.matmul_precision import bf16_exact
+from userdp.clients.matmul_precision import bf16_exact, exact_matmul
 from userdp.clients.norms import Factor, Padded, exact_norm_plan
 
 
@@ -42,44 +42,48 @@ class DeviceRates:
     memory_bytes: float
 
 
-def _seconds(device: torch.device, run, repeats: int) -> float:
-    """GPU seconds of ``repeats`` calls of ``run`` after one warm-up (CUDA events)."""
+def _seconds(run, repeats: int) -> float:
+    """GPU seconds per call of ``run``, the median of ``repeats`` single calls (CUDA events)
+    after two warm-ups: a busy or still-clocking-up device moves it less than a mean."""
     run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    run()
+    times = []
     for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 @functools.cache
 def _measured(device_index: int) -> DeviceRates:
     device = torch.device("cuda", device_index)
-    side, repeats = 4096, 4
+    side, repeats = 4096, 9
+    flops = 2.0 * side**3
     with torch.cuda.device(device):
-        a = torch.randn(side, side, device=device)
-        b16, a16 = a.to(torch.bfloat16), a.to(torch.bfloat16).t()
-        flops = 2.0 * side**3 * repeats
-        bf16 = flops / _seconds(device, lambda: torch.mm(b16, a16), repeats)
-        saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False  # IEEE float32, as the engine's GEMMs
-        try:
-            float32 = flops / _seconds(device, lambda: torch.mm(a, a), repeats)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = saved
-        source = torch.empty(32 << 20, device=device)  # 128 MiB, past the caches
+        # filled without the global generator: measuring must not move the caller's draws
+        generator = torch.Generator(device).manual_seed(0)
+        a = torch.empty(side, side, device=device).normal_(generator=generator)
+        a16 = a.to(torch.bfloat16)
+        # as the engine runs its GEMMs: IEEE float32, and bf16 without reduced-precision sums
+        with exact_matmul(tensor_cores=True):
+            bf16 = flops / _seconds(lambda: torch.mm(a16, a16), repeats)
+        with exact_matmul():
+            float32 = flops / _seconds(lambda: torch.mm(a, a), repeats)
+        source = torch.zeros(32 << 20, device=device)  # 128 MiB, past the caches
         target = torch.empty_like(source)
-        moved = 2.0 * source.numel() * 4 * repeats
-        memory = moved / _seconds(device, lambda: target.copy_(source), repeats)
+        moved = 2.0 * source.numel() * 4
+        memory = moved / _seconds(lambda: target.copy_(source), repeats)
     return DeviceRates(bf16, float32, memory)
 
 
 def device_rates(device: torch.device) -> DeviceRates | None:
-    """The rates of a CUDA device, measured the first time it is asked for (a few large GEMMs
-    and copies, milliseconds, with about 0.4 GB of temporary buffers: the engine asks when it
-    is built, before any activation); None on a CPU, where the memory cap alone decides (the retained
+    """The rates of a CUDA device, measured the first time it is asked for (medians of a few
+    large GEMMs and copies, milliseconds, with about 0.4 GB of temporary buffers: the engine
+    asks when it is built, before any activation); None on a CPU, where the memory cap alone decides (the retained
     path was measured faster there wherever the cap allows it: docs/worker.md)."""
     if device.type != "cuda":
         return None
