@@ -187,6 +187,7 @@ NOT_KERNELS |= {"resize_", "set_", "_local_scalar_dense", "_unsafe_view", "_resh
 WRITE_ONLY_SELF = {"copy_", "fill_", "zero_"}
 GATHERS = {"embedding", "index", "index_select", "gather", "nll_loss_forward"}
 SHAPE_ONLY = {"nll_loss_backward": 1}  # an argument read for its shape only
+SCATTERS = {"index_put", "index_add"}  # in place: only the rows they add to are read and written
 
 
 def _distinct_bytes(t: torch.Tensor) -> int:
@@ -308,6 +309,11 @@ def _moved_bytes(name: str, args, kwargs, tensors, outputs) -> int:
         written.append(args[SHAPE_ONLY[name]])
     reads = {id(t): t for t in tensors if not any(t is w for w in written)}
     write_bytes = sum(map(_distinct_bytes, outputs))
+    if name.rstrip("_") in SCATTERS:  # the index and the added rows, and those rows of self
+        target = args[0]
+        others = [t for t in tensors if t is not target]
+        added = sum(t.numel() for t in others if t.is_floating_point())
+        return sum(map(_distinct_bytes, others)) + 2 * added * target.element_size()
     if name.rstrip("_") in GATHERS:  # reads the selected elements and the index only
         index = [t for t in reads.values() if not t.is_floating_point()]
         return 2 * write_bytes + sum(map(_distinct_bytes, index))
@@ -335,9 +341,10 @@ def _gemm_flops(func, name: str, args: tuple, kwargs: dict, out) -> int:
 def gpu_code_paths() -> Iterator[None]:
     """The engine's GPU code paths on a CPU: ``bf16_exact`` and ``tensor_cores_active`` without
     their CUDA test, the retained per-unit gradients of a weight in one chunk (their CPU-only
-    16 MiB chunking off), and an H200's datasheet rates where the engine prices retained
-    against book-kept weights (``clients/unit_cost.py``; it measures them on a GPU). The one
-    place this benchmark reaches into the engine; it fails loudly if a name moved."""
+    16 MiB chunking off), onehot rows added in place as on a GPU (``scatters_in_place``), and
+    an H200's datasheet rates where the engine prices retained against book-kept weights
+    (``clients/unit_cost.py``; it measures them on a GPU). The one place this benchmark reaches
+    into the engine; it fails loudly if a name moved."""
     from userdp.clients import ghost, matmul_precision, norms, unit_cost, unit_gradients
 
     flag = matmul_precision._TENSOR_CORES
@@ -351,6 +358,7 @@ def gpu_code_paths() -> Iterator[None]:
         (ghost, "tensor_cores_active", lambda device: flag.get()),
         (ghost, "device_rates", lambda device: _datasheet_rates()),
         (unit_cost, "bf16_exact", lambda *ts: flag.get() and all(t.dtype in LOW for t in ts)),
+        (matmul_precision, "scatters_in_place", lambda total: True),
         (unit_gradients, "RETAINED_CHUNK_ELEMENTS", 1 << 62),
     ]
     saved = []

@@ -171,3 +171,25 @@ def left_times_scaled(
     dtype = _at_least_float32(left, right)
     right = right.to(dtype) if factor is None else right * factor.to(dtype)
     return left.to(dtype).T @ right
+
+
+def scatter_rows(index: torch.Tensor, rows: torch.Tensor, num: int) -> torch.Tensor:
+    """onehot(index)ᵀ · rows: a [num, d] float32 matrix whose row i sums the rows with index i.
+
+    The embedding backward kernel (much faster than ``index_add_`` on CPU)."""
+    return torch.ops.aten.embedding_dense_backward(rows.to(torch.float32), index, num, -1, False)
+
+
+def add_scattered(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``total`` [num, d] float32 plus onehot(index)ᵀ · rows, in place. On CUDA the rows are
+    added where they land (``index_put_`` with accumulation): no dense temporary, whose write
+    and add move num·d float32 four times (GPT-2's tied embedding: 0.6 GB per unit's gradient).
+    On CPU they are scattered first (:func:`scatter_rows`) and added."""
+    if scatters_in_place(total):
+        return total.index_put_((index,), rows.to(torch.float32), accumulate=True)
+    return total.add_(scatter_rows(index, rows, total.shape[0]))
+
+
+def scatters_in_place(total: torch.Tensor) -> bool:
+    """Where :func:`add_scattered` adds rows in place: a GPU."""
+    return total.is_cuda

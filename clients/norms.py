@@ -11,9 +11,9 @@ weight (two for a tied embedding / LM head). L is dense [n, d0] or onehot (token
   mixed ghost clipping).
 - :func:`padded_unit_gradients`: every unit's M at once from padded factors (for its norm, or
   retained for the clipped sum by :mod:`userdp.clients.unit_gradients`).
-- :func:`sketch_squared_norm`: n̂ = ‖Mᵀ P‖², the Hutchinson estimate for probes P [d0, k].
-- :func:`batched_hutchpp_squared_norms`: n̂ = ‖MᵀQ‖² + ‖Mᵀ(I − QQᵀ)P‖², the Hutch++ estimate
-  (Q: an orthonormal basis of M Mᵀ S for a second probe matrix S).
+- :func:`sketch_squared_norm`: n̂ = ‖Mᵀ P‖², the Hutchinson estimate for probes P [d0, k];
+  :func:`batched_hutchpp_squared_norms`: n̂ = ‖MᵀQ‖² + ‖Mᵀ(I − QQᵀ)P‖², Hutch++ (Q: an
+  orthonormal basis of M Mᵀ S for a second probe matrix S).
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from userdp.clients.matmul_precision import bf16_exact, left_times_scaled, mm32
+from userdp.clients.matmul_precision import (
+    add_scattered,
+    bf16_exact,
+    left_times_scaled,
+    mm32,
+    scatter_rows,
+)
 
 
 @dataclass
@@ -46,13 +52,6 @@ class Factor:
         return probes[self.index]
 
 
-def scatter_rows(index: torch.Tensor, rows: torch.Tensor, num: int) -> torch.Tensor:
-    """onehot(index)ᵀ · rows: a [num, d] float32 matrix whose row i sums the rows with index i.
-
-    The embedding backward kernel (much faster than ``index_add_`` on CPU)."""
-    return torch.ops.aten.embedding_dense_backward(rows.to(torch.float32), index, num, -1, False)
-
-
 def gram(a: Factor, b: Factor) -> torch.Tensor:
     """[n_a, n_b] of L_a,t · L_b,s."""
     if a.dense is not None and b.dense is not None:
@@ -71,9 +70,9 @@ def materialize(
 ) -> torch.Tensor:
     """Σ_c L_cᵀ (R_c ⊙ c) as a [d0, d1] float32 matrix, c = ``factor`` [n, 1] per row when given
     (the book-keeping's clip factors; R·c is formed in float32), else 1 (the first term is the
-    sum's buffer: no zero start)."""
+    sum's buffer: no zero start; dense uses first, so that onehot rows can be added into it)."""
     total = None
-    for left, right in uses:
+    for left, right in sorted(uses, key=lambda use: use[0].dense is None):
         if left.dense is not None:
             if factor is not None or right.dtype == torch.float32:
                 term = left_times_scaled(left.dense, right, factor)
@@ -81,6 +80,9 @@ def materialize(
                 term = mm32(left.dense.T, right)
         else:
             rows = right.to(torch.float32) if factor is None else right * factor
+            if total is not None:  # added where the rows land on a GPU
+                total = add_scattered(total, left.index, rows)
+                continue
             term = scatter_rows(left.index, rows, shape[0])
         if total is None:  # a float64 term (the tests' references) is rounded as 0 + term was
             total = term.to(torch.float32)
@@ -244,19 +246,18 @@ def padded_unit_gradients(
         float32 = left.dtype == right.dtype == torch.float32
         if kind == "dense" and matrix is None and workspace is not None and float32:
             # the mm32 product (IEEE float32 under exact_matmul), written into the reused buffer
-            # (bmm sets every element of it)
             out = workspace.take((count, d0, d1), left.device)
             part = torch.bmm(left.transpose(1, 2), right, out=out)
         elif kind == "dense":
             part = mm32(left.transpose(1, 2), right)
         else:
-            rows = left + torch.arange(count, device=left.device)[:, None] * d0
-            flat = scatter_rows(rows.reshape(-1), right.flatten(0, 1).to(torch.float32), count * d0)
-            part = flat.view(count, d0, d1)
-        if matrix is None:
-            matrix = part
-        else:  # in place: ``matrix`` is this loop's own buffer
-            matrix += part
+            rows = (left + torch.arange(count, device=left.device)[:, None] * d0).reshape(-1)
+            source = right.flatten(0, 1)
+            if matrix is not None:  # dense uses came first: added into the gradients
+                add_scattered(matrix.view(count * d0, d1), rows, source)
+                continue
+            part = scatter_rows(rows, source, count * d0).view(count, d0, d1)
+        matrix = part if matrix is None else matrix.add_(part)  # in place: this loop's own buffer
     if matrix is None:
         raise ValueError("a weight needs at least one use")
     return matrix
@@ -266,9 +267,8 @@ def unit_squared_norms(unit_gradients: torch.Tensor, float64: bool = False) -> t
     """[U] float64 of ‖M_u‖² for per-unit gradients [U, ...] (float32 accumulation, or float64
     with ``float64``: a bound on it then needs no margin for the reduction's order)."""
     flat = unit_gradients.reshape(unit_gradients.shape[0], -1)
-    if float64:
-        return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
-    return torch.linalg.vector_norm(flat, dim=1).double().square()
+    dtype = torch.float64 if float64 else None
+    return torch.linalg.vector_norm(flat, dim=1, dtype=dtype).double().square()
 
 
 def exact_norm_plan(

@@ -314,3 +314,32 @@ def test_device_rates_are_measured_once_with_the_tensor_cores_ahead():
     assert rates is device_rates(torch.device("cuda", torch.cuda.current_device()))
     assert rates.bf16_flops > rates.float32_flops > 1e12
     assert 1e10 < rates.memory_bytes < 1e14
+
+
+def test_onehot_rows_added_in_place_on_cuda_equal_the_cpu_scatter():
+    """A tied embedding / LM head weight's per-unit gradients and book-keeping product: the CUDA
+    way (onehot rows added in place) equals the CPU way (scatter, then add) to float32 rounding."""
+    from userdp.clients import norms
+    from userdp.clients.norms import Factor, Padded, materialize
+
+    gen = torch.Generator().manual_seed(12)
+    vocab, width, n = 300, 16, 40
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    ids[:10] = 7
+    left = torch.randn(n, vocab, generator=gen)
+    rights = [torch.randn(n, width, generator=gen) for _ in range(2)]
+    factor = torch.rand(n, 1, generator=gen)
+    spans = [slice(0, 15), slice(15, 32), slice(32, 40)]
+    results = []
+    for device in (torch.device("cpu"), CUDA):
+        uses = [
+            (Factor(None, ids.to(device), vocab), rights[0].to(device)),
+            (Factor(left.to(device), None, vocab), rights[1].to(device)),
+        ]
+        padded = Padded.of(spans, n, device)
+        lefts, padded_rights = norms.padded_factors(uses, padded)
+        per_unit = norms.padded_unit_gradients(lefts, padded_rights, (vocab, width))
+        book = materialize(uses, (vocab, width), factor.to(device))
+        results.append((per_unit.cpu(), book.cpu()))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

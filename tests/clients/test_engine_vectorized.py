@@ -487,3 +487,39 @@ def test_the_engine_copying_sums_during_its_last_micro_batch_gives_the_same_sums
         assert copied_before_read > 0 or oversized  # copies ran while the engine did
         for name in results[0]:
             assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_onehot_rows_added_in_place_equal_a_scatter_then_an_add(monkeypatch):
+    """A tied embedding / LM head weight (a dense use and a onehot use, an id repeated): the
+    onehot rows added where they land, into the per-unit gradients and into the book-keeping
+    product (a GPU's way, ``index_put_`` with accumulation), give what a dense scatter and an add
+    give (a CPU's way) to float32 rounding, and each unit's rows stay in its own gradient."""
+    gen = torch.Generator().manual_seed(11)
+    vocab, width, n = 13, 5, 12
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    ids[:4] = 3
+    dense = Factor(torch.randn(n, vocab, generator=gen), None, vocab)
+    uses = [
+        (Factor(None, ids, vocab), torch.randn(n, width, generator=gen)),
+        (dense, torch.randn(n, width, generator=gen)),
+    ]
+    spans = [slice(0, 5), slice(5, 9), slice(9, 12)]
+    padded = Padded.of(spans, n, torch.device("cpu"))
+    factor = torch.rand(n, 1, generator=gen)
+
+    def both_products():
+        lefts, rights = norms.padded_factors(uses, padded)
+        per_unit = norms.padded_unit_gradients(lefts, rights, (vocab, width))
+        return per_unit, materialize(uses, (vocab, width), factor)
+
+    scattered = both_products()
+    in_place = []
+    monkeypatch.setattr(matmul_precision, "scatters_in_place", lambda total: not in_place.append(1))
+    added = both_products()
+    assert len(in_place) == 2  # both products took the in-place way
+    for got, want in zip(added, scattered, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for j, span in enumerate(spans):  # float64 reference, unit by unit
+        want = dense.dense[span].double().T @ uses[1][1][span].double()
+        want.index_add_(0, ids[span], uses[0][1][span].double())
+        torch.testing.assert_close(added[0][j].double(), want, rtol=1e-5, atol=1e-6)
