@@ -180,14 +180,20 @@ def scatter_rows(index: torch.Tensor, rows: torch.Tensor, num: int) -> torch.Ten
     return torch.ops.aten.embedding_dense_backward(rows.to(torch.float32), index, num, -1, False)
 
 
-def add_scattered(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``total`` [num, d] float32 plus onehot(index)ᵀ · rows, in place. On CUDA the rows are
-    added where they land (``index_put_`` with accumulation): no dense temporary, whose write
-    and add move num·d float32 four times (GPT-2's tied embedding: 0.6 GB per unit's gradient).
-    On CPU they are scattered first (:func:`scatter_rows`) and added."""
+def add_scattered(
+    total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, unit: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``total`` [num, d] float32 plus onehot(index)ᵀ · rows, in place; with ``unit`` (each
+    row's unit), ``total`` is [U, num, d] and each row goes into its unit's matrix. On CUDA the
+    rows are added where they land (``index_put_`` with accumulation, any strides): no dense
+    temporary, whose write and add move U·num·d float32 four times (GPT-2's tied embedding:
+    0.6 GB per unit). On CPU they are scattered first (:func:`scatter_rows`) and added."""
     if scatters_in_place(total):
-        return total.index_put_((index,), rows.to(torch.float32), accumulate=True)
-    return total.add_(scatter_rows(index, rows, total.shape[0]))
+        indices = (index,) if unit is None else (unit, index)
+        return total.index_put_(indices, rows.to(torch.float32), accumulate=True)
+    flat = index if unit is None else index + unit * total.shape[-2]
+    part = scatter_rows(flat, rows, total[..., 0].numel())
+    return total.add_(part.view(total.shape))
 
 
 def scatters_in_place(total: torch.Tensor) -> bool:

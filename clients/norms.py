@@ -251,12 +251,12 @@ def padded_unit_gradients(
         elif kind == "dense":
             part = mm32(left.transpose(1, 2), right)
         else:
-            rows = (left + torch.arange(count, device=left.device)[:, None] * d0).reshape(-1)
-            source = right.flatten(0, 1)
+            unit = torch.arange(count, device=left.device)[:, None].expand_as(left).reshape(-1)
+            ids, source = left.reshape(-1), right.flatten(0, 1)
             if matrix is not None:  # dense uses came first: added into the gradients
-                add_scattered(matrix.view(count * d0, d1), rows, source)
+                add_scattered(matrix, ids, source, unit)
                 continue
-            part = scatter_rows(rows, source, count * d0).view(count, d0, d1)
+            part = scatter_rows(ids + unit * d0, source, count * d0).view(count, d0, d1)
         matrix = part if matrix is None else matrix.add_(part)  # in place: this loop's own buffer
     if matrix is None:
         raise ValueError("a weight needs at least one use")
