@@ -70,9 +70,9 @@ def materialize(
 ) -> torch.Tensor:
     """Σ_c L_cᵀ (R_c ⊙ c) as a [d0, d1] float32 matrix, c = ``factor`` [n, 1] per row when given
     (the book-keeping's clip factors; R·c is formed in float32), else 1 (the first term is the
-    sum's buffer: no zero start; dense uses first, so that onehot rows can be added into it)."""
+    sum's buffer: no zero start)."""
     total = None
-    for left, right in sorted(uses, key=lambda use: use[0].dense is None):
+    for left, right in uses:
         if left.dense is not None:
             if factor is not None or right.dtype == torch.float32:
                 term = left_times_scaled(left.dense, right, factor)
@@ -80,9 +80,6 @@ def materialize(
                 term = mm32(left.dense.T, right)
         else:
             rows = right.to(torch.float32) if factor is None else right * factor
-            if total is not None:  # added where the rows land on a GPU
-                total = add_scattered(total, left.index, rows)
-                continue
             term = scatter_rows(left.index, rows, shape[0])
         if total is None:  # a float64 term (the tests' references) is rounded as 0 + term was
             total = term.to(torch.float32)

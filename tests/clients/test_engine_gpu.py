@@ -316,30 +316,51 @@ def test_device_rates_are_measured_once_with_the_tensor_cores_ahead():
     assert 1e10 < rates.memory_bytes < 1e14
 
 
-def test_onehot_rows_added_in_place_on_cuda_equal_the_cpu_scatter():
-    """A tied embedding / LM head weight's per-unit gradients and book-keeping product: the CUDA
-    way (onehot rows added in place) equals the CPU way (scatter, then add) to float32 rounding."""
+def test_onehot_rows_added_in_place_on_cuda_equal_the_reference_without_a_copy():
+    """A tied embedding / LM head weight's per-unit gradients on the tensor cores (bf16 rows, a
+    vocabulary that is not a multiple of 8, so the product is a view of a padded GEMM output):
+    the onehot rows are added where they land, without a copy of the [U, vocab, width] product
+    (peak memory of the add far below its size), and each unit's gradient equals the float64
+    reference to the rounding of bf16 products accumulated in float32."""
     from userdp.clients import norms
-    from userdp.clients.norms import Factor, Padded, materialize
+    from userdp.clients.matmul_precision import add_scattered, exact_matmul
+    from userdp.clients.norms import Factor, Padded
 
     gen = torch.Generator().manual_seed(12)
-    vocab, width, n = 300, 16, 40
+    vocab, width, n = 1001, 64, 96
     ids = torch.randint(0, vocab, (n,), generator=gen)
     ids[:10] = 7
-    left = torch.randn(n, vocab, generator=gen)
-    rights = [torch.randn(n, width, generator=gen) for _ in range(2)]
-    factor = torch.rand(n, 1, generator=gen)
-    spans = [slice(0, 15), slice(15, 32), slice(32, 40)]
-    results = []
-    for device in (torch.device("cpu"), CUDA):
-        uses = [
-            (Factor(None, ids.to(device), vocab), rights[0].to(device)),
-            (Factor(left.to(device), None, vocab), rights[1].to(device)),
-        ]
-        padded = Padded.of(spans, n, device)
+    left = torch.randn(n, vocab, generator=gen).to(torch.bfloat16)
+    rights = [torch.randn(n, width, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    spans = [slice(0, 30), slice(30, 64), slice(64, 96)]
+    uses = [
+        (Factor(None, ids.to(CUDA), vocab), rights[0].to(CUDA)),
+        (Factor(left.to(CUDA), None, vocab), rights[1].to(CUDA)),
+    ]
+    padded = Padded.of(spans, n, CUDA)
+    calls = []
+
+    def measured(total, *args):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = add_scattered(total, *args)
+        torch.cuda.synchronize()
+        calls.append((torch.cuda.max_memory_allocated() - before, total.numel() * 4))
+        return out
+
+    with exact_matmul(tensor_cores=True):
         lefts, padded_rights = norms.padded_factors(uses, padded)
-        per_unit = norms.padded_unit_gradients(lefts, padded_rights, (vocab, width))
-        book = materialize(uses, (vocab, width), factor.to(device))
-        results.append((per_unit.cpu(), book.cpu()))
-    for got, want in zip(results[1], results[0], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        original = norms.add_scattered
+        norms.add_scattered = measured
+        try:
+            per_unit = norms.padded_unit_gradients(lefts, padded_rights, (vocab, width))
+        finally:
+            norms.add_scattered = original
+    ((grown, size),) = calls
+    assert not per_unit.is_contiguous()  # the padded GEMM's view: the case that must not copy
+    assert grown < size / 4, f"the add allocated {grown} bytes for a {size}-byte product"
+    for j, span in enumerate(spans):
+        want = left[span].double().T @ rights[1][span].double()
+        want.index_add_(0, ids[span], rights[0][span].double())
+        torch.testing.assert_close(per_unit[j].double().cpu(), want, rtol=1e-4, atol=1e-4)

@@ -489,12 +489,16 @@ def test_the_engine_copying_sums_during_its_last_micro_batch_gives_the_same_sums
             assert torch.equal(results[0][name], results[1][name]), name
 
 
-def test_onehot_rows_added_in_place_equal_a_scatter_then_an_add(monkeypatch):
-    """A tied embedding / LM head weight (a dense use and a onehot use, an id repeated): the
-    onehot rows added where they land, into the per-unit gradients and into the book-keeping
-    product (a GPU's way, ``index_put_`` with accumulation), give what a dense scatter and an add
-    give (a CPU's way) to float32 rounding, and each unit's rows stay in its own gradient; the
-    dense product is a strided view, as the padded bf16 GEMMs return it."""
+@pytest.mark.parametrize("padded_columns", [0, 3])
+def test_onehot_rows_added_in_place_equal_a_scatter_then_an_add(monkeypatch, padded_columns):
+    """A tied embedding / LM head weight (a dense use, then a onehot use with an id repeated):
+    the onehot rows added into the per-unit gradients where they land (a GPU's way,
+    ``index_put_`` with accumulation) give what a dense scatter and an add give (a CPU's way) to
+    float32 rounding, each unit's rows in its own gradient. The dense product is a view of a
+    padded product, as the bf16 GEMMs return it: with dense rows the rows are added through a
+    contiguous view of its storage (no copy of it), with padded columns through the view itself."""
+    from userdp.clients.matmul_precision import row_view
+
     gen = torch.Generator().manual_seed(11)
     vocab, width, n = 13, 5, 12
     ids = torch.randint(0, vocab, (n,), generator=gen)
@@ -506,27 +510,34 @@ def test_onehot_rows_added_in_place_equal_a_scatter_then_an_add(monkeypatch):
     ]
     spans = [slice(0, 5), slice(5, 9), slice(9, 12)]
     padded = Padded.of(spans, n, torch.device("cpu"))
-    factor = torch.rand(n, 1, generator=gen)
+    products = []
 
     def padded_product(a, b):  # as the bf16 GEMMs return it: a view of a padded product
         m, k = a.shape[-2], b.shape[-1]
-        return torch.nn.functional.pad(a @ b, (0, 3, 0, 2))[..., :m, :k]
+        product = torch.nn.functional.pad(a @ b, (0, padded_columns, 0, 2))[..., :m, :k]
+        products.append(product)
+        return product
 
     monkeypatch.setattr(norms, "mm32", padded_product)
 
-    def both_products():
+    def per_unit_gradients():
         lefts, rights = norms.padded_factors(uses, padded)
-        per_unit = norms.padded_unit_gradients(lefts, rights, (vocab, width))
-        return per_unit, materialize(uses, (vocab, width), factor)
+        return norms.padded_unit_gradients(lefts, rights, (vocab, width))
 
-    scattered = both_products()
+    scattered = per_unit_gradients()
     in_place = []
     monkeypatch.setattr(matmul_precision, "scatters_in_place", lambda total: not in_place.append(1))
-    added = both_products()
-    assert len(in_place) == 2  # both products took the in-place way
-    for got, want in zip(added, scattered, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    added = per_unit_gradients()
+    assert len(in_place) == 1 and added is products[-1]  # added into the GEMM's own output
+    view = row_view(added)
+    if padded_columns:
+        assert view is None
+    else:
+        flat, per_unit = view
+        assert flat.is_contiguous() and per_unit == vocab + 2
+        assert flat.data_ptr() == added.data_ptr()
+    torch.testing.assert_close(added, scattered, rtol=1e-6, atol=1e-6)
     for j, span in enumerate(spans):  # float64 reference, unit by unit
         want = dense.dense[span].double().T @ uses[1][1][span].double()
         want.index_add_(0, ids[span], uses[0][1][span].double())
-        torch.testing.assert_close(added[0][j].double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(added[j].double(), want, rtol=1e-5, atol=1e-6)
