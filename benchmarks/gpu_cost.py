@@ -154,7 +154,7 @@ def _datasheet_rates():
     """The H200's datasheet rates as the engine's cost rule takes them (bf16, float32, memory)."""
     from userdp.clients.unit_cost import DeviceRates
 
-    return DeviceRates(989e12, 67e12, 4.8e12)
+    return DeviceRates(_H200.bf16_flops, _H200.fp32_flops, _H200.memory_bytes)
 
 
 DEVICES = {
@@ -345,7 +345,7 @@ def gpu_code_paths() -> Iterator[None]:
     an H200's datasheet rates where the engine prices retained against book-kept weights
     (``clients/unit_cost.py``; it measures them on a GPU). The one place this benchmark reaches
     into the engine; it fails loudly if a name moved."""
-    from userdp.clients import ghost, matmul_precision, norms, unit_cost, unit_gradients
+    from userdp.clients import ghost, matmul_precision, unit_gradients
 
     flag = matmul_precision._TENSOR_CORES
     patches = [
@@ -354,10 +354,8 @@ def gpu_code_paths() -> Iterator[None]:
             "bf16_exact",
             lambda *ts: flag.get() and all(t.dtype in LOW for t in ts),
         ),
-        (norms, "bf16_exact", lambda *ts: flag.get() and all(t.dtype in LOW for t in ts)),
         (ghost, "tensor_cores_active", lambda device: flag.get()),
         (ghost, "device_rates", lambda device: _datasheet_rates()),
-        (unit_cost, "bf16_exact", lambda *ts: flag.get() and all(t.dtype in LOW for t in ts)),
         (matmul_precision, "scatters_in_place", lambda total: True),
         (unit_gradients, "RETAINED_CHUNK_ELEMENTS", 1 << 62),
     ]

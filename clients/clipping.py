@@ -82,13 +82,11 @@ class Accumulator:
         self._blocks: dict[tuple, torch.Tensor] = {}
         self._copy: HostCopy | None = None  # from :meth:`last_pass` on, with early_copy
         self._final: set[str] = set()  # written in the last pass
-        self._order = list(self.sums)
-        self._starts = [0] * (len(self._order) + 1)  # each view's offset in ``flat``, then its end
-        for i, name in enumerate(self._order):
-            self._starts[i + 1] = self._starts[i] + self.sums[name].numel()
-        self._ranges = {
-            name: (self._starts[i], self._starts[i + 1]) for i, name in enumerate(self._order)
-        }
+        self._order = list(self.sums)  # the views' order in ``flat``
+        self._starts = [0]  # each view's offset in ``flat``, then its end
+        for view in self.sums.values():
+            self._starts.append(self._starts[-1] + view.numel())
+        self._position = {name: i for i, name in enumerate(self._order)}
         self._next = 0  # the first parameter, in order, that is not final yet
         self._copied = 0  # ``flat[:_copied]`` is on its way to host memory
 
@@ -107,7 +105,8 @@ class Accumulator:
         """``name``'s view was just written: in the last pass, copy what has become final."""
         if self._copy is None:
             return
-        start, stop = self._ranges[name]
+        position = self._position[name]
+        start, stop = self._starts[position], self._starts[position + 1]
         if start < self._copied:  # its copy started already: copy it again, after this write
             self._copy.copy(start, stop)
             return

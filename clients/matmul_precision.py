@@ -21,9 +21,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from userdp.clients.norms import Factor
 
 _TENSOR_CORES: contextvars.ContextVar[bool] = contextvars.ContextVar("tensor_cores", default=False)
 
@@ -73,6 +77,11 @@ def bf16_exact(*tensors: torch.Tensor) -> bool:
     """Tensor-core mode is on and all operands are bf16 on CUDA: products run as bf16 GEMMs with
     float32 output."""
     return _TENSOR_CORES.get() and all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors)
+
+
+def bf16_rows(uses: Sequence[tuple[Factor, torch.Tensor]]) -> bool:
+    """Every factor of a weight's ``uses`` goes to the tensor cores as the bf16 it is."""
+    return all(bf16_exact(r) and (f.dense is None or bf16_exact(f.dense)) for f, r in uses)
 
 
 def _pad(x: torch.Tensor, dim: int, multiple: int = 8) -> torch.Tensor:
@@ -181,41 +190,35 @@ def scatter_rows(index: torch.Tensor, rows: torch.Tensor, num: int) -> torch.Ten
 
 
 def add_scattered(
-    total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, unit: torch.Tensor | None = None
+    total: torch.Tensor, unit: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
 ) -> torch.Tensor:
-    """``total`` [num, d] float32 plus onehot(index)ᵀ · rows, in place; with ``unit`` (each
-    row's unit), ``total`` is [U, num, d] and each row goes into its unit's matrix. On CUDA the
-    rows are added where they land (``index_put_`` with accumulation into :func:`row_view`): no
-    dense temporary, whose write and add move U·num·d float32 four times (GPT-2's tied
-    embedding: 0.6 GB per unit). On CPU they are scattered first (:func:`scatter_rows`) and
-    added. Each row is added once to its own entry, in the order of ``index``."""
-    if scatters_in_place(total):
-        view = row_view(total)
-        if view is None:  # padded rows: index_put_ takes any strides (by a copy of ``total``)
-            total.index_put_((index,) if unit is None else (unit, index), rows.float(), True)
-            return total
-        flat, rows_per_unit = view
-        at = index if unit is None else unit * rows_per_unit + index
-        flat.index_put_((at,), rows.to(torch.float32), accumulate=True)
-        return total
-    flat = index if unit is None else index + unit * total.shape[-2]
-    part = scatter_rows(flat, rows, total[..., 0].numel())
-    return total.add_(part.view(total.shape))
+    """``total`` [U, num, d] float32 plus, per unit u, onehot(index)ᵀ · rows over the rows whose
+    ``unit`` is u, in place. On CUDA the rows are added where they land (``index_put_`` with
+    accumulation into :func:`row_view`): no dense temporary, whose write and add move U·num·d
+    float32 four times (GPT-2's tied embedding: 0.6 GB per unit). On CPU they are scattered
+    first (:func:`scatter_rows`) and added. Each row is added once to its own entry."""
+    rows = rows.to(torch.float32)
+    if not scatters_in_place(total):
+        part = scatter_rows(index + unit * total.shape[1], rows, total.shape[0] * total.shape[1])
+        return total.add_(part.view(total.shape))
+    view = row_view(total)
+    if view is None:  # padded rows: index_put_ takes any strides (by a copy of ``total``)
+        return total.index_put_((unit, index), rows, accumulate=True)
+    flat, rows_per_unit = view
+    flat.index_put_((unit * rows_per_unit + index,), rows, accumulate=True)
+    return total
 
 
 def row_view(total: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """A contiguous [rows, d] view of the storage under ``total`` ([num, d], or [U, num, d]
-    whose units may sit ``rows_per_unit`` ≥ num rows apart, as in a padded GEMM's output cut to
-    size) and ``rows_per_unit``; None where its rows are not dense (padded columns). CUDA's
-    ``index_put_`` copies a non-contiguous tensor whole and back, which :func:`add_scattered`
-    avoids with this view."""
-    d = total.shape[-1]
-    dense_rows = total.stride(-1) == 1 and (total.shape[-2] <= 1 or total.stride(-2) == d)
-    if total.dim() == 2 and dense_rows:
-        return total, total.shape[0]
-    if total.dim() != 3 or not dense_rows or total.stride(0) % max(d, 1):
+    """A contiguous [rows, d] view of the storage under ``total`` [U, num, d], whose units may
+    sit ``rows_per_unit`` ≥ num rows apart (a padded GEMM's output cut to size), and
+    ``rows_per_unit``; None where its rows are not dense (padded columns). CUDA's ``index_put_``
+    copies a non-contiguous tensor whole and back, which :func:`add_scattered` avoids with this
+    view."""
+    units, num, d = total.shape
+    dense_rows = total.stride(2) == 1 and (num <= 1 or total.stride(1) == d)
+    if not dense_rows or total.stride(0) % max(d, 1):
         return None
-    units, num = total.shape[:2]
     per_unit = total.stride(0) // max(d, 1) if units > 1 else num
     span = (units - 1) * per_unit + num  # the rows from the first unit's first to the last's
     return total.as_strided((span, d), (d, 1), total.storage_offset()), per_unit

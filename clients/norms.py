@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from userdp.clients.matmul_precision import (
     add_scattered,
-    bf16_exact,
+    bf16_rows,
     left_times_scaled,
     mm32,
     scatter_rows,
@@ -216,8 +216,8 @@ def padded_factors(
     uses: Sequence[tuple[Factor, torch.Tensor]], padded: Padded
 ) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
     """Per use, L as ('ids', [U, T_max]) or ('dense', [U, T_max, d0]) and R [U, T_max, d1];
-    float32, or bf16 where the tensor-core GEMMs take them as they are (:func:`bf16_exact`)."""
-    keep = all(bf16_exact(r) and (f.dense is None or bf16_exact(f.dense)) for f, r in uses)
+    float32, or bf16 where the tensor-core GEMMs take them as they are (:func:`bf16_rows`)."""
+    keep = bf16_rows(uses)
     lefts = [
         ("ids", padded.ids(f.index))
         if f.dense is None
@@ -251,7 +251,7 @@ def padded_unit_gradients(
             unit = torch.arange(count, device=left.device)[:, None].expand_as(left).reshape(-1)
             ids, source = left.reshape(-1), right.flatten(0, 1)
             if matrix is not None:  # dense uses came first: added into the gradients
-                add_scattered(matrix, ids, source, unit)
+                add_scattered(matrix, unit, ids, source)
                 continue
             part = scatter_rows(ids + unit * d0, source, count * d0).view(count, d0, d1)
         matrix = part if matrix is None else matrix.add_(part)  # in place: this loop's own buffer

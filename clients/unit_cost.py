@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from userdp.clients.matmul_precision import bf16_exact, exact_matmul
+from userdp.clients.matmul_precision import bf16_rows, exact_matmul
 from userdp.clients.norms import Factor, Padded, exact_norm_plan
 
 
@@ -114,10 +114,7 @@ def path_costs(
     n_units, width = padded.index.shape
     slots, rows = n_units * width, padded.n
     if bf16_parts is None:
-        bf16_parts = all(
-            bf16_exact(right) and (left.dense is None or bf16_exact(left.dense))
-            for left, right in uses
-        )
+        bf16_parts = bf16_rows(uses)
     ghost = exact_norm_plan(uses, padded, shape)[0]
     gemm = rates.bf16_flops if bf16_parts else rates.float32_flops
     onehot = [left.dense is None for left, _ in uses]
