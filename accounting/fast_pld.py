@@ -40,7 +40,7 @@ from dp_accounting.pld import privacy_loss_mechanism as plm
 from scipy import interpolate, special
 from userdp.accounting import dp_accounting_adapter as adapter
 
-__all__ = ["mixture_gaussian_deltas", "mixture_gaussian_pld"]
+__all__ = ["mixture_gaussian_deltas", "mixture_gaussian_pld", "non_increasing_cover"]
 
 _CHUNK_ELEMENTS = 1 << 24
 _ADD = plm.AdjacencyType.ADD
@@ -111,7 +111,13 @@ def mixture_gaussian_deltas(
         with np.errstate(over="ignore", invalid="ignore"):
             values[start : start + chunk] = upper_cdf - np.exp(part + lower_log_cdf)
     deltas[inverse] = values
-    deltas = np.clip(deltas, 0.0, 1.0)
+    return non_increasing_cover(np.clip(deltas, 0.0, 1.0))
+
+
+def non_increasing_cover(deltas: np.ndarray) -> np.ndarray:
+    """The smallest non-increasing sequence ≥ ``deltas`` (a reversed running maximum). δ(ε) is
+    non-increasing; where rounding makes computed values rise, the repair RAISES the earlier
+    ones, so each stays an upper bound (lowering the later ones would not)."""
     return np.maximum.accumulate(deltas[::-1])[::-1]
 
 

@@ -191,3 +191,45 @@ def check_engine_clips_user_mean_not_examples(engine: str = "loop") -> None:
         "clipped per example instead of once per user"
     )
     assert got.stats.count == 1, f"engine {engine!r}: one user counted as {got.stats.count} units"
+
+
+CLIP_SLACK = 3e-4
+"""Where C sits around a unit's true norm in the check below: C = ‖g_u‖/(1 + CLIP_SLACK), so
+clipping binds by a hair, and C = ‖g_u‖·(1 + CLIP_SLACK), so it does not."""
+HAIR_TOL = 1e-5
+"""The engine clips by its own float32 gradient's norm: the unit's contribution is
+(C/‖ĝ‖)·ĝ, of norm C up to the rounding of that norm and of the scaled float32 entries (a few
+2⁻²⁴ relative, ~10⁻⁶ with the float64 norm taken here), however ĝ differs from the float64
+oracle g (~10⁻⁶ relative on this model, far below CLIP_SLACK, so the engine sees ‖ĝ‖ > C too).
+10⁻⁵ leaves an order of magnitude for that rounding and is 30 times below CLIP_SLACK: a clip
+factor that lets norms up to (1 + 10⁻³)·C through unclipped releases (1 + 3·10⁻⁴)·C."""
+
+
+def check_engine_clips_at_the_clip_norm_exactly(engine: str = "loop") -> None:
+    """Slack in the clip itself: with C a hair (3·10⁻⁴) below a unit's true norm (float64
+    oracle), the unit's contribution has norm C to 10⁻⁵ (justified at :data:`HAIR_TOL`), never
+    its unclipped norm; with C a hair above, the unit is released unscaled (its norm is the
+    oracle's to 10⁻⁵). The sensitivity the accountant assumes is C, not C plus a tolerance."""
+    units = _units()[:3]  # 1, 2 and 3 examples
+    eng = _engine(engine)
+    for unit in units:
+        norm = _norm(_unit_gradient(unit))
+        clip = norm / (1 + CLIP_SLACK)
+        got = eng.clipped_sum([unit], clip)
+        released = _norm(got.sums)
+        assert released <= clip * (1 + HAIR_TOL), (
+            f"engine {engine!r}: unit {unit.unit_id} of norm {norm:.8g} = C·(1 + {CLIP_SLACK:g}) "
+            f"contributes {released:.8g} = C·(1 + {released / clip - 1:.2e}) > C = {clip:.8g}: "
+            "slack in the clip (norms slightly above C pass unclipped; the sensitivity is no "
+            "longer C)"
+        )
+        assert got.stats.clipped == 1, (
+            f"engine {engine!r}: unit {unit.unit_id} of norm C·(1 + {CLIP_SLACK:g}) reported "
+            f"clipped = {got.stats.clipped}: slack in the clip"
+        )
+        loose = eng.clipped_sum([unit], norm * (1 + CLIP_SLACK))
+        assert abs(_norm(loose.sums) - norm) <= HAIR_TOL * norm and loose.stats.clipped == 0, (
+            f"engine {engine!r}: unit {unit.unit_id} of norm {norm:.8g} below C = "
+            f"{norm * (1 + CLIP_SLACK):.8g} contributes norm {_norm(loose.sums):.8g} "
+            f"(clipped = {loose.stats.clipped}): a unit within C must be released unscaled"
+        )

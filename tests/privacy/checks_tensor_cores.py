@@ -116,3 +116,105 @@ def check_tensor_core_margin_covers_accumulation_error() -> None:
                 f"tensor-core mode ({path} norms): unit {unit.unit_id} was clipped by norm "
                 f"{used:.8g} < its true norm {true_norm:.8g}"
             )
+
+
+def check_clip_factor_rounding_is_on_the_safe_side() -> None:
+    """The clip factor C/B_u reaches the book-keeping as float32, rounded either way by up to
+    2⁻²⁴; the bound B_u is raised by its factor-rounding margin so that the ROUNDED factor times
+    the bound without that margin is still at most C. Adversarial input: norms whose factor
+    C/n rounds UP in float32 (a margin in the wrong direction, or none, then releases more than
+    C on every one of them). Checked exactly (rationals) with the engine's own steps: the
+    bound (:func:`~userdp.clients.tensor_core_bound.clip_squared_norms`, no book-kept weights),
+    the factor (:meth:`~userdp.clients.clipping.Accumulator.record`'s ``clip_factor``) and the
+    float32 tensor the book-keeping multiplies by."""
+    from fractions import Fraction
+
+    import numpy as np
+    from userdp.clients.clipping import clip_factor
+
+    clip = 1.0
+    norms = np.random.default_rng(5).uniform(1.0, 4.0, 4096)
+    exact = torch.tensor(norms, dtype=torch.float64).square()
+    empty = torch.zeros(0, len(norms), dtype=torch.float64)
+    bounds = tensor_core_bound.Bounds(
+        booked=torch.zeros(len(norms), dtype=torch.float64),
+        magnitude=empty,
+        upper=empty,
+        error=torch.zeros(0, dtype=torch.float64),
+        sketched_magnitude=empty,
+        sketched_error=torch.zeros(0, dtype=torch.float64),
+    )
+    with mock.patch.object(tensor_core_bound, "CLIP_FACTOR_ROUNDING", 1.0):
+        covered_sq = tensor_core_bound.clip_squared_norms(exact, bounds, len(norms)).tolist()
+    # adversarial: the bounds whose factor C/B would round UP in float32
+    chosen = [
+        i for i, s in enumerate(covered_sq) if float(np.float32(clip / s**0.5)) > clip / s**0.5
+    ]
+    assert len(chosen) >= 1000, f"precondition: only {len(chosen)} factors round up"
+    clip_sq = tensor_core_bound.clip_squared_norms(exact, bounds, len(norms)).tolist()
+    factors = torch.tensor(
+        [clip_factor(clip_sq[i] ** 0.5, clip) for i in chosen], dtype=torch.float32
+    ).tolist()
+    worst = max(
+        (Fraction(f) ** 2 * Fraction(covered_sq[i]), i)
+        for f, i in zip(factors, chosen, strict=True)
+    )
+    assert worst[0] <= Fraction(clip) ** 2, (
+        f"norm {norms[worst[1]]!r}: the float32 clip factor times the bound it covers is "
+        f"C·(1 + {float(worst[0]) ** 0.5 - 1:.3e}) > C = {clip}: the clip factor's rounding "
+        "margin is applied in the wrong direction (or not at all)"
+    )
+
+
+BOOK_ROWS, BOOK_LEFT, BOOK_RIGHT = 96, 24, 40
+
+
+@contextlib.contextmanager
+def bf16_gemms_on_cpu():
+    """The engine's CUDA branch of the book-keeping product (bf16 ``left`` against the two-part
+    bf16 split of R·c, the parts' products subtracted) dispatched on CPU: bf16 operands count as
+    tensor-core operands, and the bf16 GEMM with float32 output is done as on the hardware's
+    model (products exact, float64 accumulation, one rounding to float32; within (A1)-(A3))."""
+    patches = [
+        mock.patch.object(
+            matmul_precision,
+            "bf16_exact",
+            lambda *tensors: all(t.dtype == torch.bfloat16 for t in tensors),
+        ),
+        mock.patch.object(
+            matmul_precision, "mm32", lambda a, b: (a.double() @ b.double()).to(torch.float32)
+        ),
+    ]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def check_split_book_keeping_product_within_its_bound() -> None:
+    """The tensor-core book-keeping product Lᵀ(R ⊙ c) (:func:`~userdp.clients.matmul_precision.
+    left_times_scaled`, CUDA branch on CPU) against a float64 reference: every entry within
+    ε_bk·Σ_t |L_t,i|·|R_t,j·c_t| (:func:`~userdp.clients.tensor_core_bound.release_error`, the
+    bound the clip relies on; about 4·10⁻⁵ here). Rows of R span six orders of magnitude and c is
+    random, so R·c has full float32 significands: its first bf16 part alone errs by up to 2⁻⁸,
+    far above the bound, and the split's second part must be there to meet it."""
+    gen = torch.Generator().manual_seed(7)
+    left = torch.randn(BOOK_ROWS, BOOK_LEFT, generator=gen).to(torch.bfloat16)
+    scales = torch.logspace(-3, 3, BOOK_ROWS, dtype=torch.float32)[:, None]
+    right = torch.randn(BOOK_ROWS, BOOK_RIGHT, generator=gen) * scales
+    factor = torch.rand(BOOK_ROWS, 1, generator=gen).clamp_min(0.05)
+    with bf16_gemms_on_cpu():
+        got = matmul_precision.left_times_scaled(left, right, factor)
+    scaled = right.double() * factor.double()  # R·c of the float32 values, exact in float64
+    reference = left.double().T @ scaled
+    magnitude = left.double().abs().T @ scaled.abs()
+    bound = tensor_core_bound.release_error(BOOK_ROWS, 1) * magnitude
+    excess = (got.double() - reference).abs() / bound
+    worst = int(torch.argmax(excess))
+    i, j = divmod(worst, BOOK_RIGHT)
+    assert float(excess.max()) <= 1.0, (
+        f"tensor-core book-keeping product, entry ({i}, {j}): error "
+        f"{float((got.double() - reference).abs()[i, j]):.3e} is {float(excess.max()):.1f} times "
+        f"its bound ε_bk·S = {float(bound[i, j]):.3e}: the split product of R·c is incomplete "
+        "(a bf16 part dropped?)"
+    )

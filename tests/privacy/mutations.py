@@ -9,6 +9,7 @@ AssertionError from the check itself (its message is matched), so the suite is t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -754,3 +755,139 @@ def mutation_report_states_point_estimate(monkeypatch):
         return dataclasses.replace(computed, epsilon=computed.estimate)
 
     monkeypatch.setattr(report, "monte_carlo_epsilon", monte_carlo_epsilon)
+
+
+# ---------------------------------------------------------------------------------------------
+# calibration: noise and δ
+
+
+@pytest.fixture
+def mutation_adaptive_sigma_delta_fixed_at_construction(monkeypatch):
+    """Adaptive clipping derives σ_Δ from σ once, in its constructor (where the registry builds it
+    at σ = 1, before calibration): the sum's noise keeps the template's σ_Δ."""
+    from userdp.strategies import adaptive_clipping
+    from userdp.strategies.adaptive_clipping import AdaptiveClipping
+
+    original = AdaptiveClipping.__init__
+
+    @functools.wraps(original)  # the registry reads the constructor's signature
+    def init(self, **kwargs):
+        original(self, **kwargs)
+        self._mutation_sigma_delta = adaptive_clipping.update_noise_multiplier(
+            self.noise_multiplier, self.count_stddev
+        )
+
+    monkeypatch.setattr(AdaptiveClipping, "__init__", init)
+    monkeypatch.setattr(
+        AdaptiveClipping,
+        "update_noise_multiplier",
+        property(lambda self: self._mutation_sigma_delta),
+    )
+
+
+@pytest.fixture
+def mutation_noise_std_fixed_at_construction(monkeypatch):
+    """The base strategy caches its noise std σ·C in its constructor (at the template's σ = 1):
+    the ledger records the calibrated σ, the noise keeps σ = 1."""
+    original = Strategy.__init__
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self._mutation_std = self.noise_multiplier * self.clip_norm
+
+    monkeypatch.setattr(Strategy, "__init__", init)
+    monkeypatch.setattr(
+        Strategy,
+        "add_noise",
+        lambda self, step, summed, stats=None: self.noise.add(step, summed, std=self._mutation_std),
+    )
+
+
+@pytest.fixture
+def mutation_user_filter_sigma_fixed_at_construction(monkeypatch):
+    """The user-wise filter keeps the σ it was constructed with (σ = 1 there) for its noise."""
+    from userdp.accounting import user_filter as accounting
+    from userdp.strategies.user_filter import UserWiseFilter
+
+    original = UserWiseFilter.__init__
+
+    @functools.wraps(original)
+    def init(self, **kwargs):
+        original(self, **kwargs)
+        self._mutation_sigma = self.noise_multiplier
+
+    def noise_std(self, num_users):
+        return accounting.filter_noise_std(
+            self._mutation_sigma,
+            self.concentration_threshold,
+            num_users,
+            self.epsilon,
+            self.delta,
+            self.steps,
+        )
+
+    monkeypatch.setattr(UserWiseFilter, "__init__", init)
+    monkeypatch.setattr(UserWiseFilter, "noise_std", noise_std)
+
+
+@pytest.fixture
+def mutation_calibration_at_default_delta(monkeypatch):
+    """With ``privacy.delta`` unset, σ is calibrated at a library default δ = 10⁻⁶ instead of the
+    run's 1/(10·N), which the ledger and the report state."""
+    from userdp.run import components
+
+    original = components.calibrator
+
+    def calibrator(config, delta):
+        return original(config, config.privacy.delta or 1e-6)
+
+    monkeypatch.setattr(components, "calibrator", calibrator)
+
+
+# ---------------------------------------------------------------------------------------------
+# slack and rounding margins
+
+
+@pytest.fixture
+def mutation_clip_factor_slack(monkeypatch):
+    """The clip factor lets norms up to (1 + 10⁻³)·C through unclipped ("within tolerance")."""
+    from userdp.clients import clipping
+
+    def clip_factor(norm, clip_norm):
+        return 1.0 if norm <= clip_norm * (1 + 1e-3) else clip_norm / norm
+
+    monkeypatch.setattr(clipping, "clip_factor", clip_factor)
+
+
+@pytest.fixture
+def mutation_clip_factor_rounding_flipped(monkeypatch):
+    """The tensor-core bound's clip-factor rounding margin applied downward: 1 − 2⁻²³."""
+    from userdp.clients import tensor_core_bound
+
+    monkeypatch.setattr(tensor_core_bound, "CLIP_FACTOR_ROUNDING", 1 - 2.0**-23)
+
+
+@pytest.fixture
+def mutation_pld_repair_lowers_delta(monkeypatch):
+    """The fast PLD builder makes δ(ε) non-increasing by a forward running minimum: values that
+    rise are lowered to the earlier ones instead of the earlier ones raised."""
+    from userdp.accounting import fast_pld
+
+    monkeypatch.setattr(fast_pld, "non_increasing_cover", lambda d: np.minimum.accumulate(d))
+
+
+@pytest.fixture
+def mutation_split_product_drops_remainder(monkeypatch):
+    """The tensor-core book-keeping splits R·c into one bf16 part only (the remainder zeroed):
+    an error of up to 2⁻⁸ of each product."""
+    from userdp.clients import matmul_precision
+
+    original = matmul_precision.split_bf16
+
+    def split_bf16(x, factor=None):
+        out = original(x, factor)
+        out[..., x.shape[-1] :] = 0
+        return out
+
+    monkeypatch.setattr(matmul_precision, "split_bf16", split_bf16)

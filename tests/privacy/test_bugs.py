@@ -22,11 +22,13 @@ from functools import partial
 import pytest
 
 from . import checks_budget as budget
+from . import checks_calibration as calibration
 from . import checks_clipping as clipping
 from . import checks_coordinator as coordinator
 from . import checks_gather as gather
 from . import checks_model_noise as model_noise
 from . import checks_noise as noise
+from . import checks_pld as pld
 from . import checks_randomized as randomized
 from . import checks_sampling as sampling
 from . import checks_tensor_cores as tensor_cores
@@ -45,6 +47,7 @@ CHECKS: dict[str, Callable[[object], None]] = {
             ("bounds_each_unit", clipping.check_engine_bounds_each_unit_by_clip_norm),
             ("clips_before_summing", clipping.check_engine_clips_each_unit_before_summing),
             ("clips_user_mean", clipping.check_engine_clips_user_mean_not_examples),
+            ("clips_at_the_clip_norm", clipping.check_engine_clips_at_the_clip_norm_exactly),
         )
     },
     "noise_magnitude_uls": _no_tmp(partial(noise.check_noise_magnitude, "uls")),
@@ -116,6 +119,23 @@ CHECKS: dict[str, Callable[[object], None]] = {
     "engine_tensor_core_margin": _no_tmp(
         tensor_cores.check_tensor_core_margin_covers_accumulation_error
     ),
+    "engine_clip_factor_rounding": _no_tmp(
+        tensor_cores.check_clip_factor_rounding_is_on_the_safe_side
+    ),
+    "engine_split_book_keeping_product": _no_tmp(
+        tensor_cores.check_split_book_keeping_product_within_its_bound
+    ),
+    "fast_pld_repair_raises_delta": _no_tmp(pld.check_fast_pld_repair_raises_delta),
+    **{
+        f"calibrated_noise_{name.split(':')[-1].lower()}": partial(
+            calibration.check_calibrated_noise_follows_the_ledger, name
+        )
+        for name in calibration.STRATEGIES
+    },
+    "calibrated_noise_user_wise_filter": (
+        calibration.check_calibrated_user_filter_noise_follows_the_ledger
+    ),
+    "calibration_delta_is_the_reports": calibration.check_calibration_delta_is_the_reports,
 }
 
 
@@ -529,6 +549,63 @@ CASES: list[Case] = [
         r"the engine.s rounding bound does not cover the model",
         "engine_tensor_core_margin",
     ),
+    # --- calibration reaches the noise and the δ ---------------------------------------------
+    *_cases(
+        "noise does not follow calibration",
+        "mutation_adaptive_sigma_delta_fixed_at_construction",
+        r"noise that does not follow calibration",
+        "calibrated_noise_adaptive-clipping",
+    ),
+    *_cases(
+        "noise does not follow calibration",
+        "mutation_noise_std_fixed_at_construction",
+        r"noise that does not follow calibration",
+        "calibrated_noise_uls",
+        "calibrated_noise_els",
+        "calibrated_noise_group-privacy",
+        "calibrated_noise_dp-fedavg",
+        "calibrated_noise_randomized-clipping",
+        "calibrated_noise_blt-dp-ftrl",
+        "calibrated_noise_warmupuls",
+    ),
+    *_cases(
+        "noise does not follow calibration",
+        "mutation_user_filter_sigma_fixed_at_construction",
+        r"noise that does not follow calibration",
+        "calibrated_noise_user_wise_filter",
+    ),
+    *_cases(
+        "calibration at a δ other than the run's",
+        "mutation_calibration_at_default_delta",
+        r"σ was calibrated at a δ other than the one the report states",
+        "calibration_delta_is_the_reports",
+    ),
+    # --- slack in the clip, rounding margins, the split product -------------------------------
+    *_cases(
+        "slack in the clip",
+        "mutation_clip_factor_slack",
+        r"slack in the clip",
+        "engine_loop_clips_at_the_clip_norm",
+        "engine_vectorized_clips_at_the_clip_norm",
+    ),
+    *_cases(
+        "rounding margin in the wrong direction",
+        "mutation_clip_factor_rounding_flipped",
+        r"rounding margin is applied in the wrong direction",
+        "engine_clip_factor_rounding",
+    ),
+    *_cases(
+        "rounding margin in the wrong direction",
+        "mutation_pld_repair_lowers_delta",
+        r"repair of δ\(ε\) lowers δ",
+        "fast_pld_repair_raises_delta",
+    ),
+    *_cases(
+        "tensor-core book-keeping split product incomplete",
+        "mutation_split_product_drops_remainder",
+        r"split product of R·c is incomplete",
+        "engine_split_book_keeping_product",
+    ),
 ]
 
 REQUIRED_BUGS = frozenset(
@@ -564,6 +641,11 @@ REQUIRED_BUGS = frozenset(
         "budget checked only after the step's work",
         "tensor-core norms clipped without their rounding bound",
         "report states an uncertified Monte Carlo estimate as its ε",
+        "noise does not follow calibration",
+        "calibration at a δ other than the run's",
+        "slack in the clip",
+        "rounding margin in the wrong direction",
+        "tensor-core book-keeping split product incomplete",
     }
 )
 
