@@ -9,7 +9,9 @@ Dispatch (all add-or-remove-one-user adjacency, pessimistic estimates):
   ``PLDAccountant`` bit for bit.
 * ``group-privacy`` — COMPARISON ONLY: example-level Poisson-Gaussian PLD, then the black-box
   group-privacy conversion (Vadhan 2017), minimized over the example-level ε₀.
-* ``balls-in-bins`` — Monte Carlo, :mod:`userdp.accounting.balls_in_bins`.
+* ``balls-in-bins`` — the smallest certified upper bound among the random-allocation PLD
+  (C = I), the Gaussian bound without amplification and Monte Carlo Estimate-Verify-Release,
+  :mod:`userdp.accounting.balls_in_bins_certified` (never the Monte Carlo point estimate).
 * ``randomized-clipping`` — envelope accountant, :mod:`userdp.accounting.randomized_clipping`.
 * ``user-wise-filter`` — AboveThreshold ε plus a q = 1 Gaussian PLD,
   :mod:`userdp.accounting.user_filter`.
@@ -63,7 +65,7 @@ __all__ = [
 ]
 
 # Bump when any accountant's numbers may change (it keys the on-disk calibration cache).
-ACCOUNTANT_VERSION = "3"
+ACCOUNTANT_VERSION = "4"
 
 
 class AccountantUnavailableError(ValueError):
@@ -81,8 +83,8 @@ def epsilon(
 ) -> float:
     """ε(δ) after ``steps`` steps of ``mechanism`` (user level, add/remove one user).
 
-    ``monte_carlo`` keyword arguments (``num_samples``, ``seed``) go to the balls-in-bins
-    accountant only.
+    A balls-in-bins ε is certified (:mod:`userdp.accounting.balls_in_bins_certified`) and takes
+    no ``monte_carlo`` keyword arguments.
     """
     return compose_epsilon(
         [(mechanism, steps)],
@@ -199,19 +201,16 @@ def _whole_run_epsilon(
             mechanism, steps, delta, value_discretization_interval
         )
     if isinstance(mechanism, BallsInBinsMechanism):
-        balls_in_bins = _accountant_module("balls_in_bins", mechanism.kind)
-        epochs = balls_in_bins_epochs(mechanism, steps)
-        return float(
-            balls_in_bins.epsilon(
-                mechanism.noise_multiplier,
-                mechanism.bins,
-                epochs,
-                delta,
-                bin_semantics=mechanism.bin_semantics,
-                correlation=mechanism.correlation,
-                **monte_carlo,
+        if monte_carlo:
+            raise InvalidMechanismError(
+                f"{sorted(monte_carlo)} do not apply: a balls-in-bins ε is the certified bound of "
+                "userdp.accounting.balls_in_bins_certified, a function of (mechanism, steps, δ) "
+                "alone; Monte Carlo sample counts and seeds belong to the point estimate "
+                "(userdp.accounting.balls_in_bins.epsilon), which is not a guarantee"
             )
-        )
+        certified = _accountant_module("balls_in_bins_certified", mechanism.kind)
+        epochs = balls_in_bins_epochs(mechanism, steps)
+        return certified.certified_epsilon(mechanism, epochs, delta).epsilon
     if isinstance(mechanism, RandomizedClippingMechanism):
         randomized_clipping = _accountant_module("randomized_clipping", mechanism.kind)
         return float(

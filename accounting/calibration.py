@@ -110,21 +110,7 @@ def _calibrate(template: Mechanism, query: dict[str, Any], monte_carlo: dict[str
     if steps == 0:
         raise CalibrationError("steps=0 releases nothing; any noise_multiplier is private")
     if isinstance(template, BallsInBinsMechanism):
-        # Monte Carlo: its own bisection on common random numbers, then Estimate-Verify-Release
-        # on fresh samples (a point estimate of ε is not a guarantee; the verified σ is).
-        balls_in_bins = api._accountant_module("balls_in_bins", template.kind)
-        return float(
-            balls_in_bins.calibrate_noise_multiplier(
-                target,
-                delta,
-                template.bins,
-                api.balls_in_bins_epochs(template, steps),
-                bin_semantics=template.bin_semantics,
-                correlation=template.correlation,
-                rtol=rtol,
-                **monte_carlo,
-            )
-        )
+        return _calibrate_balls_in_bins(template, target, delta, steps, rtol, monte_carlo)
     fine = query["value_discretization_interval"]
     coarse = query["search_discretization_interval"]
     is_pld = template.kind in api.PLD_KINDS
@@ -148,6 +134,49 @@ def _calibrate(template: Mechanism, query: dict[str, Any], monte_carlo: dict[str
         lambda s: eps_at(s, fine), target, guess, first_factor=1.0 + 2 * rtol, slope=slope
     )
     return _shrink(lambda s: eps_at(s, fine), target, bracket, rtol)[0]
+
+
+def _calibrate_balls_in_bins(
+    template: BallsInBinsMechanism,
+    target: float,
+    delta: float,
+    steps: int,
+    rtol: float,
+    monte_carlo: dict[str, Any],
+) -> float:
+    """The smallest σ (to ``rtol``) whose CERTIFIED ε (:mod:`userdp.accounting.
+    balls_in_bins_certified`, the value the ledger, the report and every other place state) is
+    at most ``target``: a bracket and secant search on that same function, so the calibrated
+    run's stated ε is within its budget by construction. Correlated noise starts the search at
+    the Monte Carlo estimate's σ (``monte_carlo`` keywords go to that estimate), so that the few
+    certified evaluations, each an Estimate-Verify-Release, are spent near the answer."""
+    guess = 4.0
+    if template.correlation is not None:
+        balls_in_bins = api._accountant_module("balls_in_bins", template.kind)
+        guess = float(
+            balls_in_bins.calibrate_noise_multiplier(
+                target,
+                delta,
+                template.bins,
+                api.balls_in_bins_epochs(template, steps),
+                bin_semantics=template.bin_semantics,
+                correlation=template.correlation,
+                rtol=rtol,
+                check=False,
+                **monte_carlo,
+            )
+        )
+    elif monte_carlo:
+        raise InvalidMechanismError(
+            f"{sorted(monte_carlo)} do not apply: balls-in-bins with C = I is calibrated on the "
+            "deterministic random-allocation bound"
+        )
+
+    def eps_at(sigma: float) -> float:
+        return api.epsilon(dataclasses.replace(template, noise_multiplier=sigma), steps, delta)
+
+    bracket = _bracket(eps_at, target, guess, first_factor=1.0 + 8 * rtol)
+    return _shrink(eps_at, target, bracket, rtol)[0]
 
 
 Bracket = tuple[float, float, float, float]  # (low, ε(low) > target, high, ε(high) ≤ target)

@@ -38,7 +38,6 @@ from userdp.accounting.ledger_format import (
     acquire_lock,
     canonical_json,
     group_phases,
-    ledger_seed,
     ledger_state,
     read_and_verify,
     read_ledger,
@@ -46,7 +45,7 @@ from userdp.accounting.ledger_format import (
     release_lock,
     repair_ledger,
 )
-from userdp.accounting.mechanisms import BallsInBinsMechanism, Mechanism, mechanism_from_dict
+from userdp.accounting.mechanisms import Mechanism, mechanism_from_dict
 
 __all__ = [
     "NOISE_MODES",
@@ -221,29 +220,15 @@ class Ledger:
         return group_phases(self._records)
 
     def spent(self, delta: float, **accountant_options: Any) -> float:
-        """ε(δ) of every released step, recomputed from the file alone."""
-        phases = self.phases()
-        return compose_epsilon(phases, delta, **self._seeded(phases, accountant_options))
+        """ε(δ) of every released step, recomputed from the file alone: a certified upper bound
+        for every mechanism (balls-in-bins: :mod:`userdp.accounting.balls_in_bins_certified`,
+        a function of the query alone, so the same question gets the same answer)."""
+        return compose_epsilon(self.phases(), delta, **accountant_options)
 
     def epsilon_after(self, mechanism: Mechanism, delta: float, **accountant_options: Any) -> float:
         """ε(δ) if one more step of ``mechanism`` were released."""
         phases = group_phases([*self._records, {"mechanism": mechanism.to_dict()}])
-        return compose_epsilon(phases, delta, **self._seeded(phases, accountant_options))
-
-    def _seeded(
-        self, phases: list[tuple[Mechanism, int]], accountant_options: dict[str, Any]
-    ) -> dict[str, Any]:
-        """A Monte Carlo (balls-in-bins) phase is estimated on samples seeded from this ledger
-        (:func:`~userdp.accounting.ledger_format.ledger_seed`), unless the caller gives a seed:
-        the same question gets the same answer, so a refused step is not admitted later by a
-        luckier draw."""
-        if (
-            "seed" in accountant_options
-            or len(phases) != 1
-            or not isinstance(phases[0][0], BallsInBinsMechanism)
-        ):
-            return accountant_options
-        return {**accountant_options, "seed": ledger_seed(self.run_id, *phases[0])}
+        return compose_epsilon(phases, delta, **accountant_options)
 
     # ---- writing -------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from userdp.accounting.api import ACCOUNTANT_VERSION, compose_epsilon
+from userdp.accounting.api import ACCOUNTANT_VERSION, balls_in_bins_epochs, compose_epsilon
+from userdp.accounting.balls_in_bins_certified import certified_epsilon
 from userdp.accounting.durable import atomic_write_text
 from userdp.accounting.facts import (
     DETERMINISTIC_NOISE_CAVEAT,
@@ -23,9 +24,8 @@ from userdp.accounting.facts import (
     Sampling,
     Unit,
 )
-from userdp.accounting.ledger_format import group_phases, ledger_seed, ledger_state, read_ledger
+from userdp.accounting.ledger_format import group_phases, ledger_state, read_ledger
 from userdp.accounting.mechanisms import BallsInBinsMechanism
-from userdp.accounting.monte_carlo_report import monte_carlo_epsilon
 
 ADD_REMOVE = "add/remove one {unit}"
 ZERO_OUT = "zero-out one {unit}"
@@ -59,9 +59,9 @@ GROUP_PRIVACY_CAVEAT = (
     "mixture-of-Gaussians (ELS) accountant is the tight one."
 )
 MONTE_CARLO_CAVEAT = (
-    "ε comes from a Monte Carlo accountant: a report states the ε certified by "
-    "Estimate-Verify-Release on samples seeded from the ledger (a value whose true δ exceeds δ "
-    "passes with probability at most δ), never a point estimate as the guarantee."
+    "ε comes from the balls-in-bins accountant: the smallest certified upper bound among its "
+    "methods (random-allocation PLD for C = I, the Gaussian bound without amplification, Monte "
+    "Carlo Estimate-Verify-Release), never a Monte Carlo point estimate."
 )
 NON_PRIVATE_HYPERPARAMETERS_CAVEAT = (
     "The clip norm and other hyperparameters were chosen without spending privacy budget; tuning "
@@ -151,9 +151,9 @@ class PrivacyReport:
     ledger: dict[str, Any] = field(default_factory=dict)
     """The ledger state this report was computed from (``steps``, ``last_hash``): a reader
     compares it with the ledger (:func:`check_report_current`) and refuses a stale report."""
-    monte_carlo: dict[str, Any] | None = None
-    """Balls-in-bins runs: how the certified ε was computed, and the point estimate
-    (``epsilon_estimate``, labelled, NOT a guarantee); :mod:`userdp.accounting.monte_carlo_report`."""
+    certification: dict[str, Any] | None = None
+    """Balls-in-bins runs: which certified method gave ε and each method's value
+    (:class:`userdp.accounting.balls_in_bins_certified.CertifiedEpsilon`)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -212,21 +212,21 @@ class PrivacyReport:
             f"| {p['steps']} | `{json.dumps(p['mechanism'], sort_keys=True)}` |"
             for p in self.phases
         ]
-        if self.monte_carlo:
-            mc = self.monte_carlo
+        if self.certification:
+            c = self.certification
             lines += [
                 "",
-                "## Monte Carlo accountant",
+                "## Balls-in-bins accountant (certified upper bounds on ε)",
                 "",
-                "| | ε | |",
+                "| method | ε | |",
                 "|---|---|---|",
-                f"| stated (certified by Estimate-Verify-Release) | {self.epsilon:.4g} | "
-                f"{'certified' if mc['certified'] else 'NOT certified: the check failed'} |",
-                f"| point estimate (not a guarantee) | {mc['epsilon_estimate']:.4g} | estimate |",
             ]
+            for name, value in c["candidates"].items():
+                stated = "stated" if name == c["method"] else ""
+                shown = f"{value:.4g}" if value is not None else "n/a"
+                lines.append(f"| {name} | {shown} | {stated or c['skipped'].get(name, '')} |")
         if self.epsilon_curve:
-            what = " (Monte Carlo point estimates, not guarantees)" if self.monte_carlo else ""
-            lines += ["", f"## ε by step{what}", "", "| step | ε |", "|---|---|"]
+            lines += ["", "## ε by step", "", "| step | ε |", "|---|---|"]
             lines += [f"| {s} | {e:.4g} |" for s, e in self.epsilon_curve]
         return "\n".join(lines) + "\n"
 
@@ -308,30 +308,27 @@ def build_report(
     phases = group_phases(records)
     _check_sampling_matches_mechanisms(sampling, [m.to_dict() for m, _ in phases])
     adjacency, matches, caveats = assumptions(unit, sampling, [m.kind for m, _ in phases])
-    monte_carlo = None
+    certification = None
     if len(phases) == 1 and isinstance(phases[0][0], BallsInBinsMechanism):
-        # a whole-run Monte Carlo accountant: the certified ε, never the point estimate
-        monte_carlo = monte_carlo_epsilon(*phases[0], delta, header["run_id"])
-        eps = monte_carlo.epsilon
-        # the general Monte Carlo caveat, replaced by what was computed for this ledger
-        caveats = [monte_carlo.caveat(delta) if c == MONTE_CARLO_CAVEAT else c for c in caveats]
+        # a whole-run accountant: the smallest certified bound, the one every place states
+        mechanism, count = phases[0]
+        certification = certified_epsilon(mechanism, balls_in_bins_epochs(mechanism, count), delta)
+        eps = certification.epsilon
+        caveats = [certification.describe(delta) if c == MONTE_CARLO_CAVEAT else c for c in caveats]
     else:
         eps = compose_epsilon(phases, delta, **accountant_options)
 
     def prefix_epsilon(k: int) -> float:
-        if k == len(records):  # already computed: the stated ε, or the labelled estimate
-            return eps if monte_carlo is None else monte_carlo.estimate
+        if k == len(records):
+            return eps
         prefix = group_phases(records[:k])
-        if monte_carlo is None:
+        options = dict(accountant_options)
+        if certification is None:
             # upper bounds at a coarser grid (pessimistic discretization bounds ε at any grid)
-            options = dict(accountant_options)
             options["value_discretization_interval"] = max(
                 options.get("value_discretization_interval", 0.0), CURVE_DISCRETIZATION
             )
-            return compose_epsilon(prefix, delta, **options)
-        # labelled estimates (to_markdown), on the ledger's samples: the same curve every time
-        (mechanism, steps), run_id = prefix[0], header["run_id"]
-        return compose_epsilon(prefix, delta, seed=ledger_seed(run_id, mechanism, steps))
+        return compose_epsilon(prefix, delta, **options)
 
     curve: list[tuple[int, float]] = []
     if curve_points > 0:
@@ -363,7 +360,7 @@ def build_report(
         secure_noise=secure_noise,
         epsilon_curve=curve,
         ledger=ledger_state(records, header),
-        monte_carlo=None if monte_carlo is None else monte_carlo.to_dict(),
+        certification=None if certification is None else certification.to_dict(),
     )
 
 

@@ -10,7 +10,7 @@ Examples::
         --epsilon 8 --delta 1e-6
 
     userdp account epsilon --mechanism balls-in-bins --noise-multiplier 2 --steps 6 --bins 2 \
-        --epochs 3 --bin-semantics fixed --correlation banded:coefs=1,0.5 --certify
+        --epochs 3 --bin-semantics fixed --correlation banded:coefs=1,0.5
     userdp account optimize-blt --bins 100 --epochs 10 --buffers 2 --epsilon 1 --delta 1e-5
 
 Bad input raises ValueError with the offending flag named; ``userdp`` prints it and exits 2. The
@@ -54,20 +54,14 @@ COMPARISON_ONLY = (
     "group-privacy is a black-box conversion kept for comparison only; "
     "report the els accountant for DP-SGD-ELS runs"
 )
+BALLS_IN_BINS_CERTIFIED = (
+    "balls-in-bins epsilon is the smallest certified upper bound among the random-allocation "
+    "PLD (C = I), the Gaussian bound without amplification and Monte Carlo Estimate-Verify-"
+    "Release (see 'method'); calibrate and max-steps use the same bound"
+)
 MONTE_CARLO_ESTIMATE = (
-    "balls-in-bins epsilon (and max-steps, which uses it) is a Monte Carlo point estimate, "
-    "not a certified bound; --certify verifies it on fresh samples (EVR), and "
-    "`userdp account calibrate` returns a noise multiplier verified the same way"
-)
-MONTE_CARLO_CERTIFIED = (
-    "balls-in-bins result certified by Estimate-Verify-Release on fresh samples (Theorem 2.1 of "
-    "Near Exact Privacy Amplification for Matrix Mechanisms): a wrong value passes with "
-    "probability <= delta"
-)
-MONTE_CARLO_VERIFIED = (
-    "balls-in-bins noise multiplier: Monte Carlo bisection with common random numbers, then "
-    "verified by Estimate-Verify-Release on fresh samples (Theorem 2.1 of Near Exact Privacy "
-    "Amplification for Matrix Mechanisms)"
+    "Monte Carlo POINT ESTIMATE of balls-in-bins epsilon (--estimate): below the true epsilon "
+    "about half of the time, NOT a guarantee; drop --estimate for the certified bound"
 )
 
 
@@ -76,12 +70,7 @@ def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> int:
     if args.mechanism == "group-privacy":
         note = COMPARISON_ONLY
     elif args.mechanism == "balls-in-bins":
-        if result.get("certified"):
-            note = MONTE_CARLO_CERTIFIED
-        elif "noise_multiplier" in result:
-            note = MONTE_CARLO_VERIFIED
-        else:
-            note = MONTE_CARLO_ESTIMATE
+        note = MONTE_CARLO_ESTIMATE if result.get("estimate") else BALLS_IN_BINS_CERTIFIED
     if note is not None:
         result = {**result, "note": note}
         text = f"{text}\nnote: {note}"
@@ -99,13 +88,14 @@ def _epsilon(args: argparse.Namespace) -> int:
         raise AccountCliError("--steps is required for `account epsilon`")
     from userdp.accounting import api
 
-    _check_certify(args)
+    _check_monte_carlo_flags(args)
     mechanism = build_mechanism(args, args.noise_multiplier)
+    method = None
     with flag_names():
-        if args.certify:
+        if args.estimate:
             from userdp.accounting import balls_in_bins
 
-            eps = balls_in_bins.certified_epsilon(
+            eps = balls_in_bins.epsilon(
                 mechanism.noise_multiplier,
                 mechanism.bins,
                 api.balls_in_bins_epochs(mechanism, args.steps),
@@ -114,20 +104,27 @@ def _epsilon(args: argparse.Namespace) -> int:
                 correlation=mechanism.correlation,
                 **_monte_carlo(args),
             )
+        elif args.mechanism == "balls-in-bins":
+            from userdp.accounting.balls_in_bins_certified import certified_epsilon
+
+            certified = certified_epsilon(
+                mechanism, api.balls_in_bins_epochs(mechanism, args.steps), args.delta
+            )
+            eps, method = certified.epsilon, certified.method
         else:
             eps = api.epsilon(
                 mechanism,
                 args.steps,
                 args.delta,
                 value_discretization_interval=args.discretization,
-                **_monte_carlo(args),
             )
     result = {
         "epsilon": eps if math.isfinite(eps) else None,
         "delta": args.delta,
         "steps": args.steps,
         "mechanism": mechanism.to_dict(),
-        **({"certified": True} if args.certify else {}),
+        **({"estimate": True} if args.estimate else {}),
+        **({"method": method} if method else {}),
     }
     text = f"epsilon = {eps:.6g} at delta = {args.delta:g} after {args.steps} steps of {mechanism}"
     return _emit(args, result, text)
@@ -171,39 +168,22 @@ def _max_steps(args: argparse.Namespace) -> int:
         raise AccountCliError("--epsilon is required for `account max-steps`")
     from userdp.accounting import calibration
 
-    _check_certify(args)
+    _check_monte_carlo_flags(args)
     mechanism = build_mechanism(args, args.noise_multiplier)
     with flag_names():
-        if args.certify:
-            from userdp.accounting import balls_in_bins
-
-            epochs = balls_in_bins.certified_max_epochs(
-                mechanism.noise_multiplier,
-                mechanism.bins,
-                args.epsilon,
-                args.delta,
-                max_epochs=min(mechanism.epochs, max(1, args.limit // mechanism.bins)),
-                bin_semantics=mechanism.bin_semantics,
-                correlation=mechanism.correlation,
-                **_monte_carlo(args),
-            )
-            steps = epochs * mechanism.bins
-        else:
-            steps = calibration.max_steps(
-                mechanism,
-                args.epsilon,
-                args.delta,
-                limit=args.limit,
-                value_discretization_interval=args.discretization,
-                use_cache=not args.no_cache,
-                **_monte_carlo(args),
-            )
+        steps = calibration.max_steps(
+            mechanism,
+            args.epsilon,
+            args.delta,
+            limit=args.limit,
+            value_discretization_interval=args.discretization,
+            use_cache=not args.no_cache,
+        )
     result = {
         "max_steps": steps,
         "epsilon": args.epsilon,
         "delta": args.delta,
         "mechanism": mechanism.to_dict(),
-        **({"certified": True} if args.certify else {}),
     }
     text = f"max_steps = {steps} for epsilon <= {args.epsilon:g}, delta = {args.delta:g}"
     return _emit(args, result, text)
@@ -231,8 +211,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--probes", type=int, help="randomized clipping: probes per norm estimate")
     parser.add_argument("--estimator", choices=ESTIMATORS, default="hutchinson")
-    parser.add_argument("--samples", type=int, help="balls-in-bins: Monte Carlo samples")
-    parser.add_argument("--seed", type=int, help="balls-in-bins: Monte Carlo seed")
+    parser.add_argument(
+        "--samples", type=int, help="balls-in-bins: Monte Carlo samples (--estimate; calibrate)"
+    )
+    parser.add_argument(
+        "--seed", type=int, help="balls-in-bins: Monte Carlo seed (--estimate; calibrate)"
+    )
     parser.add_argument("--delta", type=float, default=DEFAULT_DELTA, help="δ in (0, 1)")
     parser.add_argument(
         "--discretization",
@@ -243,20 +227,29 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _check_certify(args: argparse.Namespace) -> None:
-    if args.certify and args.mechanism != "balls-in-bins":
+def _check_monte_carlo_flags(args: argparse.Namespace) -> None:
+    """--samples and --seed configure the Monte Carlo point estimate (--estimate) and, for
+    calibrate, the start of a correlated search; a certified query takes neither."""
+    estimate = getattr(args, "estimate", False)
+    if estimate and args.mechanism != "balls-in-bins":
         raise AccountCliError(
-            f"--certify applies to --mechanism balls-in-bins only; the {args.mechanism} "
+            f"--estimate applies to --mechanism balls-in-bins only; the {args.mechanism} "
             "accountant is not a Monte Carlo estimate"
+        )
+    given = [flag for flag, v in (("--samples", args.samples), ("--seed", args.seed)) if v]
+    if given and not estimate:
+        raise AccountCliError(
+            f"{given[0]} applies to the Monte Carlo point estimate (--estimate) only; the "
+            "certified balls-in-bins epsilon is a function of the mechanism, steps and delta"
         )
 
 
-def _certify(parser: argparse.ArgumentParser) -> None:
+def _estimate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--certify",
+        "--estimate",
         action="store_true",
-        help="balls-in-bins: verify the estimate on fresh Monte Carlo samples "
-        "(Estimate-Verify-Release); exit 2 if the check fails",
+        help="balls-in-bins: print the Monte Carlo POINT ESTIMATE of epsilon (not a guarantee; "
+        "--samples, --seed) instead of the certified bound",
     )
 
 
@@ -344,7 +337,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(eps)
     eps.add_argument("--noise-multiplier", type=float)
     eps.add_argument("--steps", type=int)
-    _certify(eps)
+    _estimate(eps)
     eps.set_defaults(handler=_epsilon)
 
     cal = sub.add_parser("calibrate", help="smallest σ with ε ≤ --epsilon after --steps steps")
@@ -361,7 +354,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mx.add_argument("--epsilon", type=float)
     mx.add_argument("--limit", type=int, default=10**7, help="search no further than this")
     mx.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
-    _certify(mx)
     mx.set_defaults(handler=_max_steps)
 
     opt = sub.add_parser(

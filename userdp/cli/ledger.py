@@ -3,7 +3,8 @@
 ``verify`` reads the run's ``ledger.jsonl``: every line parses, every hash matches, the chain
 is unbroken, steps increase, every step the release journal (``checkpoints/released.jsonl``)
 shows released is charged, and ``privacy_report.json`` and the exported ``model/``, when
-present, match this ledger. ``repair`` drops only a partial last line left by a crash mid-write (never a complete
+present, match this ledger: the same step count and last record, and the ε each states equals
+the ledger's certified ε at its δ. ``repair`` drops only a partial last line left by a crash mid-write (never a complete
 record) and says what it dropped. Problems are one line and exit status 2.
 """
 
@@ -58,7 +59,8 @@ def _verify(args: argparse.Namespace) -> int:
     model = path.parent / "model" / "userdp_release.json"
     model_state = "missing"
     if model.is_file():
-        exported = json.loads(model.read_text())["ledger"]
+        release = json.loads(model.read_text())
+        exported = release["ledger"]
         model_state = "current" if exported == state else "stale"
         if model_state == "stale":
             stale = stale or (
@@ -66,6 +68,9 @@ def _verify(args: argparse.Namespace) -> int:
                 f"holds {len(records)}: resume the run (the same command) to export the current "
                 "model"
             )
+    for file in (report, model):
+        if file.is_file() and records:
+            stale = stale or _stated_epsilon_differs(file, records)
     print(
         json.dumps(
             {
@@ -83,6 +88,28 @@ def _verify(args: argparse.Namespace) -> int:
     if stale:
         raise ValueError(stale)
     return 0
+
+
+def _stated_epsilon_differs(file: Path, records: list) -> str | None:
+    """Why ``file`` (the report or the model's release record) states another ε than the
+    ledger's certified ε at the file's δ, or None. Both are the same deterministic computation
+    (:func:`userdp.accounting.api.compose_epsilon`), so they must agree to rounding."""
+    from userdp.accounting.api import compose_epsilon
+    from userdp.accounting.ledger_format import group_phases
+
+    stated = json.loads(file.read_text())
+    epsilon, delta = stated.get("epsilon"), stated.get("delta")
+    if epsilon is None or delta is None:
+        return f"{file} states no ε or δ; re-export it (resume the run, or `userdp report`)"
+    if stated.get("ledger", {}).get("steps", len(records)) != len(records):
+        return None  # stale, reported above
+    certified = compose_epsilon(group_phases(records), float(delta))
+    if abs(float(epsilon) - certified) > 1e-9 * max(1.0, certified):
+        return (
+            f"{file} states ε = {float(epsilon):.6g} at δ = {float(delta):.3g}, but the ledger's "
+            f"certified ε there is {certified:.6g}: the file does not state the ledger's guarantee"
+        )
+    return None
 
 
 def _repair(args: argparse.Namespace) -> int:
@@ -105,7 +132,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
     verify = sub.add_parser(
         "verify",
-        help="check the hash chain, step order, release journal and report of RUN_DIR's ledger",
+        help="check the hash chain, step order, release journal, and that RUN_DIR's report and "
+        "model state the ledger's steps and certified ε",
     )
     verify.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (or a ledger file)")
     verify.set_defaults(handler=_verify)
