@@ -313,10 +313,10 @@ def build_report(
         # a whole-run accountant: the smallest certified bound, the one every place states
         mechanism, count = phases[0]
         certification = certified_epsilon(mechanism, balls_in_bins_epochs(mechanism, count), delta)
-        eps = certification.epsilon
         caveats = [certification.describe(delta) if c == MONTE_CARLO_CAVEAT else c for c in caveats]
-    else:
-        eps = compose_epsilon(phases, delta, **accountant_options)
+    # the one entry point every place that states ε goes through (for balls-in-bins the same
+    # certified bound as ``certification``, read from the same cache)
+    eps = compose_epsilon(phases, delta, **accountant_options)
 
     def prefix_epsilon(k: int) -> float:
         if k == len(records):

@@ -4,11 +4,12 @@ where one exists and against the uncertified estimate."""
 from __future__ import annotations
 
 import json
-import math
 
 import dp_accounting
 import pytest
 from userdp.accounting import balls_in_bins as bib
+from userdp.accounting.balls_in_bins_certified import certified_epsilon, query_seed
+from userdp.accounting.mechanisms import BallsInBinsMechanism
 
 from tests.accounting.account_cli import account
 
@@ -61,18 +62,23 @@ def test_certified_max_epochs_is_the_largest_within_the_target():
     assert bib.certified_max_epochs(SIGMA, 4, 1e3, DELTA, max_epochs=8, seed=1) == 8
 
 
-def test_the_cli_certifies_balls_in_bins_and_refuses_certify_elsewhere():
+def test_the_cli_states_the_certified_bound_and_refuses_estimate_elsewhere():
     common = ["--mechanism", "balls-in-bins", "--noise-multiplier", "1.5", "--bins", "4"]
-    common += ["--epochs", "5", "--bin-semantics", "fixed", "--delta", "1e-3", "--seed", "1"]
-    done = account("epsilon", *common, "--steps", "20", "--certify", "--json")
+    common += ["--epochs", "5", "--bin-semantics", "fixed", "--delta", "1e-3"]
+    common += ["--correlation", "banded:coefs=1,0.5"]
+    done = account("epsilon", *common, "--steps", "20", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["certified"] is True and "Estimate-Verify-Release" in result["note"]
-    assert math.isclose(
-        result["epsilon"], bib.certified_epsilon(1.5, 4, 5, 1e-3, seed=1), rel_tol=1e-12
+    assert result["method"] == "Monte Carlo EVR" and "Estimate-Verify-Release" in result["note"]
+    mechanism = BallsInBinsMechanism(
+        1.5, 4, 5, "fixed", {"name": "banded", "params": {"coefs": [1.0, 0.5]}}
     )
-    plain = json.loads(account("epsilon", *common, "--steps", "20", "--json").stdout)
-    assert "certified" not in plain and plain["epsilon"] < result["epsilon"]
+    assert result["epsilon"] == bib.certified_epsilon(
+        1.5, 4, 5, 1e-3, correlation=mechanism.correlation, seed=query_seed(mechanism, 5, 1e-3)
+    )
+    estimate = account("epsilon", *common, "--steps", "20", "--estimate", "--seed", "1", "--json")
+    plain = json.loads(estimate.stdout)
+    assert plain["estimate"] is True and plain["epsilon"] < result["epsilon"]
     refused = account(
         "epsilon",
         "--mechanism",
@@ -83,7 +89,7 @@ def test_the_cli_certifies_balls_in_bins_and_refuses_certify_elsewhere():
         "10",
         "--sampling-prob",
         "0.1",
-        "--certify",
+        "--estimate",
     )
     assert refused.returncode == 2
     assert refused.stderr.strip().endswith("accountant is not a Monte Carlo estimate")
@@ -95,7 +101,7 @@ def test_the_cli_takes_the_correlation_as_a_named_family_its_json_or_a_file(tmp_
     from userdp.accounting.correlation import BandedCorrelation
 
     common = ["--mechanism", "balls-in-bins", "--noise-multiplier", "2", "--bins", "2"]
-    common += ["--epochs", "3", "--steps", "6", "--delta", "1e-3", "--seed", "1", "--json"]
+    common += ["--epochs", "3", "--steps", "6", "--delta", "1e-3", "--json"]
     spec = {"name": "banded", "params": {"coefs": [1.0, 0.5]}}
     (tmp_path / "c.json").write_text(json.dumps(spec))
     values = set()
@@ -105,9 +111,12 @@ def test_the_cli_takes_the_correlation_as_a_named_family_its_json_or_a_file(tmp_
         result = json.loads(done.stdout)
         assert result["mechanism"]["correlation"] == spec
         values.add(result["epsilon"])
-    library = bib.epsilon(2.0, 2, 3, 1e-3, correlation=BandedCorrelation((1.0, 0.5)), seed=1)
+    mechanism = BallsInBinsMechanism(2.0, 2, 3, "fixed", spec)
+    library = certified_epsilon(mechanism, 3, 1e-3).epsilon
     assert values == {library}
-    assert library > bib.epsilon(2.0, 2, 3, 1e-3, seed=1)  # correlation costs privacy here
+    identity = BallsInBinsMechanism(2.0, 2, 3, "fixed")
+    assert library > certified_epsilon(identity, 3, 1e-3).epsilon  # correlation costs privacy here
+    assert BandedCorrelation((1.0, 0.5)).spec().to_dict() == spec
     for bad, message in (
         (["--correlation", "banded:coefs=1,0.5"], "per-epoch"),  # default bin semantics
         (["--bin-semantics", "fixed", "--correlation", "blt:buf_decay=0.9"], "output_scale"),

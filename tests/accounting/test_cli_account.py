@@ -144,21 +144,33 @@ def test_group_privacy_is_available_for_comparison(capsys) -> None:
 
 
 BIB = ["--mechanism", "balls-in-bins", "--noise-multiplier", "3", "--steps", "64",
-       "--bins", "32", "--epochs", "2", "--samples", "4096", "--seed", "0"]  # fmt: skip
+       "--bins", "32", "--epochs", "2"]  # fmt: skip
+ESTIMATE = ["--estimate", "--samples", "4096", "--seed", "0"]
 
 
-def test_balls_in_bins_epsilon_json_is_labelled_an_estimate(capsys) -> None:
+def test_balls_in_bins_epsilon_json_is_the_certified_bound(capsys) -> None:
     from userdp.accounting import BallsInBinsMechanism
+    from userdp.accounting.balls_in_bins import epsilon as point_estimate
 
     result = _run_json(capsys, "epsilon", *BIB)
     mechanism = BallsInBinsMechanism(3.0, 32, 2, bin_semantics="per-epoch")
-    assert result["epsilon"] == epsilon(mechanism, 64, 1e-6, num_samples=4096, seed=0)
+    assert result["epsilon"] == epsilon(mechanism, 64, 1e-6)
+    assert result["method"] == "random-allocation PLD" and "estimate" not in result
     assert result["mechanism"]["kind"] == "balls-in-bins"
-    assert "Monte Carlo point estimate" in result["note"]
+    assert "smallest certified upper bound" in result["note"]
     # --sampling-prob equal to 1/bins is accepted (the same flags as the other mechanisms), and
     # changes nothing
     again = _run_json(capsys, "epsilon", *BIB, "--sampling-prob", "0.03125")
     assert again["epsilon"] == result["epsilon"]
+    # the point estimate only when asked for, and labelled
+    estimate = _run_json(capsys, "epsilon", *BIB, *ESTIMATE)
+    assert estimate["estimate"] is True and "NOT a guarantee" in estimate["note"]
+    assert estimate["epsilon"] == point_estimate(
+        3.0, 32, 2, 1e-6, bin_semantics="per-epoch", num_samples=4096, seed=0
+    )
+    for argv in (["--samples", "4096"], ["--seed", "1"]):
+        assert main(["account", "epsilon", *BIB, *argv]) == 2
+    assert "(--estimate) only" in capsys.readouterr().err
 
 
 def test_balls_in_bins_sampling_prob_other_than_one_over_bins_is_refused(capsys) -> None:
@@ -177,13 +189,13 @@ def test_randomized_clipping_with_hutch_plus_plus(capsys) -> None:
     assert plus["epsilon"] == plain["epsilon"]
 
 
-def test_balls_in_bins_epsilon_loads_neither_dp_accounting_nor_scipy() -> None:
-    # A whole-run Monte Carlo query pays only for numpy and its own samples: dp_accounting (the
+def test_balls_in_bins_estimate_loads_neither_dp_accounting_nor_scipy() -> None:
+    # A Monte Carlo point estimate pays only for numpy and its own samples: dp_accounting (the
     # PLD accountants) and scipy cost more CPU time to import than the 2^20-sample query itself.
     code = (
         "import sys\n"
         "from userdp.cli import main\n"
-        f"assert main(['account', 'epsilon', *{BIB!r}]) == 0\n"
+        f"assert main(['account', 'epsilon', *{BIB!r}, *{ESTIMATE!r}]) == 0\n"
         "loaded = [m for m in ('dp_accounting', 'scipy') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )

@@ -243,26 +243,22 @@ def test_the_append_reuses_the_check_made_on_the_same_ledger_state(tmp_path, mon
             led.append(0, mech)  # a refused check is never remembered as passed
 
 
-def test_balls_in_bins_epsilon_is_estimated_on_samples_seeded_from_the_ledger(tmp_path):
-    """The ledger's own ε of a Monte Carlo phase (its budget check, ``spent``) is drawn on the
-    ledger's seed: asking again gives the same answer (a refused step cannot pass on a luckier
-    draw later), ``epsilon_after`` asks what the report will once the step is charged, and a
-    caller's own seed still wins."""
-    from userdp.accounting import balls_in_bins
-    from userdp.accounting.ledger_format import ledger_seed
+def test_balls_in_bins_epsilon_is_the_certified_bound_of_the_query(tmp_path):
+    """The ledger's own ε of a balls-in-bins phase (its budget check, ``spent``) is the certified
+    bound of the query (mechanism, epochs, δ): asking again gives the same answer (a refused step
+    cannot pass later), ``epsilon_after`` asks what the report will once the step is charged, and
+    it is never the Monte Carlo point estimate."""
+    from userdp.accounting.balls_in_bins_certified import certified_epsilon
     from userdp.accounting.mechanisms import BallsInBinsMechanism
 
     mech = BallsInBinsMechanism(noise_multiplier=2.0, bins=2, epochs=3, bin_semantics="fixed")
     with Ledger.create(tmp_path / "ledger.jsonl", budget_epsilon=1e3, delta=1e-3) as ledger:
         for step in range(3):
             ledger.append(step, mech)
-        seeded = balls_in_bins.epsilon(2.0, 2, 2, 1e-3, seed=ledger_seed(ledger.run_id, mech, 3))
-        assert ledger.spent(1e-3) == ledger.spent(1e-3) == seeded
+        stated = certified_epsilon(mech, 2, 1e-3).epsilon
+        assert ledger.spent(1e-3) == ledger.spent(1e-3) == stated
         after = ledger.epsilon_after(mech, 1e-3)
-        assert after == ledger.epsilon_after(mech, 1e-3)
-        assert after == balls_in_bins.epsilon(
-            2.0, 2, 2, 1e-3, seed=ledger_seed(ledger.run_id, mech, 4)
-        )
+        assert after == certified_epsilon(mech, 2, 1e-3).epsilon  # step 4 is still epoch 2
         ledger.append(3, mech)
         assert ledger.spent(1e-3) == after
-        assert ledger.spent(1e-3, seed=7) == balls_in_bins.epsilon(2.0, 2, 2, 1e-3, seed=7)
+        assert ledger.epsilon_after(mech, 1e-3) > after  # epoch 3

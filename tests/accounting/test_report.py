@@ -1,7 +1,6 @@
 """Privacy report: ε from the ledger, the sampling→assumptions table, atomic JSON/Markdown."""
 
 import json
-import math
 
 import pytest
 from userdp.accounting import compose_epsilon
@@ -235,10 +234,15 @@ def test_user_wise_filter_is_reported_under_replace_one_adjacency():
     assert assumptions("user", "poisson", ["uls"])[0] == "add/remove one user"
 
 
-def _balls_in_bins_ledger(path, run_id=None):
+BANDED = {"name": "banded", "params": {"coefs": [1.0, 0.5]}}
+
+
+def _balls_in_bins_ledger(path, run_id=None, correlation=None):
     from userdp.accounting.mechanisms import BallsInBinsMechanism
 
-    mech = BallsInBinsMechanism(noise_multiplier=2.0, bins=2, epochs=3, bin_semantics="fixed")
+    mech = BallsInBinsMechanism(
+        noise_multiplier=2.0, bins=2, epochs=3, bin_semantics="fixed", correlation=correlation
+    )
     with Ledger.create(path, run_id=run_id) as led:
         for step in range(5):
             led.append(step, mech)
@@ -246,56 +250,64 @@ def _balls_in_bins_ledger(path, run_id=None):
 
 
 def test_balls_in_bins_report_states_the_certified_epsilon_reproducibly(tmp_path, monkeypatch):
-    """The report's ε is the EVR-certified ε on samples seeded from the ledger: the same on every
-    report of the ledger (and across processes: the seed is a hash of the run id), above the
-    labelled point estimate; a ledger of another run draws other samples."""
+    """The report's ε is the smallest certified bound of the query, the same on every report of
+    the ledger and of any ledger of the same mechanism and steps (it is a function of the query:
+    recomputed from a cold cache it is identical), it names the method that gave it and lists
+    the others, and its ε curve is certified bounds too (monotone)."""
     from userdp.accounting import balls_in_bins
-    from userdp.accounting.ledger_format import ledger_seed
+    from userdp.accounting.balls_in_bins_certified import certified_epsilon, query_seed
 
     monkeypatch.setenv("USERDP_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "ledger.jsonl"
-    mech = _balls_in_bins_ledger(path)
+    mech = _balls_in_bins_ledger(path, correlation=BANDED)
     delta = 1e-3
     first = build_report(path, delta, unit="user", sampling="balls-in-bins-fixed", curve_points=3)
     monkeypatch.setenv("USERDP_CACHE_DIR", str(tmp_path / "cold-cache"))  # recomputed, not read
     second = build_report(path, delta, unit="user", sampling="balls-in-bins-fixed", curve_points=3)
     assert first.epsilon == second.epsilon and first.epsilon_curve == second.epsilon_curve
-    seed = ledger_seed(first.run_id, mech, 5)
-    assert first.monte_carlo["seed"] == str(seed) and first.monte_carlo["certified"]
-    assert first.epsilon == balls_in_bins.certified_epsilon(
-        2.0, 2, 3, delta, bin_semantics="fixed", seed=seed
+    certified = certified_epsilon(mech, 3, delta)
+    assert first.certification == certified.to_dict() and first.epsilon == certified.epsilon
+    assert certified.method == "Monte Carlo EVR" and certified.seed == str(
+        query_seed(mech, 3, 1e-3)
     )
-    estimate = first.monte_carlo["epsilon_estimate"]
-    assert estimate == balls_in_bins.epsilon(2.0, 2, 3, delta, seed=seed) < first.epsilon
-    assert first.epsilon_curve[-1][1] == estimate  # the curve is labelled as estimates
+    assert first.epsilon == balls_in_bins.certified_epsilon(
+        2.0, 2, 3, delta, bin_semantics="fixed", correlation=BANDED, seed=int(certified.seed)
+    )
+    assert first.epsilon < certified.candidates["no amplification"]
+    curve = [e for _, e in first.epsilon_curve]
+    assert curve == sorted(curve) and curve[-1] == first.epsilon
     markdown = first.to_markdown()
-    assert "| stated (certified by Estimate-Verify-Release) |" in markdown
-    assert f"| point estimate (not a guarantee) | {estimate:.4g} | estimate |" in markdown
-    assert "## ε by step (Monte Carlo point estimates, not guarantees)" in markdown
-    (caveat,) = [c for c in first.caveats if "certified by Estimate-Verify-Release" in c]
-    samples = balls_in_bins.calibration_samples(delta)
-    assert f"estimated on {samples:,} samples" in caveat and "not a guarantee" in caveat
+    assert "## Balls-in-bins accountant (certified upper bounds on ε)" in markdown
+    assert f"| Monte Carlo EVR | {first.epsilon:.4g} | stated |" in markdown
+    (caveat,) = [c for c in first.caveats if "smallest certified upper bound" in c]
+    assert "No Monte Carlo point estimate is stated as ε" in caveat
     other = tmp_path / "other.jsonl"
-    _balls_in_bins_ledger(other)
+    _balls_in_bins_ledger(other, correlation=BANDED)
     third = build_report(other, delta, unit="user", sampling="balls-in-bins-fixed")
-    assert third.monte_carlo["seed"] != first.monte_carlo["seed"]
+    assert third.epsilon == first.epsilon
 
 
-def test_balls_in_bins_report_without_a_passing_check_certifies_nothing(tmp_path, monkeypatch):
-    """When the fresh-sample check fails the report states ε = ∞ and says why; it does not fall
-    back to the point estimate or retry with new samples."""
-    from userdp.accounting import monte_carlo_report
+def test_balls_in_bins_report_without_a_passing_check_states_the_other_bounds(
+    tmp_path, monkeypatch
+):
+    """When the Monte Carlo fresh-sample check fails, the report states the smallest of the
+    other certified bounds and says why Monte Carlo gave none; it never falls back to the point
+    estimate or retries with new samples."""
+    from userdp.accounting import balls_in_bins
 
     calls = []
 
-    def failed_check(mechanism, steps, delta, *, seed, use_cache=True):
+    def failed_check(*args, seed, **kwargs):
         calls.append(seed)
-        return None
+        raise balls_in_bins.VerificationFailedError("the check failed")
 
-    monkeypatch.setattr(monte_carlo_report, "certified_monte_carlo_epsilon", failed_check)
+    monkeypatch.setenv("USERDP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(balls_in_bins, "certified_epsilon", failed_check)
     path = tmp_path / "ledger.jsonl"
-    _balls_in_bins_ledger(path)
+    _balls_in_bins_ledger(path, correlation=BANDED)
     report = build_report(path, 1e-3, unit="user", sampling="balls-in-bins-fixed")
-    assert report.epsilon == math.inf and not report.monte_carlo["certified"] and len(calls) == 1
-    assert any("could not certify ε" in c for c in report.caveats)
-    assert "NOT certified: the check failed" in report.to_markdown()
+    c = report.certification
+    assert len(calls) == 1 and c["candidates"]["Monte Carlo EVR"] is None
+    assert c["method"] == "no amplification" and report.epsilon == c["candidates"][c["method"]]
+    assert "the fresh-sample check failed" in c["skipped"]["Monte Carlo EVR"]
+    assert "| Monte Carlo EVR | n/a | the fresh-sample check failed" in report.to_markdown()

@@ -614,15 +614,16 @@ def mutation_estimated_norms_unchecked(monkeypatch):
 
 @pytest.fixture
 def mutation_per_epoch_composes_one_epoch_fewer(monkeypatch):
-    """The per-epoch balls-in-bins estimator convolves E − 1 of its E groups (off by one)."""
-    from userdp.accounting import composed_losses
+    """The balls-in-bins accountant composes E − 1 of its E random-allocation epochs (off by
+    one)."""
+    from userdp.accounting import random_allocation
 
-    original = composed_losses.ComposedLosses.__init__
+    original = random_allocation.allocation_epsilon_bounds
 
-    def init(self, counts, lo, step):
-        original(self, counts[:-1] if counts.shape[0] > 1 else counts, lo, step)
+    def bounds(sigma, num_steps, num_epochs, delta):
+        return original(sigma, num_steps, max(num_epochs - 1, 1), delta)
 
-    monkeypatch.setattr(composed_losses.ComposedLosses, "__init__", init)
+    monkeypatch.setattr(random_allocation, "allocation_epsilon_bounds", bounds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -744,17 +745,22 @@ def mutation_tensor_core_margin_dropped(monkeypatch):
 
 @pytest.fixture
 def mutation_report_states_point_estimate(monkeypatch):
-    """The balls-in-bins report states the Monte Carlo point estimate as its ε (below the true ε
-    about half of the time) instead of the ε certified by Estimate-Verify-Release."""
-    from userdp.accounting import report
+    """The balls-in-bins accountant takes the Monte Carlo point estimate (below the true ε about
+    half of the time) for the ε that Estimate-Verify-Release certifies."""
+    from userdp.accounting import balls_in_bins
 
-    original = report.monte_carlo_epsilon
+    def certified_epsilon(sigma, bins, epochs, delta, *, bin_semantics, correlation, seed):
+        return balls_in_bins.epsilon(
+            sigma,
+            bins,
+            epochs,
+            delta,
+            bin_semantics=bin_semantics,
+            correlation=correlation,
+            seed=seed,
+        )
 
-    def monte_carlo_epsilon(*args, **kwargs):
-        computed = original(*args, **kwargs)
-        return dataclasses.replace(computed, epsilon=computed.estimate)
-
-    monkeypatch.setattr(report, "monte_carlo_epsilon", monte_carlo_epsilon)
+    monkeypatch.setattr(balls_in_bins, "certified_epsilon", certified_epsilon)
 
 
 # ---------------------------------------------------------------------------------------------
