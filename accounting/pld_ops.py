@@ -4,7 +4,10 @@ Used for every PLD mechanism (uls, els); each function names the library routine
 and how the result compares (tests/accounting/test_fast_pld.py):
 
 * :func:`self_compose` — ``PrivacyLossDistribution.self_compose``: same truncation bounds, FFT
-  length and infinity mass, with real FFTs (half the work; probabilities equal to ~1e-21).
+  length and infinity mass, with real FFTs (half the work), and the upper tail computed from
+  exponentially tilted transforms (:func:`_tilted_power`), so that its small probabilities keep
+  their own precision instead of the largest one's: at δ ≤ 10⁻⁸ the library's round-off makes
+  ε optimistic, this composition does not (tested against a long-double composition).
 * :func:`epsilon_for_delta` — ``get_epsilon_for_delta``: the library's scan over the losses
   (a Python loop, up to ~10⁶ iterations) with prefix sums in the same summation order.
 * ``_self_convolve_bounds`` — ``common.compute_self_convolve_bounds``: the same 40 Chernoff
@@ -53,8 +56,7 @@ def _self_compose_dense(
     output_len = upper - lower + 1
     # The library's length (complex next_fast_len), so the circular wrap-around is identical.
     fast_len = fft.next_fast_len(max(output_len, len(probs)))
-    circular = fft.irfft(fft.rfft(probs, fast_len) ** num_times, fast_len)
-    out = np.roll(circular, -lower)[:output_len]
+    out = _tilted_power(np.asarray(probs, dtype=np.float64), num_times, lower, upper, fast_len)
     infinity_mass = tail_mass_truncation - math.expm1(num_times * math.log1p(-pmf.infinity_mass))
     return pld_pmf.DensePLDPmf(
         pmf.discretization,
@@ -63,6 +65,90 @@ def _self_compose_dense(
         infinity_mass,
         pmf.pessimistic_estimate,
     )
+
+
+TILTS = 8
+"""Exponential tilts of the upper tail in :func:`_tilted_power`, besides the plain transform."""
+TILT_MARGIN = 8.0
+"""A tilt is used only while its composition's mean lies this many standard deviations below
+the upper truncation bound, so that the tilted mass the circular convolution wraps around is
+below float64 resolution."""
+
+
+def _tilted_power(
+    probs: np.ndarray, num_times: int, lower: int, upper: int, fast_len: int
+) -> np.ndarray:
+    """``probs`` self-convolved ``num_times`` times, at composed indices ``lower..upper``, each
+    entry accurate RELATIVE TO ITSELF, not to the largest one.
+
+    A plain FFT power (the library's) gets every entry to within about T·u·log N of the largest
+    probability (u = 2⁻⁵³): far above the tail entries that δ ≤ 10⁻⁸ is made of, whose round-off
+    then makes ε optimistic. Exponential tilting moves the tail to the middle: with p̃ᵢ =
+    pᵢe^{λi}/M(λ), M(λ) = Σ pᵢe^{λi}, the T-fold convolution is p^{*T}_k = M(λ)^T e^{−λk}
+    p̃^{*T}_k, and the FFT's round-off of p̃^{*T} is small next to p̃^{*T}_k near the tilted
+    mean T·E_λ[i]. The plain transform (λ = 0) and :data:`TILTS` tilts whose means are spread
+    over the upper tail are computed, and each entry takes the one with the smallest scale
+    M(λ)^T e^{−λk}, the Chernoff-optimal tilt among them (the absolute round-off of p^{*T}_k is
+    that scale times the tilted transform's). Entries at or below the mean take the plain
+    transform, so they are the library's."""
+    n = probs.size
+    index = np.arange(n, dtype=np.float64)
+    composed = lower + np.arange(upper - lower + 1, dtype=np.float64)
+
+    def tilted(lam: float) -> tuple[np.ndarray, float]:
+        exponent = lam * index
+        shift = float(exponent.max())
+        weighted = probs * np.exp(exponent - shift)
+        total = float(weighted.sum())
+        return weighted / total, math.log(total) + shift
+
+    def power(p: np.ndarray) -> np.ndarray:
+        circular = fft.irfft(fft.rfft(p, fast_len) ** num_times, fast_len)
+        return np.roll(circular, -lower)[: upper - lower + 1]
+
+    out = power(probs)
+    mean = num_times * float(probs @ index) / float(probs.sum())
+    if not upper > mean:
+        return out
+    best = np.zeros_like(out)  # log of the chosen tilt's scale (0: the plain transform)
+
+    def moments(lam: float) -> tuple[float, float]:
+        """(mean, variance) of the T-fold sum under tilt ``lam``: d mean/dλ = variance."""
+        p, _ = tilted(lam)
+        m = float(p @ index)
+        return num_times * m, num_times * max(float(p @ (index - m) ** 2), 0.0)
+
+    lam = 0.0
+    for fraction in np.arange(1, TILTS + 1) / (TILTS + 1):
+        target = mean + fraction * (upper - mean)
+        low, high = lam, math.inf  # the mean increases with λ (its derivative is the variance)
+        for _ in range(50):  # Newton, kept inside the bracket
+            centre, variance = moments(lam)
+            if abs(centre - target) <= 1e-3 * math.sqrt(variance) or variance <= 0:
+                break
+            if centre < target:
+                low = lam
+            else:
+                high = lam
+            step = lam + (target - centre) / variance
+            lam = (
+                step
+                if low < step < high
+                else (low + high) / 2
+                if high < math.inf
+                else 2 * lam + 1 / n
+            )
+        centre, variance = moments(lam)
+        if lam <= 0 or centre + TILT_MARGIN * math.sqrt(variance) > upper:
+            break
+        p, log_m = tilted(lam)
+        log_scale = num_times * log_m - lam * composed
+        better = log_scale < best
+        if better.any():
+            with np.errstate(over="ignore", under="ignore"):
+                out[better] = power(p)[better] * np.exp(log_scale[better])
+            best[better] = log_scale[better]
+    return out
 
 
 def epsilon_for_delta(pld: pld_lib.PrivacyLossDistribution, delta: float) -> float:
