@@ -897,3 +897,31 @@ def mutation_split_product_drops_remainder(monkeypatch):
         return out
 
     monkeypatch.setattr(matmul_precision, "split_bf16", split_bf16)
+
+
+@pytest.fixture
+def mutation_run_states_point_estimate(monkeypatch):
+    """The run loop states the Monte Carlo point estimate of a balls-in-bins ledger (summary,
+    metrics, progress bar, the exported model) while the report states the certified ε."""
+    from userdp.accounting import api, balls_in_bins
+    from userdp.accounting.mechanisms import BallsInBinsMechanism
+
+    from userdp.run.loop import RunLoop
+
+    original = RunLoop._spent
+
+    def spent(self):
+        phases = self.ledger.phases()
+        if len(phases) != 1 or not isinstance(phases[0][0], BallsInBinsMechanism):
+            return original(self)
+        mechanism, steps = phases[0]
+        return balls_in_bins.epsilon(
+            mechanism.noise_multiplier,
+            mechanism.bins,
+            api.balls_in_bins_epochs(mechanism, steps),
+            self.setup.delta,
+            bin_semantics=mechanism.bin_semantics,
+            correlation=mechanism.correlation,
+        )
+
+    monkeypatch.setattr(RunLoop, "_spent", spent)

@@ -30,6 +30,7 @@ from . import checks_model_noise as model_noise
 from . import checks_noise as noise
 from . import checks_pld as pld
 from . import checks_randomized as randomized
+from . import checks_run_epsilon as run_epsilon
 from . import checks_sampling as sampling
 from . import checks_tensor_cores as tensor_cores
 from . import checks_user_filter as user_filter
@@ -136,6 +137,7 @@ CHECKS: dict[str, Callable[[object], None]] = {
         calibration.check_calibrated_user_filter_noise_follows_the_ledger
     ),
     "calibration_delta_is_the_reports": calibration.check_calibration_delta_is_the_reports,
+    "run_states_one_certified_epsilon": run_epsilon.check_run_states_one_certified_epsilon,
 }
 
 
@@ -543,6 +545,18 @@ CASES: list[Case] = [
         "report_epsilon_blt",
     ),
     *_cases(
+        "report states an uncertified Monte Carlo estimate as its ε",
+        "mutation_report_states_point_estimate",
+        r"the run states an uncertified estimate",
+        "run_states_one_certified_epsilon",
+    ),
+    *_cases(
+        "a run states an ε other than its ledger's certified ε",
+        "mutation_run_states_point_estimate",
+        r"the run states an uncertified estimate or a second ε",
+        "run_states_one_certified_epsilon",
+    ),
+    *_cases(
         "tensor-core norms clipped without their rounding bound",
         "mutation_tensor_core_margin_dropped",
         r"the engine.s rounding bound does not cover the model",
@@ -641,6 +655,7 @@ REQUIRED_BUGS = frozenset(
         "tensor-core norms clipped without their rounding bound",
         "report states an uncertified Monte Carlo estimate as its ε",
         "noise does not follow calibration",
+        "a run states an ε other than its ledger's certified ε",
         "calibration at a δ other than the run's",
         "slack in the clip",
         "rounding margin in the wrong direction",
