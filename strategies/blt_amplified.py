@@ -117,7 +117,10 @@ def optimize_blt_amplified(
 ) -> AmplifiedBlt:
     """The BLT with ``buffers`` buffers minimizing σ(C)²·error(C⁻¹) under fixed balls-in-bins,
     the error ``objective``'s (``"rmse"``: ‖A C⁻¹‖²_F / n; ``"max-error"``: max_t
-    ‖row_t(A C⁻¹)‖²; see the module docstring), and the unamplified optimum for comparison."""
+    ‖row_t(A C⁻¹)‖²; see the module docstring), and the unamplified optimum (the search's
+    start) for comparison. The search ranks BLTs on ``num_samples`` draws; the result is chosen
+    on the final measurement (``final_samples`` fresh draws): the search's end, unless the start
+    measures no worse there, so it is never worse than its start on that measurement."""
     error = objective_error(objective)
     if min(bins, epochs, buffers) < 1:
         raise BltError(f"bins={bins}, epochs={epochs}, buffers={buffers}; expected integers >= 1")
@@ -162,6 +165,10 @@ def optimize_blt_amplified(
 
     sigma, loss = measured(blt)
     start_sigma, start_loss = measured(start_blt)
+    if start_loss <= loss:
+        # the search's objective is a noisy proxy (few draws): the final, finer measurement
+        # decides, and the result is never worse than the start on it
+        blt, sigma, loss = start_blt, start_sigma, start_loss
     return AmplifiedBlt(
         objective, blt, sigma, loss, start_blt, start_sigma, start_loss, evaluations
     )

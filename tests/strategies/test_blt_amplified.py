@@ -61,6 +61,30 @@ def test_optimized_blt_beats_the_unamplified_optimum_under_amplification() -> No
     assert 0 < found.evaluations <= 150 + 1
 
 
+def test_a_search_that_ends_worse_than_its_start_returns_the_start(monkeypatch) -> None:
+    # The search ranks BLTs on few draws; when its end measures worse than the start on the
+    # final draws (here: a search that wanders off, made so by replacing Nelder–Mead), the
+    # start is returned, with its own measurement.
+    from scipy import optimize as sopt
+    from userdp.strategies import blt_amplified
+
+    real = sopt.minimize
+
+    def wandering(fun, x0, **kwargs):
+        result = real(fun, x0, **{**kwargs, "options": {"maxfev": 1}})
+        result.x = np.asarray(x0) + np.array([0.5, 0.0, 0.0, 0.0])  # a valid, worse BLT
+        result.fun = -math.inf  # the search believes it improved
+        return result
+
+    monkeypatch.setattr(blt_amplified.sopt, "minimize", wandering)
+    found = optimize_blt_amplified(
+        8, 4, 2, 1.0, 1e-3, num_samples=2**10, final_samples=2**14, seed=3, max_evaluations=5
+    )
+    assert found.blt == found.unamplified_blt
+    assert found.loss == found.unamplified_loss
+    assert found.noise_multiplier == found.unamplified_noise_multiplier
+
+
 def _dense_errors(blt: Blt, n: int) -> tuple[float, float]:
     """(‖A C⁻¹‖²_F / n, max_t ‖row_t(A C⁻¹)‖²) from the dense n×n C built from (θ, ω) alone:
     c_0 = 1, c_k = Σ_i ω_i θ_i^(k−1), C[i, j] = c_{i−j}, A the all-ones lower triangle."""
@@ -124,7 +148,7 @@ def test_cli_prints_a_correlation_the_accountant_accepts_and_refuses_bad_input()
     assert result["loss"] <= result["unamplified"]["loss"]
     eps = account(
         "epsilon", "--mechanism", "balls-in-bins", "--bin-semantics", "fixed", "--bins", "6",
-        "--epochs", "3", "--steps", "18", "--delta", "1e-3", "--samples", "4096",
+        "--epochs", "3", "--steps", "18", "--delta", "1e-3",
         "--noise-multiplier", str(result["noise_multiplier_estimate"]),
         "--correlation", result["correlation"], "--json", timeout=600,
     )  # fmt: skip
