@@ -22,7 +22,7 @@ anything else.
 
 The PLD accountants (uls, els, randomized-clipping composition, group privacy) live in
 :mod:`userdp.accounting.pld_accountant` and are imported on first use, like the whole-run
-accountants: a balls-in-bins query does not load dp_accounting.
+accountants, so importing this module loads neither dp_accounting nor scipy.
 """
 
 from __future__ import annotations

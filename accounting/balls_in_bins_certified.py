@@ -34,6 +34,9 @@ import math
 from typing import Any
 
 import numpy as np
+from scipy import special
+from userdp.accounting import balls_in_bins, random_allocation
+from userdp.accounting.calibration import _cached
 from userdp.accounting.mechanisms import BallsInBinsMechanism
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "CertifiedEpsilon",
     "certified_epsilon",
     "gaussian_epsilon",
+    "monte_carlo_draws",
     "query_seed",
 ]
 
@@ -97,8 +101,6 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     """ε(δ) of the Gaussian mechanism with sensitivity/σ = ``mu`` (Balle & Wang, "Improving the
     Gaussian Mechanism for Differential Privacy", Theorem 8): the smallest ε with
     Φ(μ/2 − ε/μ) − e^ε·Φ(−μ/2 − ε/μ) ≤ δ, found by bisection and returned on the private side."""
-    from scipy import special
-
     def excess(eps: float) -> float:
         a = special.log_ndtr(mu / 2 - eps / mu)
         b = eps + special.log_ndtr(-mu / 2 - eps / mu)
@@ -122,13 +124,18 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     return high
 
 
+def monte_carlo_draws(compositions: int, delta: float) -> int:
+    """Estimate plus verification draws of the Monte Carlo method at ``delta`` for a pair
+    composed ``compositions`` times (:func:`userdp.accounting.balls_in_bins.certified_draws`)."""
+    estimate, verify = balls_in_bins.certified_draws(delta, compositions)
+    return estimate + verify
+
+
 def certified_epsilon(
     mechanism: BallsInBinsMechanism, epochs: int, delta: float, *, use_cache: bool = True
 ) -> CertifiedEpsilon:
     """The certified ε(δ) of ``epochs`` epochs of ``mechanism`` (module docstring); cached on disk
     under the same rules as calibration (:func:`userdp.accounting.calibration.cache_dir`)."""
-    from userdp.accounting.calibration import _cached
-
     query = {
         "op": "certified_balls_in_bins_epsilon",
         "mechanism": mechanism.to_dict(),
@@ -141,8 +148,6 @@ def certified_epsilon(
 
 
 def _compute(mechanism: BallsInBinsMechanism, epochs: int, delta: float) -> CertifiedEpsilon:
-    from userdp.accounting import balls_in_bins, random_allocation
-
     candidates: dict[str, float | None] = {}
     skipped: dict[str, str] = {}
     sigma = mechanism.noise_multiplier
@@ -170,11 +175,11 @@ def _compute(mechanism: BallsInBinsMechanism, epochs: int, delta: float) -> Cert
         candidates[MONTE_CARLO] = None
         skipped[MONTE_CARLO] = "the random-allocation PLD applies (deterministic, tighter)"
     else:
-        estimate, verify = balls_in_bins.certified_draws(delta, pair.compositions)
-        if estimate + verify > MONTE_CARLO_DRAW_LIMIT:
+        draws = monte_carlo_draws(pair.compositions, delta)
+        if draws > MONTE_CARLO_DRAW_LIMIT:
             candidates[MONTE_CARLO] = None
             skipped[MONTE_CARLO] = (
-                f"{estimate + verify:.3g} draws at δ = {delta:.3g} exceed the limit "
+                f"{draws:.3g} draws at δ = {delta:.3g} exceed the limit "
                 f"{MONTE_CARLO_DRAW_LIMIT:.3g}"
             )
         else:

@@ -1,5 +1,4 @@
-"""Inverse accounting queries: σ for a target (ε, δ), the largest number of steps in a budget, and
-the certified ε of a Monte Carlo accountant.
+"""Inverse accounting queries: σ for a target (ε, δ) and the largest number of steps in a budget.
 
 Both searches only ever return a point that the forward accountant (``api.epsilon``, at the
 reporting discretization) has verified to be within the target: the returned σ gives
@@ -40,7 +39,6 @@ __all__ = [
     "CalibrationError",
     "cache_dir",
     "calibrate_noise_multiplier",
-    "certified_monte_carlo_epsilon",
     "max_steps",
 ]
 
@@ -149,16 +147,21 @@ def _calibrate_balls_in_bins(
     at most ``target``: a bracket and secant search on that same function, so the calibrated
     run's stated ε is within its budget by construction. Correlated noise starts the search at
     the Monte Carlo estimate's σ (``monte_carlo`` keywords go to that estimate), so that the few
-    certified evaluations, each an Estimate-Verify-Release, are spent near the answer."""
+    certified evaluations, each an Estimate-Verify-Release, are spent near the answer (where
+    the Monte Carlo method is attempted at all: below its δ the certified bound is
+    deterministic and cheap)."""
     guess = 4.0
-    if template.correlation is not None:
+    certified = api._accountant_module("balls_in_bins_certified", template.kind)
+    epochs = api.balls_in_bins_epochs(template, steps)
+    feasible = certified.monte_carlo_draws(1, delta) <= certified.MONTE_CARLO_DRAW_LIMIT
+    if template.correlation is not None and feasible:
         balls_in_bins = api._accountant_module("balls_in_bins", template.kind)
         guess = float(
             balls_in_bins.calibrate_noise_multiplier(
                 target,
                 delta,
                 template.bins,
-                api.balls_in_bins_epochs(template, steps),
+                epochs,
                 bin_semantics=template.bin_semantics,
                 correlation=template.correlation,
                 rtol=rtol,
@@ -168,8 +171,8 @@ def _calibrate_balls_in_bins(
         )
     elif monte_carlo:
         raise InvalidMechanismError(
-            f"{sorted(monte_carlo)} do not apply: balls-in-bins with C = I is calibrated on the "
-            "deterministic random-allocation bound"
+            f"{sorted(monte_carlo)} do not apply: this balls-in-bins calibration searches a "
+            "deterministic certified bound (C = I, or a δ below the Monte Carlo method's reach)"
         )
 
     def eps_at(sigma: float) -> float:
@@ -258,56 +261,6 @@ def _shrink(
     except (ValueError, ZeroDivisionError, OverflowError):
         slope = None
     return high, slope
-
-
-# --------------------------------------------------------------------------------------------
-# certified ε of a Monte Carlo accountant
-
-
-def certified_monte_carlo_epsilon(
-    mechanism: BallsInBinsMechanism, steps: int, delta: float, *, seed: int, use_cache: bool = True
-) -> float | None:
-    """ε(δ) after ``steps`` steps of a balls-in-bins mechanism, certified by Estimate-Verify-
-    Release (:func:`userdp.accounting.balls_in_bins.certified_epsilon`, default sample counts):
-    an upper bound except with probability at most δ over the verification samples. ``seed``
-    fixes both the estimate and the verification streams, so the same query gives the same ε.
-    None when the fresh-sample check fails (probability ≤ its rejection probability, 1 %, for a
-    correct estimate); the ε estimated on the same seed is then not certified and a new seed is
-    a new test that spends its own δ."""
-    if not isinstance(mechanism, BallsInBinsMechanism):
-        raise InvalidMechanismError(
-            f"mechanism kind {mechanism.kind!r} has an exact accountant; certified Monte Carlo ε "
-            "applies to balls-in-bins only"
-        )
-    api._check_delta(delta)
-    steps = api._check_steps(steps)
-    epochs = api.balls_in_bins_epochs(mechanism, steps)
-    query = {
-        "op": "certified_monte_carlo_epsilon",
-        "mechanism": mechanism.to_dict(),
-        "epochs": epochs,
-        "delta": float(delta),
-        "seed": str(int(seed)),
-    }
-
-    def compute() -> float | None:
-        balls_in_bins = api._accountant_module("balls_in_bins", mechanism.kind)
-        try:
-            return float(
-                balls_in_bins.certified_epsilon(
-                    mechanism.noise_multiplier,
-                    mechanism.bins,
-                    epochs,
-                    delta,
-                    bin_semantics=mechanism.bin_semantics,
-                    correlation=mechanism.correlation,
-                    seed=int(seed),
-                )
-            )
-        except balls_in_bins.VerificationFailedError:
-            return None
-
-    return _cached(query, use_cache, compute)
 
 
 # --------------------------------------------------------------------------------------------
