@@ -18,8 +18,8 @@ methods that apply, each an upper bound on ε(δ):
   (:func:`userdp.accounting.balls_in_bins.certified_epsilon`): an upper bound except with
   probability at most δ over its verification samples. Its draws grow as 1/δ, so it is attempted
   only while they fit :data:`MONTE_CARLO_DRAW_LIMIT`; its samples are seeded from the query
-  (sha256 of mechanism, epochs and δ), so the report, the ledger and σ's calibration see the same
-  value. A failed check (about 1 % likely for a correct estimate) leaves the other methods.
+  (sha256 of the mechanism without σ, epochs and δ), so the report, the ledger and σ's
+  calibration see the same value, and every σ of a calibration the same draws. A failed check (about 1 % likely for a correct estimate) leaves the other methods.
 
 The Monte Carlo point estimate is never one of them: it is below the true ε about half of the
 time (:func:`userdp.accounting.balls_in_bins.epsilon` computes it, for comparison only).
@@ -89,10 +89,13 @@ class CertifiedEpsilon:
 
 
 def query_seed(mechanism: BallsInBinsMechanism, epochs: int, delta: float) -> int:
-    """The Monte Carlo method's seed: 128 bits of sha256 over the query."""
+    """The Monte Carlo method's seed: 128 bits of sha256 over the query WITHOUT σ, so that every σ
+    of one calibration is estimated and verified on the same draws (common random numbers: the
+    certified ε is then monotone in σ on them, and σ's search does not pick among independent
+    verifications)."""
+    described = {**mechanism.to_dict(), "noise_multiplier": None}
     text = json.dumps(
-        {"mechanism": mechanism.to_dict(), "epochs": int(epochs), "delta": float(delta)},
-        sort_keys=True,
+        {"mechanism": described, "epochs": int(epochs), "delta": float(delta)}, sort_keys=True
     )
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:16], "big")
 
