@@ -227,15 +227,6 @@ def read_and_verify(
     return parsed[0], parsed[1:], truncate_at
 
 
-def ledger_seed(run_id: str, mechanism: Mechanism, steps: int) -> int:
-    """The Monte Carlo seed of a ledger's phase: 128 bits of sha256 over the run id (random per
-    run, written in the ledger's header) and the phase (mechanism, steps)."""
-    text = json.dumps(
-        {"run_id": run_id, "mechanism": mechanism.to_dict(), "steps": int(steps)}, sort_keys=True
-    )
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:16], "big")
-
-
 class ReportStaleError(ValueError):
     """A privacy report that no longer covers its ledger (steps were charged after it)."""
 
