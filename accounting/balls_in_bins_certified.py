@@ -104,6 +104,7 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     """ε(δ) of the Gaussian mechanism with sensitivity/σ = ``mu`` (Balle & Wang, "Improving the
     Gaussian Mechanism for Differential Privacy", Theorem 8): the smallest ε with
     Φ(μ/2 − ε/μ) − e^ε·Φ(−μ/2 − ε/μ) ≤ δ, found by bisection and returned on the private side."""
+
     def excess(eps: float) -> float:
         a = special.log_ndtr(mu / 2 - eps / mu)
         b = eps + special.log_ndtr(-mu / 2 - eps / mu)
