@@ -91,7 +91,7 @@ class CertifiedEpsilon:
 def query_seed(mechanism: BallsInBinsMechanism, epochs: int, delta: float) -> int:
     """The Monte Carlo method's seed: 128 bits of sha256 over the query WITHOUT σ, so that every σ
     of one calibration is estimated and verified on the same draws (common random numbers: the
-    certified ε is then monotone in σ on them, and σ's search does not pick among independent
+    estimate is monotone in σ on them, and σ's search does not pick among independent
     verifications)."""
     described = {**mechanism.to_dict(), "noise_multiplier": None}
     text = json.dumps(

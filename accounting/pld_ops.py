@@ -69,10 +69,11 @@ def _self_compose_dense(
 
 TILTS = 8
 """Exponential tilts of the upper tail in :func:`_tilted_power`, besides the plain transform."""
-TILT_MARGIN = 8.0
-"""A tilt is used only while its composition's mean lies this many standard deviations below
-the upper truncation bound, so that the tilted mass the circular convolution wraps around is
-below float64 resolution."""
+TILT_TAIL_MASS = 1e-30
+"""The tilted composition is transformed over its own Chernoff window (this mass outside, at
+most), so the circular convolution wraps around no tilted mass above float64 resolution."""
+TILT_WINDOW_LIMIT = 4
+"""A tilt whose window is longer than this many times the plain one is not used (cost)."""
 
 
 def _tilted_power(
@@ -102,13 +103,15 @@ def _tilted_power(
         total = float(weighted.sum())
         return weighted / total, math.log(total) + shift
 
-    def power(p: np.ndarray) -> np.ndarray:
-        circular = fft.irfft(fft.rfft(p, fast_len) ** num_times, fast_len)
-        return np.roll(circular, -lower)[: upper - lower + 1]
+    def power(p: np.ndarray, start: int, stop: int, length: int) -> np.ndarray:
+        """p^{*T} at ``lower..upper``, by a circular convolution of ``length`` ≥ the window
+        ``start..stop`` that holds all but a negligible part of p^{*T}."""
+        circular = fft.irfft(fft.rfft(p, length) ** num_times, length)
+        return np.roll(circular, -start)[lower - start : upper - start + 1]
 
-    out = power(probs)
+    out = power(probs, lower, upper, fast_len)
     mean = num_times * float(probs @ index) / float(probs.sum())
-    if not upper > mean:
+    if num_times == 1 or not upper > mean:  # nothing composed: no round-off to keep small
         return out
     best = np.zeros_like(out)  # log of the chosen tilt's scale (0: the plain transform)
 
@@ -138,15 +141,20 @@ def _tilted_power(
                 if high < math.inf
                 else 2 * lam + 1 / n
             )
-        centre, variance = moments(lam)
-        if lam <= 0 or centre + TILT_MARGIN * math.sqrt(variance) > upper:
+        if lam <= 0:
             break
         p, log_m = tilted(lam)
+        # the tilted sum has its own (heavier, higher) tails: transform over its window
+        tilted_lower, tilted_upper = _self_convolve_bounds(p, num_times, TILT_TAIL_MASS)
+        start, stop = min(lower, tilted_lower), max(upper, tilted_upper)
+        if stop - start + 1 > TILT_WINDOW_LIMIT * (upper - lower + 1):
+            break
+        length = fft.next_fast_len(max(stop - start + 1, n))
         log_scale = num_times * log_m - lam * composed
         better = log_scale < best
         if better.any():
             with np.errstate(over="ignore", under="ignore"):
-                out[better] = power(p)[better] * np.exp(log_scale[better])
+                out[better] = power(p, start, stop, length)[better] * np.exp(log_scale[better])
             best[better] = log_scale[better]
     return out
 
