@@ -47,6 +47,7 @@ __all__ = [
     "gaussian_epsilon",
     "monte_carlo_draws",
     "query_seed",
+    "random_allocation_bounds",
 ]
 
 RANDOM_ALLOCATION = "random-allocation PLD"
@@ -151,6 +152,21 @@ def certified_epsilon(
     return CertifiedEpsilon(**stored)
 
 
+def random_allocation_bounds(
+    pair: balls_in_bins.DominatingPair, sigma: float, delta: float
+) -> tuple[float, float] | None:
+    """(upper, lower) bounds on ε(δ) from the random-allocation PLD when the pair's modes are
+    orthogonal and of one norm g = ‖mᵢ‖² (C = I, or any C that leaves them so): random
+    allocation at σ/√g per participation, composed ``pair.compositions`` times (per-epoch bins:
+    E epochs; fixed bins with C = I: g = E, one epoch). None for any other pair."""
+    norm_sq = float(pair.gram[0, 0])
+    if not (norm_sq > 0 and bool((pair.gram == norm_sq * np.eye(pair.bins)).all())):
+        return None
+    return random_allocation.allocation_epsilon_bounds(
+        sigma / math.sqrt(norm_sq), pair.bins, pair.compositions, delta
+    )
+
+
 def _compute(mechanism: BallsInBinsMechanism, epochs: int, delta: float) -> CertifiedEpsilon:
     candidates: dict[str, float | None] = {}
     skipped: dict[str, str] = {}
@@ -161,27 +177,15 @@ def _compute(mechanism: BallsInBinsMechanism, epochs: int, delta: float) -> Cert
         bin_semantics=mechanism.bin_semantics,
         correlation=mechanism.correlation,
     )
-    # orthogonal modes of one norm (C = I, or any C that leaves them so): random allocation of
-    # sensitivity √g per participation, g = ‖mᵢ‖², composed ``compositions`` times
-    norm_sq = float(pair.gram[0, 0])
-    identity = norm_sq > 0 and bool((pair.gram == norm_sq * np.eye(pair.bins)).all())
-    if identity:
-        upper, _ = random_allocation.allocation_epsilon_bounds(
-            sigma / math.sqrt(norm_sq), pair.bins, pair.compositions, delta
-        )
-        candidates[RANDOM_ALLOCATION] = upper
-    else:
-        candidates[RANDOM_ALLOCATION] = None
-        skipped[RANDOM_ALLOCATION] = "correlated noise (C ≠ I)"
-    candidates[NO_AMPLIFICATION] = gaussian_epsilon(pair.sensitivity / sigma, delta)
+    bounds = random_allocation_bounds(pair, sigma, delta)
     seed = None
-    if identity:
-        candidates[MONTE_CARLO] = None
+    if bounds is not None:
+        candidates[RANDOM_ALLOCATION] = bounds[0]
         skipped[MONTE_CARLO] = "the random-allocation PLD applies (deterministic, tighter)"
     else:
+        skipped[RANDOM_ALLOCATION] = "correlated noise (C ≠ I)"
         draws = monte_carlo_draws(pair.compositions, delta)
         if draws > MONTE_CARLO_DRAW_LIMIT:
-            candidates[MONTE_CARLO] = None
             skipped[MONTE_CARLO] = (
                 f"{draws:.3g} draws at δ = {delta:.3g} exceed the limit "
                 f"{MONTE_CARLO_DRAW_LIMIT:.3g}"
@@ -201,8 +205,9 @@ def _compute(mechanism: BallsInBinsMechanism, epochs: int, delta: float) -> Cert
                     )
                 )
             except balls_in_bins.VerificationFailedError:
-                candidates[MONTE_CARLO] = None
                 skipped[MONTE_CARLO] = "the fresh-sample check failed; nothing certified"
+    candidates[NO_AMPLIFICATION] = gaussian_epsilon(pair.sensitivity / sigma, delta)
+    candidates = {name: candidates.get(name) for name in METHODS}
     finite = {name: value for name, value in candidates.items() if value is not None}
     method = min(finite, key=lambda name: finite[name])
     return CertifiedEpsilon(

@@ -120,7 +120,6 @@ def single_step_pld(
     if isinstance(mechanism, UlsMechanism | ElsMechanism):
         # A ULS step is the G = 1 mixture: sensitivity 1 with probability q, else 0.
         group = mechanism.group_size if isinstance(mechanism, ElsMechanism) else 1
-        sensitivities, probs = binomial_sensitivities(group, mechanism.sampling_prob)
         if pld_backend == "fast" and mechanism.sampling_prob == 1.0:
             # every unit in every step: the Gaussian mechanism of sensitivity G itself (the
             # library's Gaussian PLD; its mixture code fails at some σ for a one-point mixture)
@@ -129,6 +128,7 @@ def single_step_pld(
                 sensitivity=float(group),
                 value_discretization_interval=value_discretization_interval,
             )
+        sensitivities, probs = binomial_sensitivities(group, mechanism.sampling_prob)
         if pld_backend == "dp_accounting":
             return pld_lib.from_mixture_gaussian_mechanism(
                 standard_deviation=mechanism.noise_multiplier,

@@ -7,14 +7,10 @@ dp_accounting PLD, so ε(δ) of the upper one is a certified upper bound and of 
 certified lower bound. This module is the only one that imports the package; it checks the
 version it was written against and fails loudly on another.
 
-Mapping of userdp's balls-in-bins mechanism (C = I only: correlated noise has no such bound
-here):
-
-- bins redrawn every epoch (``per-epoch``): E epochs of "1 out of b steps" random allocation,
-  ``num_steps = b``, ``num_selected = 1``, ``num_epochs = E``;
-- bins fixed for the whole run (``fixed``): a unit in bin i joins steps i, i + b, …, i + (E−1)b,
-  and its E contributions meet independent N(0, σ²) noise, so the E releases it joins are one
-  Gaussian release of sensitivity √E: ONE epoch of random allocation at σ/√E.
+The mapping of userdp's balls-in-bins mechanism onto it is made once, from the mechanism's
+dominating pair, by :func:`userdp.accounting.balls_in_bins_certified.random_allocation_bounds`
+(per-epoch bins: E epochs of "1 out of b steps"; fixed bins with C = I: a unit's E contributions
+meet independent noise, so they are ONE epoch at σ/√E).
 """
 
 from __future__ import annotations
@@ -30,8 +26,6 @@ __all__ = [
     "PACKAGE_VERSION",
     "RandomAllocationError",
     "allocation_epsilon_bounds",
-    "epsilon_bounds",
-    "equivalent_allocation",
 ]
 
 PACKAGE = "PLD_accounting"
@@ -61,29 +55,6 @@ def _package() -> Any:
         import PLD_accounting
 
     return PLD_accounting
-
-
-def equivalent_allocation(
-    noise_multiplier: float, bins: int, epochs: int, bin_semantics: str
-) -> tuple[float, int]:
-    """(σ, epochs) of the random-allocation mechanism with ``num_steps = bins`` that has the same
-    privacy loss as balls-in-bins with C = I (module docstring)."""
-    if bin_semantics == "fixed":
-        return noise_multiplier / math.sqrt(epochs), 1
-    if bin_semantics == "per-epoch":
-        return noise_multiplier, epochs
-    raise RandomAllocationError(
-        f"bin_semantics={bin_semantics!r} is not allowed; expected 'fixed' or 'per-epoch'"
-    )
-
-
-def epsilon_bounds(
-    noise_multiplier: float, bins: int, epochs: int, delta: float, bin_semantics: str
-) -> tuple[float, float]:
-    """(upper, lower) bounds on ε(δ) of ``epochs`` epochs of balls-in-bins over ``bins`` bins with
-    iid Gaussian noise of multiplier ``noise_multiplier`` (module docstring's mapping)."""
-    sigma, rounds = equivalent_allocation(noise_multiplier, bins, epochs, bin_semantics)
-    return allocation_epsilon_bounds(sigma, bins, rounds, delta)
 
 
 def allocation_epsilon_bounds(

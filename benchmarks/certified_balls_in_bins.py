@@ -32,10 +32,9 @@ from typing import Any
 import dp_accounting
 from dp_accounting import pld as dp_pld
 from userdp.accounting import balls_in_bins as bb
-from userdp.accounting.balls_in_bins_certified import certified_epsilon
+from userdp.accounting.balls_in_bins_certified import certified_epsilon, random_allocation_bounds
 from userdp.accounting.correlation_spec import CorrelationSpec
 from userdp.accounting.mechanisms import BallsInBinsMechanism
-from userdp.accounting.random_allocation import epsilon_bounds
 
 SIGMA = 0.8
 
@@ -49,7 +48,8 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 def identity_row(bins: int, epochs: int, delta: float, semantics: str, draws: int) -> dict:
     mechanism = BallsInBinsMechanism(SIGMA, bins, epochs, semantics)
     stated, cpu = _timed(lambda: certified_epsilon(mechanism, epochs, delta, use_cache=False))
-    _, lower = epsilon_bounds(SIGMA, bins, epochs, delta, semantics)
+    pair = bb.dominating_pair(bins, epochs, bin_semantics=semantics)
+    _, lower = random_allocation_bounds(pair, SIGMA, delta)
     estimate = bb.epsilon(SIGMA, bins, epochs, delta, bin_semantics=semantics, num_samples=draws)
     return {
         "setting": f"C = I, {semantics}, δ = {delta:g}",
