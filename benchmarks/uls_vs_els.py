@@ -38,12 +38,11 @@ def main() -> None:
 
     from userdp.clients.shard_store import ShardStore
 
-    from userdp.cli.simulate import demo_config_path
-    from userdp.config import load_config
+    from userdp.cli.simulate import demo_config
     from userdp.run.components import shard_directory, split_users
     from userdp.run.launch import run
 
-    base = load_config(demo_config_path())
+    base = demo_config()
     with ShardStore(shard_directory(base)) as store:
         counts = {u: c.n_examples for u, c in store.user_counts().items()}
     train, _ = split_users(list(counts), base.data.eval_fraction)

@@ -274,7 +274,8 @@ def test_render_with_data_shards_refuses_without_the_shards_place_in_the_cluster
     out, err = capsys.readouterr()
     assert not out_file.exists() and out == ""
     (line,) = err.strip().splitlines()
-    assert line.startswith("userdp deploy: error: data.shards = 'shards/chats' is a folder on")
+    shards = tmp_path / "shards" / "chats"  # a relative path is inside the config's folder
+    assert line.startswith(f"userdp deploy: error: data.shards = '{shards}' is a folder on")
     assert "--shards-claim CLAIM" in line
     assert "--shard-input-claim CLAIM --shard-input-path PATH --user-column COLUMN" in line
     assert "WARNING" not in err

@@ -86,11 +86,11 @@ def test_shuffle_allowed_only_when_acknowledged() -> None:
         ("[privacy]\ndelta = 2\n", "privacy.delta must be in (0, 1), got 2"),
         ("[strategy]\nsampling_prob = 3\n", "strategy.sampling_prob must be in (0, 1], got 3"),
         ("[strategy]\nclip_norm = -1\n", "strategy.clip_norm must be in (0, inf), got -1"),
-        ("[model]\npath = 'gpt2'\n", "model.path = 'gpt2' is not a folder"),
+        ("[model]\npath = 'gpt2'\n", "/gpt2' is not a folder"),
         ("[model]\npath = 'gpt2'\n", "a hub name such as 'gpt2' cannot be used"),
         ("[model]\nzero_stage = 4\n", "model.zero_stage must be 0, 1, 2 or 3, got 4"),
         ("[model]\nlora_dropout = 0.05\n", "model.lora_dropout = 0.05: only 0 is supported"),
-        ("[model]\ndeepspeed_config = 'no.json'\n", "model.deepspeed_config = 'no.json' is not a"),
+        ("[model]\ndeepspeed_config = 'no.json'\n", "/no.json' is not a file"),
     ],
 )
 def test_config_check_cli_exit_code_and_one_line(tmp_path, capsys, content, expected) -> None:

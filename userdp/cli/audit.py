@@ -16,13 +16,13 @@ PHASES = {
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from userdp.cli.simulate import demo_config_path, stop_signals
+    from userdp.cli.simulate import demo_config, stop_signals
     from userdp.config import load_config
     from userdp.run.audit import largest_lower_bound, run_audit, write_audit
 
     if args.demo == bool(args.config):
         raise ValueError("give exactly one of --config FILE or --demo")
-    config = load_config(demo_config_path() if args.demo else args.config)
+    config = demo_config() if args.demo else load_config(args.config)
     logging.basicConfig(level=logging.WARNING)
     reach = largest_lower_bound(args.canaries, args.confidence)
     target = config.privacy.epsilon

@@ -7,7 +7,10 @@ import json
 
 
 def _check(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from userdp.config import ConfigError, load_config
+    from userdp.config.load import read_toml, relative_paths
     from userdp.run.tracking import missing_backends
 
     config = load_config(args.file)
@@ -15,6 +18,12 @@ def _check(args: argparse.Namespace) -> int:
     if missing:  # the machine that runs simulate/train needs them; checked here too
         raise ConfigError("output.report_to: " + "; ".join(missing))
     print(f"{args.file}: ok")
+    folder = Path(args.file).resolve().parent
+    resolved = relative_paths(read_toml(args.file), folder)
+    if resolved:
+        print(f"relative paths are inside the config's folder, {folder}:")
+        for key, (written, target) in resolved.items():
+            print(f"  {key} = {written!r} -> {target}")
     return 0
 
 

@@ -16,13 +16,13 @@ RULE_HELP = (
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from userdp.cli.simulate import demo_config_path
+    from userdp.cli.simulate import demo_config
     from userdp.config import load_config
     from userdp.plan.budget import plan_budget
 
     if args.demo == bool(args.config):
         raise ValueError("give exactly one of --config FILE or --demo")
-    config = load_config(demo_config_path() if args.demo else args.config)
+    config = demo_config() if args.demo else load_config(args.config)
     logging.basicConfig(level=logging.WARNING)
     plan = plan_budget(
         config,

@@ -11,11 +11,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 
 def demo_config_path() -> Path:
     """The embedded default config (``userdp/defaults/demo.toml``)."""
     return Path(str(resources.files("userdp") / "defaults" / "demo.toml"))
+
+
+def demo_config() -> Any:
+    """The embedded default :class:`~userdp.config.Config`; its ``output.dir`` (``runs/demo``)
+    is in the current directory."""
+    from userdp.config import load_config
+
+    return load_config(demo_config_path(), relative_to=Path.cwd())
 
 
 def _interrupt(signum, frame):
@@ -69,7 +78,7 @@ def _load(args: argparse.Namespace):
     if getattr(args, "demo", False):
         if args.config:
             raise ValueError("give either --config or --demo, not both")
-        return load_config(demo_config_path())
+        return demo_config()
     if not args.config:
         raise ValueError("--config FILE is required (or --demo for the embedded default run)")
     return load_config(args.config)

@@ -101,6 +101,13 @@ def parse_config(raw: dict[str, Any]) -> Config:
             "rendezvous store needs a port of its own; set another coordinator.group_port"
         )
     workers = config.workers
+    if workers.token_budget < config.data.seq_len:
+        raise ConfigError(
+            f"workers.token_budget = {workers.token_budget:,} is less than one example window "
+            f"(data.seq_len = {config.data.seq_len:,} tokens): a micro-batch must hold at least "
+            f"one example; set workers.token_budget >= {config.data.seq_len:,} (the default is "
+            "8192) or lower data.seq_len"
+        )
     if workers.replicas > workers.count:
         raise ConfigError(
             f"workers.replicas = {workers.replicas} > workers.count = {workers.count}: each shard "
@@ -191,26 +198,73 @@ def check_local_files(config: Config) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def load_config(path: str | Path, *, local_files: bool = True) -> Config:
-    """Read and validate a TOML config file, and (``local_files``) the files it names on this
-    machine (:func:`check_local_files`)."""
+PATH_KEYS = (
+    ("data", "shards"),
+    ("model", "path"),
+    ("model", "deepspeed_config"),
+    ("strategy", "plugin_path"),
+    ("coordinator", "auth_token_file"),
+    ("coordinator", "tls_dir"),
+    ("workers", "cache_dir"),
+    ("output", "dir"),
+)
+"""The keys that name a file or folder. In a config file, a relative one means a path inside the
+file's folder (``~`` is expanded): the file can be used from any current directory."""
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file's TOML document; :class:`ConfigError` when it is missing or unreadable."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not UTF-8 text") from None
+
+
+def relative_paths(raw: dict[str, Any], folder: Path) -> dict[str, tuple[str, str]]:
+    """``section.key`` -> (the path as written, the absolute path it means) for every path key
+    of ``raw`` written relative (:data:`PATH_KEYS`), resolved against ``folder``."""
+    resolved = {}
+    for section, key in PATH_KEYS:
+        value = raw.get(section, {}).get(key) if isinstance(raw.get(section), dict) else None
+        if not isinstance(value, str) or Path(value).is_absolute():
+            continue
+        expanded = Path(value).expanduser()
+        target = expanded if expanded.is_absolute() else folder.resolve() / expanded
+        resolved[f"{section}.{key}"] = (value, str(target))
+    return resolved
+
+
+def load_config(
+    path: str | Path,
+    *,
+    local_files: bool = True,
+    relative_to: str | Path | None = None,
+) -> Config:
+    """Read and validate a TOML config file, and (``local_files``) the files it names on this
+    machine (:func:`check_local_files`). A relative path in it is a path inside ``relative_to``,
+    by default the file's folder (:data:`PATH_KEYS`). A plugin strategy with no
+    ``plugin_path`` is looked up in that folder."""
+    path = Path(path)
+    raw = read_toml(path)
     config = parse_config(raw)
-    strategy = config.strategy
-    if strategy.name not in BUILTIN_STRATEGIES:
-        folder = Path(strategy.plugin_path or ".").expanduser()
-        folder = folder if folder.is_absolute() else path.resolve().parent / folder
-        config = config.model_copy(
-            update={"strategy": strategy.model_copy(update={"plugin_path": str(folder)})}
-        )
+    folder = Path(relative_to) if relative_to is not None else path.resolve().parent
+    updates: dict[str, dict[str, str]] = {}
+    for dotted, (_, target) in relative_paths(raw, folder).items():
+        section, key = dotted.split(".")
+        updates.setdefault(section, {})[key] = target
+    if config.strategy.name not in BUILTIN_STRATEGIES and config.strategy.plugin_path is None:
+        updates.setdefault("strategy", {})["plugin_path"] = str(folder.resolve())
+    config = config.model_copy(
+        update={
+            section: getattr(config, section).model_copy(update=values)
+            for section, values in updates.items()
+        }
+    )
     if local_files:
         check_local_files(config)
     return config

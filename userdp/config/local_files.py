@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from userdp.clients.shard_format import ManifestError, read_manifest
+from userdp.clients.shard_format import Manifest, ManifestError, read_manifest
 from userdp.config.schema import Config
+from userdp.shards.demo import DEMO_NUM_SHARDS
 
 __all__ = ["local_file_problems", "model_positions", "run_folder_problem"]
 
@@ -31,9 +32,15 @@ def local_file_problems(config: Config) -> list[str]:
     vocab_size = None
     shards = config.data.shards
     if shards is not None:
-        problem, vocab_size = _shards_problem(shards)
+        problem, manifest = _shards_problem(shards)
         if problem:
             problems.append(problem)
+        if manifest is not None:
+            vocab_size = manifest.tokenizer.vocab_size
+            problems += _data_problems(config, manifest)
+    else:
+        problems += _worker_count_problems(config, DEMO_NUM_SHARDS, "the demo corpus")
+    problems += _machine_problems(config)
     tls_dir = config.coordinator.tls_dir
     if tls_dir is not None and not Path(tls_dir).is_dir():
         problems.append(
@@ -73,8 +80,49 @@ def run_folder_problem(
     return None
 
 
-def _shards_problem(shards: str) -> tuple[str | None, int | None]:
-    """(what is wrong with the shard folder or None, the shards' tokenizer vocabulary size)."""
+def _data_problems(config: Config, manifest: Manifest) -> list[str]:
+    """What the shards cannot give the run: a target token, or a shard for every worker."""
+    problems = _worker_count_problems(
+        config, manifest.num_shards, f"data.shards = {config.data.shards!r}"
+    )
+    if manifest.total_tokens <= manifest.total_examples:
+        problems.append(
+            f"data.shards = {config.data.shards!r}: no example has 2 or more tokens "
+            f"({manifest.total_examples:,} examples, {manifest.total_tokens:,} tokens), so no "
+            "step would train on a token while the run spent its budget (a causal LM's first "
+            "token is never a target): shard longer examples"
+        )
+    return problems
+
+
+def _worker_count_problems(config: Config, num_shards: int, data: str) -> list[str]:
+    """Workers that the shards cannot keep busy: shard j goes to ``replicas`` workers."""
+    workers = config.workers
+    if workers.count <= num_shards * workers.replicas:
+        return []
+    return [
+        f"workers.count = {workers.count} is more than {data}'s {num_shards} shards x "
+        f"workers.replicas = {workers.replicas} can keep busy (a worker holds whole shards): "
+        f"set workers.count <= {num_shards * workers.replicas}, raise workers.replicas, or "
+        "shard the data into more shards (`userdp shard --num-shards`)"
+    ]
+
+
+def _machine_problems(config: Config) -> list[str]:
+    """Ranks this machine cannot run: ``simulate`` starts ``workers.ranks`` processes per worker,
+    and on CPU each needs a core of its own (a deployment sets its ranks with ``deploy render
+    --gpus`` instead)."""
+    ranks, cores = config.workers.ranks, os.cpu_count() or 1
+    if config.workers.device != "cpu" or ranks <= cores:
+        return []
+    return [
+        f"workers.ranks = {ranks} with workers.device = 'cpu' needs a core per rank; this "
+        f"machine has {cores}: set workers.ranks <= {cores}"
+    ]
+
+
+def _shards_problem(shards: str) -> tuple[str | None, Manifest | None]:
+    """(what is wrong with the shard folder or None, its manifest when it could be read)."""
     folder = Path(shards)
     if not folder.is_dir():
         return (
@@ -98,15 +146,15 @@ def _shards_problem(shards: str) -> tuple[str | None, int | None]:
                     f"data.shards = {shards!r}: {path} is missing (listed in the manifest): "
                     "restore it or shard the data again (`userdp shard verify "
                     f"{shards}` checks every file)"
-                ), manifest.tokenizer.vocab_size
+                ), manifest
         size = (folder / entry.file).stat().st_size
         if size != entry.num_bytes:
             return (
                 f"data.shards = {shards!r}: {folder / entry.file} has {size:,} bytes, the "
                 f"manifest says {entry.num_bytes:,}: the file is truncated or was replaced; "
                 "restore it or shard the data again"
-            ), manifest.tokenizer.vocab_size
-    return None, manifest.tokenizer.vocab_size
+            ), manifest
+    return None, manifest
 
 
 def model_positions(model_config: dict[str, Any]) -> int | None:

@@ -56,6 +56,16 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+def _seq_len(value: int) -> int:
+    if value < 2:
+        raise ValueError(
+            f"= {value} leaves no token to train on: a causal LM predicts each token from the ones "
+            "before it, so an example needs at least 2 tokens (the first is never a target); set "
+            "data.seq_len >= 2 (the default is 128)"
+        )
+    return value
+
+
 class DataConfig(_Section):
     """Where the user-partitioned shards are and how a worker selects a user's examples."""
 
@@ -75,9 +85,10 @@ class DataConfig(_Section):
     across records, is user-level only). ``highest_ppl`` / ``lowest_ppl`` rank them by
     perplexity under the initial model, which each worker computes once at start
     (docs/data.md)."""
-    seq_len: PositiveInt = 128
-    """Maximum tokens per example fed to the model: at most the model's positions (a preset's
-    position table is built for it, up to ``PRESET_MAX_SEQ_LEN``)."""
+    seq_len: Annotated[int, AfterValidator(_seq_len)] = 128
+    """Maximum tokens per example fed to the model: at least 2 (a causal LM learns to predict
+    token t+1 from tokens ≤ t, so a window of one token has no target) and at most the model's
+    positions (a preset's position table is built for it, up to ``PRESET_MAX_SEQ_LEN``)."""
 
 
 def _zero_stage(value: int) -> int:
@@ -262,7 +273,8 @@ class WorkersConfig(_Section):
     machine share its GPUs). A deployment sets its ranks with the chart's ``workers.gpus``
     (``userdp deploy render --gpus``) instead."""
     token_budget: PositiveInt = 8192
-    """Tokens per micro-batch; bounds worker memory."""
+    """Padded tokens per micro-batch; bounds worker memory. At least ``data.seq_len`` (one
+    example window); a unit over the budget runs in example chunks."""
     tensor_core_matmul: StrictBool = True
     """Vectorized engines on CUDA with bf16 activations (a bf16 model, or autocast; otherwise
     every GEMM is IEEE float32 and this changes nothing): run the

@@ -35,7 +35,7 @@ from userdp.clients.shard_store import ShardStore
 from userdp.config import Config
 from userdp.run.registry import build_strategy, default_delta
 from userdp.server.population import Population
-from userdp.shards.demo import demo_corpus
+from userdp.shards.demo import DEMO_NUM_SHARDS, demo_corpus
 from userdp.shards.input import InputSource
 from userdp.shards.writer import ShardOptions, write_shards
 from userdp.strategies.base import Strategy
@@ -44,6 +44,10 @@ from userdp.strategies.step import ExecutionOptions
 log = logging.getLogger(__name__)
 
 DEMO_VERSION = 1  # bump when the demo corpus or its sharding changes
+
+
+class NoTargetTokensError(ValueError):
+    """The run's data gives a step no target token to train on (the CLI exits 2)."""
 
 
 @dataclass
@@ -87,7 +91,9 @@ def demo_shards(num_users: int, quiet: bool = True) -> Path:
     name = f"userdp-demo-{num_users}users"
     source = InputSource.from_table(demo_corpus(num_users), "user_id", "text", name)
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    write_shards(source, tmp, ShardOptions(num_shards=4, tokenizer="byte", progress=not quiet))
+    write_shards(
+        source, tmp, ShardOptions(num_shards=DEMO_NUM_SHARDS, tokenizer="byte", progress=not quiet)
+    )
     try:
         tmp.rename(target)
     except OSError:  # another process won the race: use its copy
@@ -182,6 +188,12 @@ def prepare_run(config: Config, quiet: bool = True) -> RunSetup:
     train, held = split_users(list(counts), config.data.eval_fraction)
     if not train:
         raise ValueError(f"no training users in {shard_dir} (eval_fraction takes them all)")
+    if not any(counts[u].n_tokens > counts[u].n_examples for u in train):
+        raise NoTargetTokensError(
+            f"no training user in {shard_dir} has an example of 2 or more tokens: every step "
+            "would spend budget and train on no token (a causal LM's first token is never a "
+            "target); shard examples of 2 or more tokens"
+        )
     train_set = set(train)
     full = Population.from_manifest(manifest)
     population = Population(

@@ -27,7 +27,7 @@ from userdp.clients.model import build_model, load_parameters, model_shape
 from userdp.clients.shard_store import ShardStore
 from userdp.clients.tokenization import load_tokenizer
 from userdp.config import Config
-from userdp.run.components import RunSetup, open_ledger, prepare_run
+from userdp.run.components import NoTargetTokensError, RunSetup, open_ledger, prepare_run
 from userdp.run.evaluation import Evaluator, eval_examples
 from userdp.run.outputs import (
     MetricsLog,
@@ -233,6 +233,8 @@ class RunLoop:
                 "tokens_per_s": tokens / seconds if seconds > 0 else None,
             }
         )
+        if units and not tokens:
+            raise NoTargetTokensError(_no_tokens_message(step, units, nonfinite, self._spent()))
         if done % self.eval_every == 0 or done == self.steps:
             self.evaluate(done, params)
         if self._bar is not None:
@@ -268,6 +270,25 @@ class RunLoop:
             stopped=stopped,
             params=params,
         )
+
+
+def _no_tokens_message(step: int, units: int, nonfinite: int, epsilon: float | None) -> str:
+    """Why a step that trained on no target token stops the run, and what to change."""
+    if nonfinite == units:
+        cause = (
+            f"the loss of all {units} units of its cohort was not finite (the model diverged): "
+            "lower strategy.server_lr or strategy.clip_norm"
+        )
+    else:
+        cause = (
+            f"none of the {units} units of its cohort had an example of 2 or more tokens within "
+            "data.seq_len: shard longer examples"
+        )
+    spent = f"ε = {epsilon:.4g}" if epsilon is not None else "what was"
+    return (
+        f"step {step} trained on no token, so the run stops rather than spend its budget on "
+        f"nothing (the ledger records {spent} spent so far): {cause}"
+    )
 
 
 def shut_down(*actions: tuple[str, Any]) -> list[BaseException]:

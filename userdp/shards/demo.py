@@ -18,6 +18,9 @@ import numpy as np
 import pyarrow as pa
 
 DEMO_SEED = 20240601
+DEMO_NUM_SHARDS = 4
+"""Shards the embedded corpus is written to (what ``workers.count`` x ``workers.replicas`` can
+keep busy without ``data.shards``)."""
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 _NUM_TOPICS = 8
