@@ -164,6 +164,14 @@ def _build_one(builder, on_wait: Callable[[], None] | None) -> None:
             if heal_stale_lock(lock):
                 healed.set()
 
+    if not (lock.parent / f"{builder.NAME}.so").is_file():
+        log.warning(
+            "DeepSpeed op %s is not built in %s: compiling it now (about a minute; setup builds "
+            "it once: `TORCH_EXTENSIONS_DIR=DIR python -m userdp.clients.deepspeed_ops`, which "
+            "scripts/venv.sh runs into .venv/torch_extensions)",
+            builder.NAME,
+            lock.parent.parent,
+        )
     for attempt in range(1, MAX_BUILD_ATTEMPTS + 1):
         heal_stale_lock(lock)
         watcher = threading.Thread(target=watch, daemon=True, name="userdp-op-watch")

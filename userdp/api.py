@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from userdp.config import Config, ConfigError, check_local_files, load_config, parse_config
+from userdp.environment import use_environment_caches
 from userdp.run.launch import RunResult, run
 
 __all__ = ["WORKERS", "simulate"]
@@ -49,4 +50,5 @@ def simulate(
     ``sys.path``. Bad input raises :class:`userdp.ConfigError` (a ValueError)."""
     if workers not in WORKERS:
         raise ConfigError(f"workers={workers!r} is not allowed; expected one of {WORKERS}")
+    use_environment_caches()  # the environment's prebuilt DeepSpeed op, as the CLI finds it
     return run(_as_config(config), output_dir, mode=workers, quiet=quiet)

@@ -210,7 +210,7 @@ def test_the_cli_uses_its_environments_prebuilt_op_without_env_sh(tmp_path) -> N
 
 
 def test_environment_caches_follow_the_prefix(tmp_path, monkeypatch) -> None:
-    from userdp.cli import use_environment_caches
+    from userdp.environment import use_environment_caches
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.delenv("USERDP_CACHE_DIR", raising=False)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from userdp import __version__
+from userdp.environment import use_environment_caches
 
 # Modules that add subcommands, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -48,30 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     return parser
-
-
-ENVIRONMENT_CACHES = (
-    ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
-    ("USERDP_CACHE_DIR", "userdp_cache"),
-)
-"""Variables the CLI points into its own environment (``sys.prefix``), as ``scripts/env.sh``
-exports them: DeepSpeed's JIT op cache, which ``scripts/venv.sh`` (and the Docker image) fill once,
-and userdp's accounting cache."""
-
-
-def use_environment_caches(prefix: str | os.PathLike[str] | None = None) -> None:
-    """Where ``prefix`` holds a prebuilt DeepSpeed op cache (``torch_extensions/``, made by setup),
-    use it and the environment's accounting cache unless the caller set them: without this a
-    worker would rebuild DeepSpeed's op into the shared ``~/.cache/torch_extensions`` (minutes,
-    and clobbering another environment's build). Hub access stays off (userdp never downloads).
-    Child processes (workers) inherit the result."""
-    root = Path(sys.prefix if prefix is None else prefix)
-    if (root / "torch_extensions").is_dir():
-        for variable, folder in ENVIRONMENT_CACHES:
-            if not os.environ.get(variable):
-                os.environ[variable] = str(root / folder)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
