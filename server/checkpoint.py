@@ -3,7 +3,9 @@
 A checkpoint is a directory ``ckpt-<step>`` holding ``tensors.safetensors`` and ``state.json``,
 written under a temporary name, fsync'd, then renamed; ``LATEST``, replaced durably and
 atomically (:func:`userdp.accounting.durable.atomic_write`), names the newest complete one. A crash at any point leaves either the old or the new checkpoint,
-never a mix. Nested state (``state_dict()`` of a model, optimizer or strategy: dicts, lists,
+never a mix. A write that fails, whatever raised (safetensors reports a full disk with its own
+exception type, not ``OSError``), removes its temporary folder and raises
+:class:`CheckpointWriteError`, one line naming the cause and what to do. Nested state (``state_dict()`` of a model, optimizer or strategy: dicts, lists,
 numbers, strings, tensors, numpy arrays) is flattened: tensors go to safetensors under a path key
 and are replaced in the JSON tree by ``{"__tensor__": key}``. No pickle anywhere.
 
@@ -14,8 +16,10 @@ says what was spent (:mod:`userdp.server.coordinator`).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -90,6 +94,49 @@ def unflatten_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return tree
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint was not written (a full disk, an I/O error, the serializer failing): its
+    temporary folder is removed and ``LATEST`` still names the checkpoint it named before."""
+
+
+def failure_errno(exc: BaseException) -> int | None:
+    """The errno behind a write failure: an ``OSError``'s own, or the ``os error N`` that
+    safetensors puts in the message of its own exception type (it raises no ``OSError``)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(found.group(1)) if found else None
+
+
+def write_failure(exc: BaseException, name: str, directory: Path) -> CheckpointWriteError:
+    """One line for a failed write of checkpoint ``name``: the cause, what ``LATEST`` still
+    names, and what to do."""
+    code = failure_errno(exc)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        cause = f"disk full: {os.strerror(code)}"
+        action = f"free space in {directory}"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        cause = os.strerror(code)
+        action = f"make {directory} writable"
+    elif code is not None:
+        cause = os.strerror(code)
+        action = f"fix the storage of {directory}"
+    else:
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        action = f"check that {directory} is writable and has space"
+    try:
+        latest = (directory / LATEST).read_text(encoding="utf-8").strip()
+    except OSError:
+        latest = ""
+    kept = f"{latest} stays the latest checkpoint" if latest else "there is no earlier checkpoint"
+    error = CheckpointWriteError(
+        f"checkpoint {name} was not written ({cause}); {kept}: {action}, then run the same "
+        "command to resume"
+    )
+    error.errno = code
+    return error
+
+
 def save_checkpoint(
     directory: str | Path,
     *,
@@ -102,7 +149,6 @@ def save_checkpoint(
     """Write ``state`` atomically as ``ckpt-<step>`` and point ``LATEST`` at it; keep the newest
     ``keep`` checkpoints."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     tree = flatten_state(dict(state), tensors)
     meta = {
@@ -117,6 +163,7 @@ def save_checkpoint(
     final = directory / name
     tmp = directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         save_file(tensors, str(tmp / "tensors.safetensors"))
         fsync_path(tmp / "tensors.safetensors")
@@ -125,14 +172,9 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.rename(tmp, final)
         atomic_write_text(directory / LATEST, name + "\n")  # fsyncs directory: rename included
-    except OSError as exc:  # disk full, I/O error: LATEST still names the previous checkpoint
+    except Exception as exc:  # any failure, the serializer's own error types included
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(
-            exc.errno,
-            f"{exc.strerror or exc} while writing checkpoint {name} (the previous checkpoint "
-            "stays the latest)",
-            str(directory),
-        ) from exc
+        raise write_failure(exc, name, directory) from exc
     checkpoints = sorted(p for p in directory.glob("ckpt-*") if p.is_dir())
     for old in checkpoints[:-keep] if keep > 0 else []:
         if old != final:

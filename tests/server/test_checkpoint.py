@@ -1,13 +1,24 @@
-"""Checkpoints: nested state round-trips without pickle; writes are atomic."""
+"""Checkpoints: nested state round-trips without pickle; writes are atomic; a failed write (a full
+disk, under the real serializer) leaves the previous checkpoint the latest and nothing else."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import subprocess
 
 import numpy as np
 import pytest
 import torch
-from userdp.server.checkpoint import CheckpointError, load_latest, save_checkpoint
+from safetensors import SafetensorError
+from userdp.server import checkpoint as checkpoint_module
+from userdp.server.checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    load_latest,
+    save_checkpoint,
+)
 
 
 def test_nested_state_round_trip(tmp_path):
@@ -62,3 +73,89 @@ def test_unknown_format_version_refused(tmp_path):
     (path / "state.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="format"):
         load_latest(tmp_path)
+
+
+def _state(value: float, numel: int = 4) -> dict:
+    return {"params": {"w": torch.full((numel,), value)}}
+
+
+def _no_temporary_folders(directory) -> None:
+    left = sorted(p.name for p in directory.iterdir() if p.name.startswith(".tmp-ckpt-"))
+    assert not left, f"temporary checkpoint folders left behind: {left}"
+
+
+def _check_failed_write(exc_info, directory) -> None:
+    """The one-line error of a checkpoint that a full disk stopped: the cause, the checkpoint that
+    stays the latest, the action; nothing of it left on disk."""
+    message = str(exc_info.value)
+    assert len(message.splitlines()) == 1, message
+    assert exc_info.value.errno == errno.ENOSPC
+    assert "(disk full: No space left on device)" in message, message
+    assert "ckpt-000000001 stays the latest checkpoint" in message, message
+    assert f"free space in {directory}, then run the same command to resume" in message, message
+    _no_temporary_folders(directory)
+    assert (directory / "LATEST").read_text().strip() == "ckpt-000000001"
+    assert not (directory / "ckpt-000000002").exists()
+    previous = load_latest(directory)
+    assert previous.step == 1 and torch.equal(previous.state["params"]["w"], torch.full((4,), 1.0))
+
+
+def test_serializer_failure_is_a_failed_checkpoint(tmp_path, monkeypatch):
+    """safetensors reports a full disk with its own exception type, not OSError: the write is
+    still a failed checkpoint (temporary folder removed, LATEST unchanged, one line naming the
+    cause and the action), and a later write succeeds."""
+    real_save_file = checkpoint_module.save_file
+
+    def disk_full(tensors, filename):  # what safetensors does on ENOSPC: part written, then this
+        with open(filename, "wb") as handle:
+            handle.write(b"\0" * 100)
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    save_checkpoint(tmp_path, step=1, model_version=1, ledger_entries=1, state=_state(1.0))
+    monkeypatch.setattr(checkpoint_module, "save_file", disk_full)
+    with pytest.raises(CheckpointWriteError) as failed:
+        save_checkpoint(tmp_path, step=2, model_version=2, ledger_entries=2, state=_state(2.0))
+    assert isinstance(failed.value.__cause__, SafetensorError)
+    _check_failed_write(failed, tmp_path)
+    monkeypatch.setattr(checkpoint_module, "save_file", real_save_file)  # space freed
+    save_checkpoint(tmp_path, step=2, model_version=2, ledger_entries=2, state=_state(2.0))
+    assert load_latest(tmp_path).step == 2
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs (root only; skipped where mounting is not permitted)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_tmpfs_fails_the_checkpoint_and_freed_space_lets_it_resume(small_tmpfs):
+    """A real full disk (a 4 MiB tmpfs filled by another file) under the real serializer."""
+    directory = small_tmpfs / "checkpoints"
+    save_checkpoint(directory, step=1, model_version=1, ledger_entries=1, state=_state(1.0))
+    filler = small_tmpfs / "filler"
+    with open(filler, "ab", buffering=0) as handle:
+        for size in (1 << 20, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    handle.write(b"\0" * size)
+    big = {"params": {"w": torch.full((4,), 2.0), "v": torch.ones(1 << 18)}}  # 1 MiB
+    with pytest.raises(CheckpointWriteError) as failed:
+        save_checkpoint(directory, step=2, model_version=2, ledger_entries=2, state=big)
+    assert isinstance(failed.value.__cause__, SafetensorError)  # the serializer's own type
+    _check_failed_write(failed, directory)
+    filler.unlink()
+    save_checkpoint(directory, step=2, model_version=2, ledger_entries=2, state=big)
+    resumed = load_latest(directory)
+    assert resumed.step == 2 and torch.equal(resumed.state["params"]["v"], torch.ones(1 << 18))

@@ -16,9 +16,11 @@ import errno
 import math
 
 import pytest
+from safetensors import SafetensorError
 from userdp.accounting import ledger as ledger_module
 from userdp.accounting.api import compose_epsilon
 from userdp.accounting.ledger import Ledger, group_phases, read_ledger, repair_ledger
+from userdp.server import checkpoint as checkpoint_module
 from userdp.server import coordinator as coordinator_module
 from userdp.server.coordinator import PHASES, CoordinatorSettings
 from userdp.server.release_journal import UNREADABLE_RELEASE, read_release_journal
@@ -68,14 +70,18 @@ def inject(kind: str, where: str, monkeypatch):
                 ledger_module.os, "ftruncate", lambda fd, n: (_ for _ in ()).throw(disk_full())
             )
         return None
-    if where == "checkpoint":  # the first checkpoint write of the run fails
-        real_save = coordinator_module.save_checkpoint
+    if where == "checkpoint":  # the first checkpoint write of the run fails in the serializer
+        real_save_file = checkpoint_module.save_file
 
-        def failing_save(directory, **kwargs):
-            monkeypatch.setattr(coordinator_module, "save_checkpoint", real_save)
-            raise disk_full()
+        def failing_save_file(tensors, filename):  # safetensors' own error type on ENOSPC
+            monkeypatch.setattr(checkpoint_module, "save_file", real_save_file)
+            with open(filename, "wb") as handle:
+                handle.write(b"\0" * 100)
+            raise SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            )
 
-        monkeypatch.setattr(coordinator_module, "save_checkpoint", failing_save)
+        monkeypatch.setattr(checkpoint_module, "save_file", failing_save_file)
         return None
     real_append = coordinator_module.append_release_journal
 
@@ -125,6 +131,8 @@ def run_case(tmp_path, monkeypatch, kind: str, where: str, checkpoint_every: int
     finally:
         loop.close()
     monkeypatch.undo()  # the process restarts; the disk has space again
+    left = sorted(p.name for p in (tmp_path / "ckpt").glob(".tmp-ckpt-*"))
+    assert not left, f"{what}: temporary checkpoint folders left behind: {left}"
     if kind == "torn":
         with pytest.raises(ledger_module.LedgerTruncatedError, match="userdp ledger repair"):
             open_ledger(tmp_path / "ledger.jsonl")

@@ -75,6 +75,25 @@ def test_an_unexpected_error_is_one_line_exit_2_with_its_traceback_in_a_file(
     assert "Traceback" in log.read_text() and "RuntimeError" in log.read_text()
 
 
+def test_a_traceback_that_cannot_be_saved_names_the_real_cause(monkeypatch, capsys, tmp_path):
+    """Where the traceback's folder cannot take it, the note says why (here: its parent is a
+    file), not that the folder is unwritable, and leaves no partial file."""
+    from userdp import cli
+    from userdp.cli import config as cli_config
+
+    def broken(args):
+        raise RuntimeError("boom")
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(cli_config, "_check", broken)
+    monkeypatch.setattr(cli.tempfile, "gettempdir", lambda: str(blocker / "logs"))
+    assert cli.main(["config", "check", "run.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"(traceback: not saved: Not a directory in {blocker / 'logs'})\n"), err
+    assert "not writable" not in err
+
+
 def test_building_the_parser_imports_nothing_heavy() -> None:
     """`userdp --help` and parsing cost a fraction of a second: no torch, accountant, config
     schema or gRPC until a handler runs (CPU time is measured in benchmarks/cli_start.py)."""

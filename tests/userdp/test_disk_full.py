@@ -71,6 +71,12 @@ def run_full_disk_case(tmp_path, disk, point, call):
     last = failed.stderr.strip().splitlines()[-1] if failed.stderr.strip() else ""
     assert failed.returncode == 2, f"{point}: exit {failed.returncode}\n{failed.stderr[-3000:]}"
     assert last.startswith("userdp simulate: error:") and "No space left on device" in last, last
+    assert "Error while serializing" not in failed.stderr, "a raw serializer error reached the user"
+    assert "not writable" not in last, last  # the cause is the full disk, and the note says so
+    left = sorted(p.name for p in run.glob("checkpoints/.tmp-ckpt-*"))
+    assert not left, f"{point}: temporary checkpoint folders left behind: {left}"
+    if point == "checkpoint":
+        assert "free space in" in last and "run the same command to resume" in last, last
     filler.unlink()  # space is freed
     if (run / "ledger.jsonl").is_file():
         verify = _userdp(["ledger", "verify", str(run)])

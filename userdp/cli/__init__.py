@@ -82,6 +82,10 @@ def _save_traceback(args: argparse.Namespace) -> Path | str:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         path.write_text(traceback.format_exc())
-    except OSError:
-        return "not saved: the log directory is not writable"
+    except OSError as exc:  # e.g. the disk that failed the run is full: say so, not "unwritable"
+        try:
+            path.unlink(missing_ok=True)  # no empty or partial log left behind
+        except OSError:
+            pass
+        return f"not saved: {exc.strerror or exc} in {directory}"
     return path
