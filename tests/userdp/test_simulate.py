@@ -79,6 +79,14 @@ def test_grpc_run_writes_the_whole_run_folder(grpc_run) -> None:
     assert report["accounting_matches_sampling"] is True
     assert report["epsilon"] <= config.privacy.epsilon  # σ was calibrated to the target
     assert report["evaluation"]["baseline_eval_loss"] > 0
+    # three steps do not take a model below its held-out token frequencies: the report says so
+    evaluation = report["evaluation"]
+    assert 0 < evaluation["token_frequency_loss"] < evaluation["final_eval_loss"]
+    assert evaluation["beats_token_frequencies"] is False
+    markdown = (out / "privacy_report.md").read_text()
+    assert "**The model did not learn beyond token frequencies**" in markdown
+    assert report["data_plane"]["plane"] == "grpc" and "## Data plane: gRPC" in markdown
+    assert "re-checked each task's sum against count x C" in markdown
     for plot in ("loss.png", "epsilon.png", "clip_fraction.png"):
         assert (out / "plots" / plot).read_bytes()[:4] == b"\x89PNG"
     weights = load_file(out / "model" / "model.safetensors")
@@ -406,6 +414,9 @@ def test_the_embedded_default_run_learns(tmp_path) -> None:
     # 0.15 takes context, and the default run reaches about 2.35.
     assert evaluation["baseline_eval_loss"] > 5.0
     assert evaluation["final_eval_loss"] < 2.6
+    assert evaluation["final_eval_loss"] < evaluation["token_frequency_loss"]
+    assert evaluation["beats_token_frequencies"] is True
+    assert report["data_plane"]["plane"] == "in-process"
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert rows
     for row in rows:
@@ -433,6 +444,10 @@ def test_collective_data_plane_gives_the_grpc_planes_updates_without_noise(tmp_p
     reports = [json.loads((r.run_dir / "privacy_report.json").read_text()) for r in (a, b)]
     for key in ("epsilon", "delta", "mechanism", "steps", "noise_multiplier", "caveats"):
         assert reports[0][key] == reports[1][key], key
+    assert [r["data_plane"]["plane"] for r in reports] == ["collective", "grpc"]
+    markdown = (a.run_dir / "privacy_report.md").read_text()
+    assert "## Data plane: collective (gloo)" in markdown
+    assert "neither encrypted nor authenticated" in markdown
     logs = "".join(p.read_text() for p in sorted((a.run_dir / "logs").glob("worker-*.log")))
     for rank in range(3):
         assert re.search(rf"rank {rank} of 3 in group generation \d+", logs), logs[-2000:]

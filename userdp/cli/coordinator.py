@@ -86,7 +86,8 @@ def _write_outputs(setup, out: Path, params) -> None:
 
     run_config = resolved_config(setup.config, setup, out, "external")
     write_config(run_config, out)
-    write_facts(setup.strategy.facts(), out, len(setup.population.users))
+    plane = setup.config.coordinator.data_plane
+    write_facts(setup.strategy.facts(), out, len(setup.population.users), plane)
     report = render_report(out, run_config, setup.delta)
     model = build_model(setup.config.model, model_shape(setup.manifest, setup.config.data.seq_len))
     load_parameters(model, setup.frozen)

@@ -32,6 +32,21 @@ def eval_examples(
     return chosen
 
 
+def token_frequency_loss(examples: list[np.ndarray]) -> float:
+    """The held-out loss of a model that knows only the held-out examples' own token frequencies:
+    the entropy (nats) of their predicted tokens' empirical distribution (each example's tokens
+    after its first, as :class:`Evaluator` scores them). It is the best loss of any model that
+    ignores context on these very examples, and uses no training user's data, so a run whose
+    held-out loss is not below it has not learned beyond token frequencies. NaN without
+    predicted tokens."""
+    targets = [e[1:] for e in examples if len(e) >= 2]
+    if not targets:
+        return float("nan")
+    _, counts = np.unique(np.concatenate(targets), return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
 class Evaluator:
     """Mean token loss of a causal LM on a fixed list of examples.
 

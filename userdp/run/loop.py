@@ -15,6 +15,7 @@ into the coordinator or the in-process step; no config key or CLI flag reaches i
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from userdp.clients.shard_store import ShardStore
 from userdp.clients.tokenization import load_tokenizer
 from userdp.config import Config
 from userdp.run.components import NoTargetTokensError, RunSetup, open_ledger, prepare_run
-from userdp.run.evaluation import Evaluator, eval_examples
+from userdp.run.evaluation import Evaluator, eval_examples, token_frequency_loss
 from userdp.run.outputs import (
     MetricsLog,
     export_release,
@@ -106,6 +107,7 @@ class RunLoop:
     # -- components ------------------------------------------------------------------------------
 
     def start(self, mode: str) -> None:
+        self.mode = mode
         self.run_config = resolved_config(self.config, self.setup, self.out, mode)
         conflicts = resume_conflicts(self.out, self.run_config, self.config)
         if conflicts:
@@ -140,6 +142,7 @@ class RunLoop:
             return model, None
         with ShardStore(setup.shard_dir) as store:
             examples = eval_examples(store, setup.eval_users, self.config.data.seq_len)
+        self.token_frequency_loss = token_frequency_loss(examples)
         return model, Evaluator(model, examples, pad_id=shape.pad_id or 0)
 
     def evaluate(self, step: int, params: dict[str, torch.Tensor] | None = None) -> None:
@@ -149,7 +152,13 @@ class RunLoop:
         loss = self.evaluator.loss()
         self.eval_losses[step] = loss
         self._record(
-            {"kind": "eval", "step": step, "eval_loss": loss, "users": len(self.setup.eval_users)}
+            {
+                "kind": "eval",
+                "step": step,
+                "eval_loss": loss,
+                "users": len(self.setup.eval_users),
+                "token_frequency_loss": finite_or_none(self.token_frequency_loss),
+            }
         )
 
     def _record(self, row: dict[str, Any]) -> None:
@@ -250,7 +259,8 @@ class RunLoop:
             self.evaluate(steps_done, params)
         self.epsilon = self._spent()
         self.ledger.close()
-        write_facts(self.setup.strategy.facts(), self.out, len(self.setup.population.users))
+        plane = "in-process" if self.mode == "in-process" else self.config.coordinator.data_plane
+        write_facts(self.setup.strategy.facts(), self.out, len(self.setup.population.users), plane)
         export_release(self.model, params, self.out, self.setup, self.epsilon)
         if stopped != "interrupted":
             self._write_samples()
@@ -270,6 +280,10 @@ class RunLoop:
             stopped=stopped,
             params=params,
         )
+
+
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _no_tokens_message(step: int, units: int, nonfinite: int, epsilon: float | None) -> str:

@@ -159,10 +159,20 @@ def write_release_state(model_dir: Path, ledger_path: Path, epsilon: Any, delta:
     return path
 
 
-def write_facts(strategy_facts: Any, run_dir: Path, training_users: int | None = None) -> None:
-    """The strategy's own caveats and N (training users), kept so ``userdp report`` can
-    re-render without the run."""
-    facts = {**strategy_facts.to_dict(), "training_users": training_users}
+def write_facts(
+    strategy_facts: Any,
+    run_dir: Path,
+    training_users: int | None = None,
+    data_plane: str | None = None,
+) -> None:
+    """The strategy's own caveats, N (training users) and the data plane its sums travelled
+    (``in-process``, ``grpc``, ``collective``), kept so ``userdp report`` can re-render without
+    the run."""
+    facts = {
+        **strategy_facts.to_dict(),
+        "training_users": training_users,
+        "data_plane": data_plane,
+    }
     _atomic_write_text(run_dir / "strategy_facts.json", json.dumps(facts))
 
 

@@ -111,21 +111,36 @@ def render_report(run_dir: Path, config: Config, delta: float) -> dict:
     data = report.to_dict()
     baseline = next((r for r in evals if r["step"] == 0), None)
     final = evals[-1] if evals else None
+    reference = next(
+        (r["token_frequency_loss"] for r in evals if "token_frequency_loss" in r), None
+    )
+    final_loss = final["eval_loss"] if final else None
     data["evaluation"] = {
         "held_out_users": final.get("users") if final else None,
         "baseline_eval_loss": baseline["eval_loss"] if baseline else None,
-        "final_eval_loss": final["eval_loss"] if final else None,
+        "final_eval_loss": final_loss,
         "final_step": final["step"] if final else None,
+        "token_frequency_loss": reference,
+        "beats_token_frequencies": beats(final_loss, reference),
         "strategy": config.strategy.name,
     }
     data["target_epsilon"] = config.privacy.epsilon
+    data["data_plane"] = data_plane_facts(facts.get("data_plane"))
     markdown = report.to_markdown()
     if final:
         markdown += (
             "\n## Held-out evaluation (user-level split)\n\n| | eval loss |\n|---|---|\n"
             f"| no fine-tuning (0 steps) | {_fmt(data['evaluation']['baseline_eval_loss'])} |\n"
-            f"| after {final['step']} steps | {_fmt(final['eval_loss'])} |\n"
+            f"| after {final['step']} steps | {_fmt(final_loss)} |\n"
         )
+        if reference is not None:
+            markdown += (
+                f"| reference: the held-out users' own token frequencies | {_fmt(reference)} |\n"
+                f"\n{learning_verdict(final_loss, reference, final['step'])}\n"
+            )
+    if data["data_plane"] is not None:
+        plane = data["data_plane"]
+        markdown += f"\n## Data plane: {plane['name']}\n\n{plane['trust_boundary']}\n"
     clipping = clipping_summary(steps, config.strategy.clip_norm)
     if clipping:
         data["clipping_summary"] = clipping
@@ -139,6 +154,66 @@ def render_report(run_dir: Path, config: Config, delta: float) -> dict:
     atomic_write_text(run_dir / "privacy_report.json", json.dumps(data, indent=2, sort_keys=True))
     atomic_write_text(run_dir / "privacy_report.md", markdown)
     return data
+
+
+def beats(final_loss: float | None, reference: float | None) -> bool | None:
+    """Whether the final held-out loss is below the token-frequency reference (None: unknown)."""
+    if final_loss is None or reference is None:
+        return None
+    return final_loss < reference  # a NaN loss beats nothing
+
+
+def learning_verdict(final_loss: float | None, reference: float, step: int) -> str:
+    """One plain sentence: did the model learn more than token frequencies?"""
+    if beats(final_loss, reference):
+        return (
+            f"After {step} steps the model predicts the held-out users' text better than their "
+            f"own token frequencies do ({_fmt(final_loss)} < {_fmt(reference)} nats per token): "
+            "it uses context."
+        )
+    return (
+        f"**The model did not learn beyond token frequencies**: after {step} steps its held-out "
+        f"loss ({_fmt(final_loss)}) is not below the {_fmt(reference)} nats per token of a model "
+        "that knows only the held-out users' own token frequencies, so its samples will be "
+        "frequent tokens (spaces, common bytes). More steps, a larger strategy.server_lr or "
+        "more users per step (strategy.sampling_prob, hence less noise per user) help; the "
+        "privacy guarantee above holds either way."
+    )
+
+
+DATA_PLANES = {
+    "in-process": (
+        "in-process",
+        "The coordinator's role and the worker compute ran in one process: no clipped sum left "
+        "it, and the released model versions are what the guarantee covers.",
+    ),
+    "grpc": (
+        "gRPC",
+        "Each worker streamed its clipped sums to the coordinator over the gRPC channel "
+        "(encrypted and authenticated with mTLS or a token when coordinator.tls_dir or "
+        "auth_token_file is set); the coordinator summed them in float64, re-checked each "
+        "task's sum against count x C before adding noise, and alone saw un-noised sums.",
+    ),
+    "collective": (
+        "collective (gloo)",
+        "The workers reduced their clipped sums among themselves over a torch.distributed gloo "
+        "group: each member saw un-noised partial sums of other members' contributions (about "
+        "1/(W + 1) of the coordinates of the cohort's sum), and the coordinator checked only "
+        "the reduced total against the cohort's count x C, not each worker's share. gloo "
+        "traffic and the rendezvous store are neither encrypted nor authenticated: the "
+        "guarantee assumes the workers and the coordinator ran on a network only they reach "
+        "(docs/privacy.md, 'Trust boundary of the collective data plane').",
+    ),
+}
+"""The report's name and trust boundary of each data plane a run's sums can travel."""
+
+
+def data_plane_facts(plane: str | None) -> dict[str, str] | None:
+    """The report's ``data_plane`` entry (None for a run folder that did not record it)."""
+    if plane is None:
+        return None
+    name, boundary = DATA_PLANES[plane]
+    return {"plane": plane, "name": name, "trust_boundary": boundary}
 
 
 def initial_model_note(seed: int | None) -> str:
