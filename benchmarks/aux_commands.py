@@ -48,6 +48,7 @@ PER_EPOCH = [
     "2048",
     "--delta",
     "1e-5",
+    "--estimate",
     "--samples",
     "1048576",
     "--seed",

@@ -343,9 +343,3 @@ class GroupPrivacyComparison(ExampleLevelSampling):
             sampling_prob=self.sampling_prob,
             group_size=self.group_size,
         )
-
-    def caveats(self) -> tuple[str, ...]:
-        return (
-            *super().caveats(),
-            "group-privacy accounting is a loose comparison baseline, not the run's guarantee",
-        )

@@ -108,6 +108,23 @@ def test_group_privacy_report(tmp_path):
             led.append(step, mech)
     report = build_report(path, 1e-5, unit="user", sampling="poisson")
     assert any("comparison only" in c for c in report.caveats)
+    # with the strategy's own caveats, as a run's report adds them: the comparison said once
+    from userdp.strategies.builtins import GroupPrivacyComparison
+
+    strategy = GroupPrivacyComparison(
+        noise_multiplier=2.0, clip_norm=1.0, sampling_prob=0.01, group_size=2
+    )
+    report = build_report(
+        path,
+        1e-5,
+        unit="user",
+        sampling="poisson",
+        extra_caveats=strategy.facts().caveats,
+    )
+    assert (
+        sum("group-privacy" in c.lower() or "group privacy" in c.lower() for c in report.caveats)
+        == 1
+    )
 
 
 def test_empty_ledger_refused(tmp_path):

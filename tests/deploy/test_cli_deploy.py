@@ -135,6 +135,26 @@ def test_render_gpus_reach_the_workers_launcher(tmp_path: Path, render_chart, ru
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
 
 
+def test_a_cpu_configs_ranks_reach_the_workers_launcher(tmp_path: Path, render_chart) -> None:
+    """A CPU config with workers.ranks = 2: no GPU is asked for, and each worker pod runs the
+    two ranks under torchrun (values workers.cpuRanks), as `simulate` runs them."""
+    config = tmp_path / "cpu.toml"
+    workers = 'count = 4\ndevice = "cuda"\nreplicas = 2\n'
+    assert workers in RUN_TOML
+    config.write_text(RUN_TOML.replace(workers, "count = 2\nranks = 2\n"))
+    values, notes = render_values(config)
+    assert values["workers"] == {"replicas": 2, "gpus": 0, "cpuRanks": 2}
+    assert any("workers.ranks = 2 is set by the chart" in n and "cpuRanks" in n for n in notes)
+    objects = render_chart(values)
+    worker = objects.container(objects.find("StatefulSet", "-worker"), "worker")
+    assert worker["command"][0] == "torchrun" and "--nproc-per-node=2" in worker["command"]
+    assert "nvidia.com/gpu" not in str(worker.get("resources", {}))
+    values["workers"]["cpuRanks"] = 1
+    objects = render_chart(values)
+    worker = objects.container(objects.find("StatefulSet", "-worker"), "worker")
+    assert "command" not in worker or worker["command"][0] != "torchrun"
+
+
 def test_render_picks_token_auth_when_the_config_has_only_a_token(tmp_path: Path) -> None:
     path = tmp_path / "token.toml"
     path.write_text('[coordinator]\nauth_token_file = "t.txt"\n')

@@ -307,3 +307,42 @@ def test_user_norm_with_perplexity_selection_uses_the_initial_models_lowest_ppl(
         grads = torch.autograd.grad(mean_loss, params)
         expected = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
         assert norms.user_norm(user, 2) == pytest.approx(expected, rel=1e-5)
+
+
+def test_progress_is_shown_on_a_terminal_and_nowhere_else(config_path) -> None:
+    """On a terminal, stderr carries a status line naming what the plan computes (each user's
+    L(G), each σ(M) calibration) with the time elapsed; through a pipe stderr stays empty and
+    stdout holds only the plan."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    userdp = str(Path(sys.executable).parent / "userdp")
+    argv = [userdp, "plan", "--config", str(config_path), "--compute-budget", "64"]
+    argv += ["--users", "8", "--json"]
+    master, slave = pty.openpty()
+    size = struct.pack("HHHH", 24, 120, 0, 0)  # rows, columns: a terminal window's size
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave) as child:
+        os.close(slave)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        out = child.stdout.read()
+    os.close(master)
+    assert child.returncode == 0, seen.decode(errors="replace")[-2000:]
+    terminal = seen.decode("utf-8", errors="replace")
+    assert "plan: L(G=1): user 1 of 8" in terminal and "plan: L(G=1): user 8 of 8" in terminal
+    assert "plan: σ(M=32): calibrating to ε = 4" in terminal
+    assert json.loads(out)["budget"] == 64
+    piped = subprocess.run(argv, capture_output=True, text=True)
+    assert piped.returncode == 0 and piped.stderr == ""
+    assert json.loads(piped.stdout)["budget"] == 64

@@ -7,7 +7,10 @@ import argparse
 import json
 import logging
 import math
+import sys
 import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 RULE_HELP = (
     "std-ratio (default): double G iff L(2G)/L(G) < σ(2M)/(2σ(M)), the actual change of the "
@@ -24,21 +27,40 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --config FILE or --demo")
     config = demo_config() if args.demo else load_config(args.config)
     logging.basicConfig(level=logging.WARNING)
-    plan = plan_budget(
-        config,
-        args.compute_budget,
-        rule=args.rule,
-        users=args.users,
-        user_source=args.users_from,
-        allow_training_users=args.allow_training_users,
-        seed=args.seed,
-        device=args.device,
-    )
+    with terminal_status() as status:
+        plan = plan_budget(
+            config,
+            args.compute_budget,
+            rule=args.rule,
+            users=args.users,
+            user_source=args.users_from,
+            allow_training_users=args.allow_training_users,
+            seed=args.seed,
+            device=args.device,
+            on_progress=status,
+        )
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:
         print(render(plan))
     return 0
+
+
+@contextmanager
+def terminal_status() -> Iterator[Callable[[str], None]]:
+    """A one-line status on stderr with the elapsed time, shown only when stderr is a terminal
+    (a pipe or a file gets only the plan); cleared when the block ends."""
+    from tqdm import tqdm
+
+    line = tqdm(total=0, bar_format="plan: {desc} [{elapsed}]", disable=None, file=sys.stderr)
+
+    def show(message: str) -> None:
+        line.set_description_str(message, refresh=True)
+
+    try:
+        yield show
+    finally:
+        line.close()
 
 
 def _number(value: float | None) -> str:

@@ -44,7 +44,10 @@ CHART_MANAGED_KEYS: dict[tuple[str, str], str] = {
     ),
     ("workers", "count"): "values workers.replicas",
     ("workers", "device"): "cuda when values workers.gpus > 0, else cpu",
-    ("workers", "ranks"): "one rank per GPU: values workers.gpus (deploy render --gpus)",
+    ("workers", "ranks"): (
+        "one rank per GPU: values workers.gpus (deploy render --gpus); on CPU values "
+        "workers.cpuRanks"
+    ),
     ("output", "dir"): f"{DEPLOY_PATHS['output_dir']} (on the coordinator's state volume)",
 }
 

@@ -151,7 +151,7 @@ def render_values(
                 kept.setdefault(section, {})[key] = value
             else:
                 notes.append(f"{section}.{key} = {value!r} is set by the chart: {managed}")
-    if gpus is None:  # a CPU worker pod runs one rank
+    if gpus is None:  # a CPU worker pod runs workers.ranks ranks (values workers.cpuRanks)
         gpus = config.workers.ranks if config.workers.device == "cuda" else 0
     if gpus < 0:
         raise ValueError(f"--gpus must be >= 0, got {gpus}")
@@ -167,6 +167,8 @@ def render_values(
     values["config"] = kept
     values["coordinator"] = _coordinator_values(config)
     values["workers"] = {"replicas": config.workers.count, "gpus": gpus}
+    if gpus == 0 and config.workers.ranks > 1:  # a CPU pod runs the config's ranks
+        values["workers"]["cpuRanks"] = config.workers.ranks
     values["tls"] = {"enabled": auth == "mtls"}
     values["authToken"] = {"enabled": auth == "token"}
     plugin_files, plugin_notes = _plugin_files(config, kept)

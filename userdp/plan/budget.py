@@ -27,7 +27,7 @@ The estimators are in :mod:`userdp.plan.estimators`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -247,9 +247,11 @@ def plan_budget(
     allow_training_users: bool = False,
     seed: int = 0,
     device: str | None = None,
+    on_progress: Callable[[str], None] | None = None,
 ) -> BudgetPlan:
     """Run Estimate-and-Double for ``config`` (a validated :class:`userdp.config.Config`) with
-    compute budget ``budget`` = G·M, M ≤ N; see the module docstring for the estimators."""
+    compute budget ``budget`` = G·M, M ≤ N; see the module docstring for the estimators.
+    ``on_progress`` hears what is being computed (each user's L(G), each σ(M) calibration)."""
     check_plannable(config, budget, rule, users, seed)
     shard_dir = shard_directory(config)
     with ShardStore(shard_dir) as store:
@@ -309,9 +311,12 @@ def plan_budget(
             selection=config.data.selection,
             seq_len=config.data.seq_len,
             seed=seed,
+            on_progress=on_progress,
         )
         delta = config.privacy.delta or default_delta(num_users)
-        noise = CohortNoise(num_users, config.privacy.epsilon, delta, config.strategy.steps)
+        noise = CohortNoise(
+            num_users, config.privacy.epsilon, delta, config.strategy.steps, on_progress
+        )
         choice = estimate_and_double(
             budget,
             norms,

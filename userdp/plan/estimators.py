@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,9 @@ class UserGradientNorms:
         selection: str,
         seq_len: int,
         seed: int,
+        on_progress: Callable[[str], None] | None = None,
     ) -> None:
+        self.on_progress = on_progress or (lambda message: None)
         self.engine = engine
         self.users = list(users)
         self.examples_of = examples_of
@@ -92,7 +94,11 @@ class UserGradientNorms:
 
     def __call__(self, group_size: int) -> float:
         if group_size not in self.norms:
-            self.norms[group_size] = [self.user_norm(u, group_size) for u in self.users]
+            norms = []
+            for done, user in enumerate(self.users):
+                self.on_progress(f"L(G={group_size}): user {done + 1} of {len(self.users)}")
+                norms.append(self.user_norm(user, group_size))
+            self.norms[group_size] = norms
         return median_user_norm(self.norms[group_size])
 
 
@@ -100,7 +106,15 @@ class CohortNoise:
     """``noise_multiplier_of_cohort`` for :func:`estimate_and_double`: σ(M) calibrated for ULS
     with Poisson sampling at q = M/N, ``steps`` steps, to (``epsilon``, ``delta``)."""
 
-    def __init__(self, num_users: int, epsilon: float, delta: float, steps: int) -> None:
+    def __init__(
+        self,
+        num_users: int,
+        epsilon: float,
+        delta: float,
+        steps: int,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.on_progress = on_progress or (lambda message: None)
         self.num_users = int(num_users)
         self.epsilon = float(epsilon)
         self.delta = float(delta)
@@ -112,6 +126,7 @@ class CohortNoise:
 
     def __call__(self, cohort_size: int) -> float:
         if cohort_size not in self.sigmas:
+            self.on_progress(f"σ(M={cohort_size}): calibrating to ε = {self.epsilon:g}")
             template = UlsMechanism(1.0, self.sampling_prob(cohort_size))  # σ is the free field
             self.sigmas[cohort_size] = float(
                 calibrate_noise_multiplier(
