@@ -173,6 +173,19 @@ def test_balls_in_bins_epsilon_json_is_the_certified_bound(capsys) -> None:
     assert "(--estimate) only" in capsys.readouterr().err
 
 
+def test_balls_in_bins_steps_default_to_the_whole_run(capsys) -> None:
+    """--bins and --epochs fix a balls-in-bins run's length: --steps may be left out (and is
+    bins x epochs); another mechanism still needs it, in one line that names it."""
+    flags = [f for f in BIB if f not in ("--steps", "64")]
+    assert len(flags) == len(BIB) - 2
+    whole = _run_json(capsys, "epsilon", *flags)
+    assert whole["steps"] == 64 and whole == _run_json(capsys, "epsilon", *BIB)
+    uls = ["--mechanism", "uls", "--noise-multiplier", "1", "--sampling-prob", "0.1"]
+    assert main(["account", "epsilon", *uls, "--delta", "1e-6"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps is required for `account epsilon`" in err and "--bins" not in err
+
+
 def test_balls_in_bins_sampling_prob_other_than_one_over_bins_is_refused(capsys) -> None:
     assert main(["account", "epsilon", *BIB, "--sampling-prob", "0.01"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

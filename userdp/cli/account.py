@@ -81,11 +81,20 @@ def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> int:
     return 0
 
 
+def _steps(args: argparse.Namespace, command: str) -> int:
+    """``--steps``; for balls-in-bins it defaults to the whole run, ``--bins`` x ``--epochs``."""
+    if args.steps is not None:
+        return args.steps
+    if args.mechanism == "balls-in-bins" and args.bins and args.epochs:
+        return args.bins * args.epochs
+    also = " (or --bins and --epochs: the whole run)" if args.mechanism == "balls-in-bins" else ""
+    raise AccountCliError(f"--steps is required for `account {command}`{also}")
+
+
 def _epsilon(args: argparse.Namespace) -> int:
     if args.noise_multiplier is None:
         raise AccountCliError("--noise-multiplier is required for `account epsilon`")
-    if args.steps is None:
-        raise AccountCliError("--steps is required for `account epsilon`")
+    args.steps = _steps(args, "epsilon")
     from userdp.accounting import api
 
     _check_monte_carlo_flags(args)
@@ -133,8 +142,7 @@ def _epsilon(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     if args.epsilon is None:
         raise AccountCliError("--epsilon is required for `account calibrate`")
-    if args.steps is None:
-        raise AccountCliError("--steps is required for `account calibrate`")
+    args.steps = _steps(args, "calibrate")
     from userdp.accounting import calibration
 
     template = build_mechanism(args, 1.0)
@@ -336,14 +344,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     eps = sub.add_parser("epsilon", help="ε(δ) after --steps steps at --noise-multiplier")
     _common(eps)
     eps.add_argument("--noise-multiplier", type=float)
-    eps.add_argument("--steps", type=int)
+    eps.add_argument("--steps", type=int, help="releases; balls-in-bins default: --bins x --epochs")
     _estimate(eps)
     eps.set_defaults(handler=_epsilon)
 
     cal = sub.add_parser("calibrate", help="smallest σ with ε ≤ --epsilon after --steps steps")
     _common(cal)
     cal.add_argument("--epsilon", type=float)
-    cal.add_argument("--steps", type=int)
+    cal.add_argument("--steps", type=int, help="releases; balls-in-bins default: --bins x --epochs")
     cal.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance on σ")
     cal.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
     cal.set_defaults(handler=_calibrate)
