@@ -27,11 +27,14 @@ checkpoints, the release journal and resume around it. Its workers are a
 8. ``broadcast``: the step is appended (fsync'd) to the release journal, then the fleet sends the
    new trainable tensors to every connected worker (chunked).
 
-Resume (:meth:`Coordinator.resume`): the ledger, not the checkpoint, says what was spent. A step
-the ledger holds beyond the checkpoint stays charged. If the release journal shows it was never
-broadcast (the crash came between the ledger append and the broadcast), it is replayed with FRESH
-noise and not charged again. If it may have been released, it is NOT replayed: the run continues
-after the last charged step, and the model version jumps past every version that could have been
+Resume (:meth:`Coordinator.resume`): the ledger, not the checkpoint, says what was spent. It
+starts from the newest checkpoint that verifies (:mod:`userdp.server.resume_point`: checksums,
+ledger and release journal), and refuses when the journal shows a step released that the ledger
+does not charge. A step the ledger holds beyond the checkpoint stays charged. If it is the one
+step right after the checkpoint and the release journal shows it was never broadcast (the crash
+came between the ledger append and the broadcast), it is replayed with FRESH noise and not
+charged again. Otherwise it may have been released and is NOT replayed: the run continues after
+the last charged step, and the model version jumps past every version that could have been
 broadcast, so workers holding a lost update are resynced, never trusted. With correlated noise
 (BLT) the lost steps' noise state cannot be rebuilt, so resume refuses (:class:`ResumeError`);
 ``checkpoint_every = 1`` (a checkpoint before every broadcast) rules that case out.
@@ -57,7 +60,7 @@ import torch
 from userdp.accounting.ledger import BudgetExceededError
 from userdp.proto.codec import task_proto as task_proto  # the simulator imports it from here
 from userdp.server.aggregation import StepGather, template_of
-from userdp.server.checkpoint import restore_latest, save_checkpoint
+from userdp.server.checkpoint import save_checkpoint
 from userdp.server.collective_fleet import CollectiveFleet
 from userdp.server.fleet import Fleet, StepAborted
 from userdp.server.group_plane import GroupPlane
@@ -65,7 +68,9 @@ from userdp.server.planning import plan_groups
 from userdp.server.population import Population
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import Event, WorkerRegistry, WorkerSession
-from userdp.server.release_journal import append_release_journal, read_release_journal
+from userdp.server.release_journal import append_release_journal, read_release_records
+from userdp.server.resume_point import ResumeError as ResumeError  # tests import it from here
+from userdp.server.resume_point import continue_after_lost_steps, restore_resume_point
 from userdp.server.startup import WorkerProgress
 from userdp.strategies.step import CohortSum, ExecutionOptions, PlannedStep, run_step
 from userdp.strategies.unit_stats import UnitStats
@@ -83,40 +88,6 @@ PHASES: tuple[str, ...] = (
     "checkpoint",
     "broadcast",
 )
-
-
-class ResumeError(RuntimeError):
-    """The run cannot resume without breaking a DP contract (the message says why and what to do)."""
-
-
-def noise_is_stateful(strategy: Any) -> bool:
-    """The strategy's noise carries state across steps (BLT-correlated noise): steps lost after
-    a checkpoint cannot be skipped without breaking the correlation the accountant assumes."""
-    noise = getattr(strategy, "noise", None)
-    return noise is not None and bool(noise.state_dict())
-
-
-def continue_after_lost_steps(strategy: Any, checkpoint_step: int, last_charged: int) -> int:
-    """Steps ``checkpoint_step``..``last_charged`` are charged in the ledger but their updates
-    are lost (they came after the last checkpoint). They stay charged and are never re-run, so
-    none is released twice: return the step to continue at. Refuse (:class:`ResumeError`) when
-    the noise is stateful: continuing would break the correlation the accountant assumes."""
-    if noise_is_stateful(strategy):
-        raise ResumeError(
-            f"steps {checkpoint_step}..{last_charged} are charged in the ledger after the last "
-            "checkpoint and the correlated-noise state they advanced is lost; continuing would "
-            "break the noise correlation the accountant assumes. Keep the ledger (it stays "
-            "charged) and use coordinator.checkpoint_every = 1 for correlated-noise strategies"
-        )
-    log.warning(
-        "ledger charges steps up to %d but the checkpoint is at step %d: %d step(s) were lost; "
-        "they stay charged; continuing at step %d",
-        last_charged,
-        checkpoint_step,
-        last_charged + 1 - checkpoint_step,
-        last_charged + 1,
-    )
-    return last_charged + 1
 
 
 @dataclass(frozen=True)
@@ -214,16 +185,17 @@ class Coordinator:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def resume(self) -> None:
-        """Load the latest checkpoint (if any), reconcile it with the ledger and the release
-        journal (see the module docstring), and publish the model."""
-        checkpoint = restore_latest(self.checkpoint_dir, self.params, self.strategy)
+        """Load the newest checkpoint that verifies (if any), reconcile it with the ledger and
+        the release journal (see the module docstring), and publish the model."""
+        charged = [int(step) for step in self._ledger_steps()]
+        checkpoint = restore_resume_point(self.checkpoint_dir, self.params, self.strategy, charged)
+        journal = read_release_records(self.checkpoint_dir)
         if checkpoint is not None:
             self.step = checkpoint.step
             self.model_version = checkpoint.model_version
-        charged = [int(step) for step in self._ledger_steps()]
         last = max(charged, default=-1)
-        released = {s for s in read_release_journal(self.checkpoint_dir) if s >= self.step}
-        if last >= self.step and not released:
+        released = {r["step"] for r in journal if r["step"] >= self.step}
+        if last == self.step and not released:
             # Charged after the checkpoint but never broadcast (broadcast follows the checkpoint
             # and the journal): redo it with FRESH noise, without charging it twice.
             log.warning(
@@ -232,9 +204,10 @@ class Coordinator:
                 self.step,
             )
             self._charged_unreleased = self.step
-        elif last >= self.step:
+        elif last >= self.step:  # released, or more than one step after the checkpoint
             resumed = continue_after_lost_steps(self.strategy, self.step, last)
-            self.model_version += resumed - self.step + 1
+            broadcast = max((r.get("model_version", 0) for r in journal), default=0)
+            self.model_version = max(self.model_version + resumed - self.step, broadcast) + 1
             self.step = resumed
         self.publisher.publish(self.model_version, self.params, self.frozen)
 

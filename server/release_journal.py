@@ -16,6 +16,7 @@ __all__ = [
     "UNREADABLE_RELEASE",
     "append_release_journal",
     "read_release_journal",
+    "read_release_records",
 ]
 
 RELEASE_JOURNAL = "released.jsonl"
@@ -48,15 +49,23 @@ def append_release_journal(directory: str | Path, step: int, model_version: int)
         ) from exc
 
 
-def read_release_journal(directory: str | Path) -> list[int]:
-    """Steps recorded by :func:`append_release_journal` (a torn last line counts as released)."""
+def read_release_records(directory: str | Path) -> list[dict]:
+    """The lines of the journal in ``directory`` as written (``step``, ``model_version``); a torn
+    line reads as ``{"step": UNREADABLE_RELEASE}`` (counted as released)."""
     path = Path(directory) / RELEASE_JOURNAL
     if not path.is_file():
         return []
-    steps = []
+    records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            steps.append(int(json.loads(line)["step"]))
+            record = json.loads(line)
+            record["step"] = int(record["step"])
         except (ValueError, KeyError, TypeError):
-            steps.append(UNREADABLE_RELEASE)  # unreadable: assume the newest step was released
-    return steps
+            record = {"step": UNREADABLE_RELEASE}  # unreadable: assume the newest step was released
+        records.append(record)
+    return records
+
+
+def read_release_journal(directory: str | Path) -> list[int]:
+    """Steps recorded by :func:`append_release_journal` (a torn last line counts as released)."""
+    return [record["step"] for record in read_release_records(directory)]

@@ -582,7 +582,7 @@ def mutation_resume_replays_released_step(monkeypatch):
     though its update was already broadcast (two releases of one step, charged once)."""
     from userdp.server import coordinator
 
-    monkeypatch.setattr(coordinator, "read_release_journal", lambda directory: [])
+    monkeypatch.setattr(coordinator, "read_release_records", lambda directory: [])
 
 
 @pytest.fixture

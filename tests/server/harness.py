@@ -127,9 +127,11 @@ def make_loopback(
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
     params=None,
     group=None,
+    checkpoint_dir=None,
 ) -> Loopback:
     """A coordinator serving on loopback; ``group``: a
-    :class:`~userdp.server.group_plane.GroupSettings` for the collective data plane."""
+    :class:`~userdp.server.group_plane.GroupSettings` for the collective data plane;
+    ``checkpoint_dir``: default ``tmp_path/"ckpt"``."""
     population = population or toy.toy_population()
     registry = WorkerRegistry()
     publisher = ModelPublisher(chunk_bytes=publisher_chunk_bytes)
@@ -150,7 +152,7 @@ def make_loopback(
         population=population,
         registry=registry,
         publisher=publisher,
-        checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_dir=checkpoint_dir or tmp_path / "ckpt",
         settings=settings
         or CoordinatorSettings(step_deadline_s=30, task_deadline_s=10, worker_startup_s=300),
         fault_hook=fault_hook,

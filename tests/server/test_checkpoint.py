@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import shutil
 import subprocess
 
 import numpy as np
@@ -16,7 +17,9 @@ from userdp.server import checkpoint as checkpoint_module
 from userdp.server.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
+    load_checkpoint,
     load_latest,
+    restore_latest,
     save_checkpoint,
 )
 
@@ -75,8 +78,8 @@ def test_unknown_format_version_refused(tmp_path):
         load_latest(tmp_path)
 
 
-def _state(value: float, numel: int = 4) -> dict:
-    return {"params": {"w": torch.full((numel,), value)}}
+def _state(value: float) -> dict:
+    return {"params": {"w": torch.full((4,), float(value))}, "strategy": {}}
 
 
 def _no_temporary_folders(directory) -> None:
@@ -159,3 +162,79 @@ def test_full_tmpfs_fails_the_checkpoint_and_freed_space_lets_it_resume(small_tm
     save_checkpoint(directory, step=2, model_version=2, ledger_entries=2, state=big)
     resumed = load_latest(directory)
     assert resumed.step == 2 and torch.equal(resumed.state["params"]["v"], torch.ones(1 << 18))
+
+
+def _two_checkpoints(directory) -> None:
+    for step in (1, 2):
+        save_checkpoint(
+            directory, step=step, model_version=step, ledger_entries=step, state=_state(step)
+        )
+
+
+def _flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda d: shutil.rmtree(d / "ckpt-000000002"), "ckpt-000000002: missing"),
+        (
+            lambda d: _flip_a_byte(d / "ckpt-000000002" / "tensors.safetensors"),
+            "ckpt-000000002: tensors.safetensors does not match its checksum",
+        ),
+        (
+            lambda d: (d / "ckpt-000000002" / "state.json").write_text(
+                (d / "ckpt-000000002" / "state.json").read_text().replace('"step": 2', '"step": 3')
+            ),
+            "ckpt-000000002: state.json does not match its checksum",
+        ),
+        (lambda d: (d / "LATEST").unlink(), "LATEST is missing"),
+    ],
+    ids=["deleted", "tensors-corrupted", "state-edited", "no-latest"],
+)
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_that_verifies(
+    tmp_path, damage, reason
+):
+    _two_checkpoints(tmp_path)
+    damage(tmp_path)
+    if "LATEST" in reason:  # then the newest folder is taken, without a pointer
+        taken = load_latest(tmp_path)
+        assert taken.step == 2 and taken.fallback == reason and taken.passed_over == ()
+        return
+    taken = load_latest(tmp_path)
+    assert taken.step == 1 and torch.equal(taken.state["params"]["w"], torch.full((4,), 1.0))
+    assert taken.fallback == reason
+    with pytest.raises(CheckpointError, match="checksum|missing"):
+        load_checkpoint(tmp_path / "ckpt-000000002")
+
+
+def test_restore_sets_the_passed_over_checkpoint_aside_and_says_so(tmp_path, caplog):
+    _two_checkpoints(tmp_path)
+    _flip_a_byte(tmp_path / "ckpt-000000002" / "tensors.safetensors")
+    params = {"w": torch.zeros(4)}
+    strategy = type("S", (), {"load_state_dict": lambda self, state: None})()
+    with caplog.at_level("WARNING", logger="userdp.server.checkpoint"):
+        taken = restore_latest(tmp_path, params, strategy)
+    assert taken.step == 1 and torch.equal(params["w"], torch.full((4,), 1.0))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("resuming from ckpt-000000001 (step 1), the newest checkpoint that")
+    assert "ckpt-000000002: tensors.safetensors does not match its checksum" in line
+    assert "kept as unverified-ckpt-000000002" in line
+    assert (tmp_path / "unverified-ckpt-000000002").is_dir()
+    assert (tmp_path / "LATEST").read_text().strip() == "ckpt-000000001"
+    assert load_latest(tmp_path).fallback is None  # the next resume takes it directly
+
+
+def test_the_callers_check_is_applied_and_none_verifying_is_one_clear_error(tmp_path):
+    _two_checkpoints(tmp_path)
+    taken = load_latest(tmp_path, check=lambda c: "ahead of the ledger" if c.step == 2 else None)
+    assert taken.step == 1 and taken.fallback == "ckpt-000000002: ahead of the ledger"
+    with pytest.raises(CheckpointError) as none:
+        load_latest(tmp_path, check=lambda c: "ahead of the ledger")
+    message = str(none.value)
+    assert len(message.splitlines()) == 1
+    assert "ckpt-000000002: ahead of the ledger; ckpt-000000001: ahead of the ledger" in message
+    assert "restore one from a backup, or move the ckpt-* folders and LATEST out of it" in message

@@ -4,15 +4,20 @@
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 
 import pytest
 import torch
 from userdp.accounting import UlsMechanism, epsilon
-from userdp.server.checkpoint import load_latest
+from userdp.server.checkpoint import load_checkpoint, load_latest
 from userdp.server.coordinator import PHASES
+from userdp.server.release_journal import read_release_records
 from userdp.strategies.builtins import UserLevelSampling
 from userdp.strategies.dpftrl import BltDpFtrl
 from userdp.strategies.optimizers import Sgd
+
+from userdp import cli
 
 from .harness import make_loopback
 
@@ -187,3 +192,73 @@ def _plain(tree):
     if hasattr(tree, "tolist"):
         return tree.tolist()
     return tree
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_resume_falls_back_to_an_older_checkpoint_and_releases_no_step_twice(
+    tmp_path, caplog, damage
+):
+    """The latest checkpoint deleted or truncated: resume takes the older one, says so in one
+    line, continues after the step charged and released since (never re-run), and the ledger
+    verifies with each step once."""
+    checkpoints = tmp_path / "checkpoints"  # a run folder's layout: `ledger verify` reads it
+    loop = make_loopback(
+        tmp_path, strategy=NoiseSpy([]), no_noise=False, checkpoint_dir=checkpoints
+    )
+    try:
+        loop.add_worker("w0", ALL)
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(3)
+    finally:
+        loop.close()
+    older = load_checkpoint(checkpoints / "ckpt-000000002")
+    latest = checkpoints / "ckpt-000000003"
+    if damage == "deleted":
+        shutil.rmtree(latest)
+    else:
+        tensors = latest / "tensors.safetensors"
+        tensors.write_bytes(tensors.read_bytes()[:-50])
+    with caplog.at_level(logging.WARNING):
+        loop2 = make_loopback(
+            tmp_path, strategy=NoiseSpy([]), no_noise=False, checkpoint_dir=checkpoints
+        )
+    try:
+        lines = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith(
+            "resuming from ckpt-000000002 (step 2), the newest checkpoint that verifies: "
+            "ckpt-000000003: "
+        ), lines
+        for name, value in loop2.coordinator.params.items():
+            assert torch.equal(value, older.state["params"][name])
+        assert loop2.coordinator.step == 3  # step 2 was charged and released: not re-run
+        broadcast = max(r["model_version"] for r in read_release_records(checkpoints))
+        assert loop2.coordinator.model_version > broadcast  # no worker's copy is trusted
+        loop2.add_worker("w0", ALL)
+        loop2.coordinator.wait_for_workers()
+        loop2.coordinator.run(5)
+    finally:
+        loop2.close()
+    charged = [r["step"] for r in loop2.coordinator.ledger.records]
+    assert charged == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in read_release_records(checkpoints)] == [0, 1, 2, 3, 4]
+    assert cli.main(["ledger", "verify", str(tmp_path)]) == 0
+
+
+def test_resume_refuses_when_the_ledger_lost_a_released_step(tmp_path):
+    """The ledger's last complete record removed (its chain still verifies): the release journal
+    shows that step released, so resuming would release it again; resume refuses, naming it."""
+    from userdp.server.coordinator import ResumeError
+
+    loop = make_loopback(tmp_path, strategy=NoiseSpy([]), no_noise=False)
+    try:
+        loop.add_worker("w0", ALL)
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(3)
+    finally:
+        loop.close()
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("".join(ledger.read_text().splitlines(keepends=True)[:-1]))
+    with pytest.raises(
+        ResumeError, match=r"shows step\(s\) \[2\] released but the ledger does not"
+    ):
+        make_loopback(tmp_path, strategy=NoiseSpy([]), no_noise=False)

@@ -515,3 +515,42 @@ def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
         config, tmp_path / "local", mode="in-process", quiet=True, test_only_disable_noise=True
     )
     assert_same_updates(second, reference, config, 4, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # two real runs (~50 s on 2 cores); tests/server/test_resume.py covers it fast
+def test_in_process_resume_falls_back_when_the_latest_checkpoint_is_corrupt(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """A real in-process run stopped after 3 of 4 steps, its latest checkpoint truncated: the same
+    command resumes from the older checkpoint (one line says which and why), skips the charged
+    step it lost (never re-run), finishes, and `userdp ledger verify` accepts the folder."""
+    from userdp.run.loop import RunLoop
+
+    config = small_config(tmp_path, steps=4)
+    config = config.model_copy(
+        update={"coordinator": config.coordinator.model_copy(update={"checkpoint_every": 1})}
+    )
+    original = RunLoop.on_step
+
+    def interrupt_after_step_2(self, step, *args):
+        original(self, step, *args)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunLoop, "on_step", interrupt_after_step_2)
+    out = tmp_path / "run"
+    assert run(config, out, mode="in-process", quiet=True).steps_done == 3
+    monkeypatch.setattr(RunLoop, "on_step", original)
+    tensors = out / "checkpoints" / "ckpt-000000003" / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[: len(tensors.read_bytes()) // 2])
+    with caplog.at_level("WARNING"):
+        resumed = run(config, out, mode="in-process", quiet=True)
+    lines = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "resuming from ckpt-000000002 (step 2), the newest checkpoint that verifies: "
+        "ckpt-000000003: tensors.safetensors does not match its checksum"
+    ), lines
+    assert resumed.steps_done == 4 and resumed.stopped == "finished"
+    ledger = (out / "ledger.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in ledger[1:]] == [0, 1, 2, 3]
+    assert cli.main(["ledger", "verify", str(out)]) == 0

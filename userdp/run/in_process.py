@@ -24,8 +24,8 @@ from userdp.config import Config
 from userdp.proto.codec import task_proto
 from userdp.run.components import RunSetup
 from userdp.run.loop import RunLoop
-from userdp.server.checkpoint import restore_latest, save_checkpoint
-from userdp.server.coordinator import continue_after_lost_steps
+from userdp.server.checkpoint import save_checkpoint
+from userdp.server.resume_point import continue_after_lost_steps, restore_resume_point
 from userdp.strategies.unit_stats import UnitStats
 
 log = logging.getLogger(__name__)
@@ -65,12 +65,15 @@ class InProcessWorker:
 def _resume_in_process(
     checkpoint_dir: Path, params: dict[str, torch.Tensor], strategy: Any, ledger: Any
 ) -> int:
-    """Load the latest in-process checkpoint into ``params`` and ``strategy``; return the next
-    step. Steps the ledger charged after that checkpoint (a crash between checkpoints) are never
-    re-run, as for the coordinator (:func:`~userdp.server.coordinator.continue_after_lost_steps`)."""
-    checkpoint = restore_latest(checkpoint_dir, params, strategy)
+    """Load the newest in-process checkpoint that verifies
+    (:func:`~userdp.server.resume_point.restore_resume_point`) into ``params`` and ``strategy``;
+    return the next step. Steps the ledger charged after that checkpoint (a crash between
+    checkpoints, or a newer checkpoint that did not verify) are never re-run, as for the
+    coordinator (:func:`~userdp.server.resume_point.continue_after_lost_steps`)."""
+    charged = [int(record["step"]) for record in ledger.records]
+    checkpoint = restore_resume_point(checkpoint_dir, params, strategy, charged)
     next_step = checkpoint.step if checkpoint is not None else 0
-    last = ledger.last_step if ledger.records else -1
+    last = max(charged, default=-1)
     if last >= next_step:
         return continue_after_lost_steps(strategy, next_step, last)
     return next_step
