@@ -8,8 +8,8 @@ Durability, like a database's write-ahead log: an append either completes (writt
 leaves the file exactly as it was — a failed write is truncated back to the previous end, and the
 ledger object then refuses further appends until the file is reopened (which re-verifies it). A
 process killed mid-write can leave a partial last line: opening such a file raises
-:class:`LedgerTruncatedError`, and ``userdp ledger repair RUN_DIR`` drops exactly that partial
-line (never a complete record). ``userdp ledger verify RUN_DIR`` checks a run's ledger.
+:class:`LedgerTruncatedError`, and ``userdp ledger repair RUN_DIR`` repairs exactly that partial
+line (:mod:`userdp.accounting.ledger_repair`; never a complete record). ``userdp ledger verify RUN_DIR`` checks a run's ledger.
 One writer at a time: the ledger holds an exclusive ``fcntl.flock`` on ``<path>.lock``.
 The budget check before each append uses :mod:`userdp.accounting.budget`'s certificates.
 """
@@ -43,8 +43,8 @@ from userdp.accounting.ledger_format import (
     read_ledger,
     record_hash,
     release_lock,
-    repair_ledger,
 )
+from userdp.accounting.ledger_repair import repair_ledger
 from userdp.accounting.mechanisms import Mechanism, mechanism_from_dict
 
 __all__ = [

@@ -10,13 +10,15 @@ File format (one JSON object per line, canonical JSON: sorted keys, no spaces):
   "budget_delta", "created", "prev_hash": "", "hash"}``
 * every other line: ``{"type": "step", "step", "mechanism": <Mechanism.to_dict()>, "time",
   "run_id", "prev_hash", "hash"}``, and ``"noise"`` (:data:`NOISE_MODES`) when the writer knew
-  the step's noise generator
+  the step's noise generator; ``"recharged": true`` on a record that ``userdp ledger repair``
+  wrote again for a released step whose line was cut short
 
 ``hash`` is sha256 over the canonical JSON of the record without ``hash``; ``prev_hash`` is the
 previous line's ``hash``, so editing, deleting or reordering any line breaks the chain. A process
-killed mid-write can leave a partial last line (no trailing newline): reading such a file raises
-:class:`LedgerTruncatedError`, and :func:`repair_ledger` drops exactly that partial line (never a
-complete record). One writer at a time: an exclusive ``fcntl.flock`` on ``<path>.lock``.
+killed mid-write (or a file cut short) leaves a partial last line (no trailing newline): reading
+such a file raises :class:`LedgerTruncatedError`, and
+:func:`userdp.accounting.ledger_repair.repair_ledger` repairs exactly that line, as the release
+journal decides (never a complete record). One writer at a time: an exclusive ``fcntl.flock`` on ``<path>.lock``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from userdp.accounting.durable import truncate_durably
 from userdp.accounting.mechanisms import Mechanism, mechanism_from_dict
 
 SCHEMA_VERSION = 1
@@ -128,42 +129,6 @@ def ledger_state(records: Sequence[dict[str, Any]], header: dict[str, Any]) -> d
     return {"steps": len(records), "last_hash": last["hash"]}
 
 
-def repair_ledger(
-    path: str | os.PathLike[str], released_steps: Sequence[int] = ()
-) -> dict[str, Any] | None:
-    """Drop a partial last line of the ledger at ``path`` (a crash mid-write) and return what was
-    dropped (``{"line", "bytes", "text"}``), or None when there was nothing to drop.
-
-    Only an incomplete trailing record (no newline) is ever dropped; a complete record that does
-    not verify raises :class:`LedgerCorruptError` untouched. ``released_steps`` (the release
-    journal's steps) must all be in the complete records: a released step whose record is the
-    partial one would mean a release without a durable charge, so the repair refuses."""
-    path = Path(path)
-    lock_fd = acquire_lock(path)
-    try:
-        data = path.read_bytes() if path.exists() else b""
-        partial = data.rsplit(b"\n", 1)[-1] if data else b""
-        header, records, tail = read_and_verify(path, repair_truncated_tail=True)
-        charged = {r["step"] for r in records}
-        missing = sorted(set(released_steps) - charged)
-        if missing:
-            raise LedgerCorruptError(
-                f"ledger {path}: the release journal shows step(s) {missing[:5]} released but the "
-                "ledger's complete records do not hold them; not repairing (a release was never "
-                "charged): keep the run folder and report it"
-            )
-        if tail is None:
-            return None
-        truncate_durably(path, tail)
-        return {
-            "line": len(records) + 2,
-            "bytes": len(partial),
-            "text": partial[:120].decode("utf-8", "replace"),
-        }
-    finally:
-        release_lock(lock_fd)
-
-
 def read_and_verify(
     path: Path, repair_truncated_tail: bool
 ) -> tuple[dict[str, Any], list[dict[str, Any]], int | None]:
@@ -180,9 +145,9 @@ def read_and_verify(
         if not repair_truncated_tail:
             raise LedgerTruncatedError(
                 f"ledger {path} line {len(lines) + 1} is incomplete (no trailing newline: a crash "
-                "while writing it); that step was never fsync'd and so never released. Run "
-                "`userdp ledger repair RUN_DIR` (Python: Ledger.open(path, "
-                "repair_truncated_tail=True)) to drop only that line"
+                "while writing it, or the file was cut short). Run `userdp ledger repair RUN_DIR`: "
+                "it drops the line if the release journal shows its step was never released, and "
+                "restores its charge if it was; then run the same command to resume"
             )
         truncate_at = len(data) - len(partial)
     if not lines:

@@ -175,3 +175,50 @@ def test_ledger_verify_and_repair_start_without_the_accountants_or_torch(tmp_pat
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[0, 0] ", result.stdout
+
+
+def _journal(run, steps) -> None:
+    (run / "checkpoints").mkdir(exist_ok=True)
+    (run / "checkpoints" / "released.jsonl").write_text(
+        "".join(json.dumps({"step": s, "model_version": s + 1}) + "\n" for s in range(steps))
+    )
+
+
+@pytest.mark.parametrize(
+    "cut, action",
+    [(4, "restored"), (60, "recharged"), (300, None)],
+    ids=["type-cut", "time-cut", "mechanism-cut"],
+)
+def test_a_released_steps_cut_record_gets_its_charge_back(tmp_path, capsys, cut, action):
+    """The file cut short after its last step was released (the journal lists it): the message
+    no longer says the step was never released; `ledger repair` restores the record exactly
+    (only `type` lost), charges the step again with the mechanism the line still names (its
+    time lost), or, with the mechanism lost too, refuses naming the backup; nothing else."""
+    run = _run_dir(tmp_path)
+    path = run / "ledger.jsonl"
+    _journal(run, 3)
+    whole = path.read_bytes()
+    last = read_ledger(path)[1][-1]
+    path.write_bytes(whole[: -cut - 1])  # the newline and `cut` bytes before it
+    with pytest.raises(LedgerTruncatedError) as truncated:
+        Ledger.open(path)
+    assert "so never released" not in str(truncated.value)  # what the journal contradicts
+    assert "restores its charge if it was" in str(truncated.value)
+    code, out, err = _cli(["ledger", "repair", str(run)], capsys)
+    if action is None:
+        assert code == 2 and "step(s) [2] released" in err and "from a backup" in err
+        assert path.read_bytes() == whole[: -cut - 1]
+        return
+    assert code == 0 and "was cut short after step 2 was released" in out, out
+    records = read_ledger(path)[1]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[-1]["mechanism"] == last["mechanism"]
+    if action == "restored":
+        assert path.read_bytes() == whole and "restored it exactly" in out
+    else:
+        assert records[-1]["recharged"] is True and "charged it again" in out
+        assert records[-1]["prev_hash"] == records[-2]["hash"]
+    code, out, _ = _cli(["ledger", "verify", str(run)], capsys)
+    assert code == 0 and json.loads(out)["steps"] == 3
+    with Ledger.open(path) as resumed:  # the run continues after it
+        resumed.append(3, ULS)

@@ -262,3 +262,40 @@ def test_resume_refuses_when_the_ledger_lost_a_released_step(tmp_path):
         ResumeError, match=r"shows step\(s\) \[2\] released but the ledger does not"
     ):
         make_loopback(tmp_path, strategy=NoiseSpy([]), no_noise=False)
+
+
+def test_a_ledger_cut_short_after_a_release_is_repaired_and_the_run_resumes(tmp_path, capsys):
+    """The ledger's last line cut short after its step was broadcast: resume stops naming
+    `userdp ledger repair` (not claiming the step was never released), the repair charges it
+    again, and the same run resumes and finishes with each step charged and released once."""
+    from userdp.accounting.ledger import LedgerTruncatedError
+
+    checkpoints = tmp_path / "checkpoints"
+    loop = make_loopback(
+        tmp_path, strategy=NoiseSpy([]), no_noise=False, checkpoint_dir=checkpoints
+    )
+    try:
+        loop.add_worker("w0", ALL)
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(3)
+    finally:
+        loop.close()
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_bytes(ledger.read_bytes()[:-61])  # the newline, `type` and part of `time`
+    with pytest.raises(LedgerTruncatedError, match="Run `userdp ledger repair RUN_DIR`") as cut:
+        make_loopback(tmp_path, strategy=NoiseSpy([]), no_noise=False, checkpoint_dir=checkpoints)
+    assert "so never released" not in str(cut.value)
+    assert cli.main(["ledger", "repair", str(tmp_path)]) == 0
+    assert "after step 2 was released" in capsys.readouterr().out
+    loop = make_loopback(
+        tmp_path, strategy=NoiseSpy([]), no_noise=False, checkpoint_dir=checkpoints
+    )
+    try:
+        loop.add_worker("w0", ALL)
+        loop.coordinator.wait_for_workers()
+        loop.coordinator.run(5)
+    finally:
+        loop.close()
+    assert [r["step"] for r in loop.coordinator.ledger.records] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in read_release_records(checkpoints)] == [0, 1, 2, 3, 4]
+    assert cli.main(["ledger", "verify", str(tmp_path)]) == 0

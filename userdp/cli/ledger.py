@@ -4,8 +4,10 @@
 is unbroken, steps increase, every step the release journal (``checkpoints/released.jsonl``)
 shows released is charged, and ``privacy_report.json`` and the exported ``model/``, when
 present, match this ledger: the same step count and last record, and the ε each states equals
-the ledger's certified ε at its δ. ``repair`` drops only a partial last line left by a crash mid-write (never a complete
-record) and says what it dropped. Problems are one line and exit status 2.
+the ledger's certified ε at its δ. ``repair`` repairs only a partial last line
+(:mod:`userdp.accounting.ledger_repair`): dropped when a crash mid-write left it, its charge
+restored when the release journal shows its step released; never a complete record. It says what
+it did. Problems are one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -113,16 +115,26 @@ def _stated_epsilon_differs(file: Path, records: list) -> str | None:
 
 
 def _repair(args: argparse.Namespace) -> int:
-    from userdp.accounting.ledger_format import repair_ledger
+    from userdp.accounting.ledger_repair import repair_ledger
 
     path = ledger_path(args.run_dir)
-    dropped = repair_ledger(path, _released(path.parent))
-    if dropped is None:
+    done = repair_ledger(path, _released(path.parent))
+    if done is None:
         print(f"{path}: nothing to repair (every line is complete)")
-    else:
+    elif done["action"] == "dropped":
         print(
-            f"{path}: dropped the partial line {dropped['line']} ({dropped['bytes']} bytes, "
-            f"never fsync'd, so never released): {dropped['text']!r}"
+            f"{path}: dropped the partial line {done['line']} ({done['bytes']} bytes, "
+            f"never fsync'd, so never released): {done['text']!r}"
+        )
+    else:
+        how = (
+            "restored it exactly from what survives"
+            if done["action"] == "restored"
+            else "charged it again with the mechanism the cut line names"
+        )
+        print(
+            f"{path}: line {done['line']} was cut short after step {done['step']} was released "
+            f"(the release journal lists it); {how}. Run the same command to resume"
         )
     return 0
 
@@ -139,7 +151,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.set_defaults(handler=_verify)
     repair = sub.add_parser(
         "repair",
-        help="drop a partial last line left by a crash mid-write (never a complete record)",
+        help="repair a partial last line: drop it if its step was never released, restore its "
+        "charge if the release journal shows it released (never touches a complete record)",
     )
     repair.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (or a ledger file)")
     repair.set_defaults(handler=_repair)
