@@ -21,7 +21,7 @@ if ! { [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$W
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.5"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
     "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" -c "$ROOT/constraints.txt" \
-        -e "$ROOT[dev,simulation,peft,tracking,wandb,bench]"
+        -e "$ROOT[dev,simulation,peft,hf,tracking,wandb,bench]"
     rm -f "$VENV/.userdp-ops-stamp"
     echo "$WANT" > "$STAMP"
 fi

@@ -178,9 +178,20 @@ def strategy_from_config(
     return strategy, execution_options(config), delta
 
 
-def prepare_run(config: Config, quiet: bool = True) -> RunSetup:
-    """Data, user split, population, δ, calibrated strategy and initial model of ``config``."""
+@dataclass(frozen=True)
+class TrainingData:
+    """A run's shards split into training and held-out users, and the training population."""
 
+    shard_dir: Path
+    manifest: Manifest
+    train_users: list[str]
+    eval_users: list[str]
+    population: Population
+
+
+def training_data(config: Config, quiet: bool = True) -> TrainingData:
+    """The shards of ``config``, the user split and the population the sampler draws from;
+    refused when no training user has a target token."""
     shard_dir = shard_directory(config, quiet=quiet)
     with ShardStore(shard_dir) as store:
         counts = store.user_counts()
@@ -202,18 +213,24 @@ def prepare_run(config: Config, quiet: bool = True) -> RunSetup:
         examples_of_user={u: counts[u].n_examples for u in train},
         manifest_sha256=file_sha256(shard_dir / "manifest.json"),
     )
-    strategy, options, delta = strategy_from_config(config, len(train))
+    return TrainingData(shard_dir, manifest, train, held, population)
+
+
+def prepare_run(config: Config, quiet: bool = True) -> RunSetup:
+    """Data, user split, population, δ, calibrated strategy and initial model of ``config``."""
+    data = training_data(config, quiet=quiet)
+    strategy, options, delta = strategy_from_config(config, len(data.train_users))
     model = build_model(
-        config.model, model_shape(manifest, config.data.seq_len), config.output.seed
+        config.model, model_shape(data.manifest, config.data.seq_len), config.output.seed
     )
     trainable, frozen = split_parameters(model)
     return RunSetup(
         config=config,
-        shard_dir=shard_dir,
-        manifest=manifest,
-        train_users=train,
-        eval_users=held,
-        population=population,
+        shard_dir=data.shard_dir,
+        manifest=data.manifest,
+        train_users=data.train_users,
+        eval_users=data.eval_users,
+        population=data.population,
         delta=delta,
         strategy=strategy,
         options=options,
