@@ -44,12 +44,13 @@ def _rows(dataset: Any, columns: list[str]) -> list[dict[str, Any]]:
     return [{c: row[c] for c in columns} for row in dataset]
 
 
-def dataset_texts(dataset: Any, user_column: str, text_column: str, tokenizer: Any) -> pa.Table:
-    """(user id, text) of every example: ``text_column``, or the chat template applied to a
-    ``messages`` column when the dataset has no ``text_column``."""
-    names = list(getattr(dataset, "column_names", None) or [])
+def check_columns(dataset: Any, user_column: str, text_column: str) -> bool:
+    """Refuse a dataset without the user column or text (``text_column`` or chat ``messages``);
+    returns whether the text is chat. An ``IterableDataset`` without known columns is checked
+    when it is read."""
     if dataset is None:
         raise DatasetError("UserDPTrainer needs a train_dataset (or privacy.shards)")
+    names = list(getattr(dataset, "column_names", None) or [])
     if names and user_column not in names:
         raise DatasetError(
             f"the train_dataset has no user column {user_column!r} (columns: {sorted(names)}): "
@@ -62,6 +63,13 @@ def dataset_texts(dataset: Any, user_column: str, text_column: str, tokenizer: A
             f"(columns: {sorted(names)}): set privacy.text_column to the column holding the "
             "text (userdp tokenizes it with the Trainer's processing_class)"
         )
+    return chat
+
+
+def dataset_texts(dataset: Any, user_column: str, text_column: str, tokenizer: Any) -> pa.Table:
+    """(user id, text) of every example: ``text_column``, or the chat template applied to a
+    ``messages`` column when the dataset has no ``text_column``."""
+    chat = check_columns(dataset, user_column, text_column)
     rows = _rows(dataset, [user_column, CHAT_COLUMN if chat else text_column])
     users, texts = [], []
     for row in rows:

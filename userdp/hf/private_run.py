@@ -83,6 +83,8 @@ class StepOutcome:
     loss: float
     units: int
     stop: str | None = None
+    cohort: tuple[str, ...] = ()
+    """The units the step trained on (secret like the sampler seed: never logged)."""
 
 
 class PrivateRun:
@@ -130,7 +132,9 @@ class PrivateRun:
             delta=self.delta,
         )
         self.skip_until = 0
+        self.last: StepOutcome | None = None
         self.test_only_disable_noise = False
+        """NOT PRIVATE, tests only (as ``simulate``'s): no argument or setting reaches it."""
 
     # -- steps -----------------------------------------------------------------------------------
 
@@ -139,11 +143,14 @@ class PrivateRun:
         a step the ledger already charged (lost after the checkpoint it resumed from) is skipped
         and never released again."""
         if step < self.skip_until:
-            return StepOutcome(released=False, loss=math.nan, units=0)
+            self.last = StepOutcome(released=False, loss=math.nan, units=0)
+            return self.last
         stats = UnitStats()
+        cohort: list[str] = []
 
         def gather(spec: Any, unit_ids: Any, params: dict[str, torch.Tensor]) -> Any:
             nonlocal stats
+            cohort.extend(unit_ids)
             task = task_proto(spec, step, "trainer", 0, 0, list(unit_ids), 0.0)
             result = self.compute.compute(task)
             stats += result.stats
@@ -167,7 +174,8 @@ class PrivateRun:
             )
         except BudgetExceededError as exc:
             log.warning("stopping before step %d: %s", step, exc)
-            return StepOutcome(released=False, loss=math.nan, units=0, stop="budget")
+            self.last = StepOutcome(released=False, loss=math.nan, units=0, stop="budget")
+            return self.last
         finally:
             self.model.train(was_training)
         gradient = self.strategy.optimizer.take()  # the noisy mean, after the ledger append
@@ -177,7 +185,10 @@ class PrivateRun:
                 if gradient is None
                 else torch.as_tensor(gradient[name]).to(param.device, param.dtype)
             )
-        return StepOutcome(released=True, loss=stats.loss_mean, units=record.units)
+        self.last = StepOutcome(
+            released=True, loss=stats.loss_mean, units=record.units, cohort=tuple(cohort)
+        )
+        return self.last
 
     def epsilon(self) -> float | None:
         return self.ledger.spent(self.delta) if self.ledger.records else None

@@ -20,7 +20,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from userdp.hf.arguments import UserDPArguments
-from userdp.hf.data import dataset_shards
+from userdp.hf.data import check_columns, dataset_shards
 from userdp.hf.guards import TrainerSettingError, refusals
 from userdp.hf.private_run import PrivateRun
 
@@ -58,7 +58,11 @@ class UserDPTrainerMixin:
         problems = refusals(self.args, self.data_collator)
         if problems:
             raise TrainerSettingError("; ".join(problems))
+        if privacy.shards is None:
+            check_columns(self._raw_train_dataset, privacy.user_column, privacy.text_column)
         self.private: PrivateRun | None = None
+        self.test_only_disable_noise = False
+        """NOT PRIVATE, tests only: compare with ``simulate``'s noiseless mode."""
         self.add_callback(_EpsilonOnProgressBar(self))
 
     # -- the run ---------------------------------------------------------------------------------
@@ -86,7 +90,9 @@ class UserDPTrainerMixin:
         steps = self._steps()
         self.args.max_steps = steps
         config = self.privacy.to_config(shards, steps, out)
-        return PrivateRun(config, self.model, out)
+        private = PrivateRun(config, self.model, out)
+        private.test_only_disable_noise = self.test_only_disable_noise
+        return private
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """The Trainer's ``train`` with userdp's steps; ``resume_from_checkpoint`` also restores
