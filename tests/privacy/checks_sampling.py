@@ -65,40 +65,48 @@ def check_uls_sampler_matches_accountant() -> None:
     users = _users()
     mechanism = strategy.mechanism()
     assert mechanism.kind == "uls", f"Poisson-user sampling accounted as {mechanism.kind!r}"
-    q = mechanism.sampling_prob
+    cohorts = [strategy.sample_cohort(step, users).unit_ids for step in range(STEPS)]
+    assert_poisson_cohorts(cohorts, users, mechanism.sampling_prob)
+
+
+def assert_poisson_cohorts(cohorts: list, users: list[str], q: float, what: str = "") -> None:
+    """The cohorts of consecutive steps are Poisson samples of ``users`` at rate ``q``: no user
+    twice in a step, every user equally likely and fresh every step, cohort sizes as
+    Binomial(N, q), and the inclusion count within the exact Binomial(N·T, q) interval."""
+    n_users, steps = len(users), len(cohorts)
+    where = f"{what}: " if what else ""
     index = {u: i for i, u in enumerate(users)}
-    counts = np.zeros(N_USERS, dtype=np.int64)
-    sizes = np.zeros(STEPS, dtype=np.int64)
-    for step in range(STEPS):
-        cohort = strategy.sample_cohort(step, users)
-        assert len(set(cohort.unit_ids)) == len(cohort), f"step {step}: a user sampled twice"
-        for unit in cohort.unit_ids:
+    counts = np.zeros(n_users, dtype=np.int64)
+    sizes = np.zeros(steps, dtype=np.int64)
+    for step, cohort in enumerate(cohorts):
+        assert len(set(cohort)) == len(cohort), f"{where}step {step}: a user sampled twice"
+        for unit in cohort:
             counts[index[unit]] += 1
         sizes[step] = len(cohort)
     total = int(counts.sum())
-    rate = total / (N_USERS * STEPS)  # shape tests below use the empirical rate, not q
+    rate = total / (n_users * steps)  # shape tests below use the empirical rate, not q
     # every user equally likely and fresh every step (a frozen cohort is 0/T per user)
-    heterogeneity = float(np.sum((counts - counts.mean()) ** 2) / (STEPS * rate * (1 - rate)))
-    h_lo, h_hi = chi2_interval(N_USERS - 1, slack=0.05)
+    heterogeneity = float(np.sum((counts - counts.mean()) ** 2) / (steps * rate * (1 - rate)))
+    h_lo, h_hi = chi2_interval(n_users - 1, slack=0.05)
     assert h_lo <= heterogeneity <= h_hi, (
-        f"per-user inclusion counts (min {counts.min()}, max {counts.max()} of {STEPS} steps) are "
-        f"not iid Binomial({STEPS}, {rate:.4f}): statistic {heterogeneity:.1f} outside "
-        f"[{h_lo:.1f}, {h_hi:.1f}]; users are not sampled independently each step"
+        f"{where}per-user inclusion counts (min {counts.min()}, max {counts.max()} of {steps} "
+        f"steps) are not iid Binomial({steps}, {rate:.4f}): statistic {heterogeneity:.1f} "
+        f"outside [{h_lo:.1f}, {h_hi:.1f}]; users are not sampled independently each step"
     )
     # cohort sizes vary like Binomial(N, q) (a fixed-size cohort is not Poisson sampling)
-    dispersion = float(np.sum((sizes - sizes.mean()) ** 2) / (N_USERS * rate * (1 - rate)))
-    d_lo, d_hi = chi2_interval(STEPS - 1, slack=0.05)
+    dispersion = float(np.sum((sizes - sizes.mean()) ** 2) / (n_users * rate * (1 - rate)))
+    d_lo, d_hi = chi2_interval(steps - 1, slack=0.05)
     assert d_lo <= dispersion <= d_hi, (
-        f"cohort sizes (min {sizes.min()}, max {sizes.max()}, var {sizes.var():.2f}) are not "
-        f"Binomial({N_USERS}, {rate:.4f}) (variance {N_USERS * rate * (1 - rate):.2f}): "
+        f"{where}cohort sizes (min {sizes.min()}, max {sizes.max()}, var {sizes.var():.2f}) are "
+        f"not Binomial({n_users}, {rate:.4f}) (variance {n_users * rate * (1 - rate):.2f}): "
         f"dispersion statistic {dispersion:.1f} outside [{d_lo:.1f}, {d_hi:.1f}]; the accountant "
         "assumes Poisson sampling (fixed-size cohorts have no tight accountant and must be flagged)"
     )
-    lo, hi = binomial_interval(N_USERS * STEPS, q)
+    lo, hi = binomial_interval(n_users * steps, q)
     assert lo <= total <= hi, (
-        f"sampler included users at rate {rate:.5f} over {STEPS} steps but the accountant "
+        f"{where}sampler included users at rate {rate:.5f} over {steps} steps but the accountant "
         f"(ledger mechanism) is told q = {q:g}: {total} inclusions is outside the exact "
-        f"Binomial({N_USERS * STEPS}, {q:g}) interval [{lo}, {hi}]"
+        f"Binomial({n_users * steps}, {q:g}) interval [{lo}, {hi}]"
     )
 
 

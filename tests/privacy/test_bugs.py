@@ -26,6 +26,7 @@ from . import checks_calibration as calibration
 from . import checks_clipping as clipping
 from . import checks_coordinator as coordinator
 from . import checks_gather as gather
+from . import checks_hf as hf
 from . import checks_model_noise as model_noise
 from . import checks_noise as noise
 from . import checks_pld as pld
@@ -90,6 +91,7 @@ CHECKS: dict[str, Callable[[object], None]] = {
             ),
         )
     },
+    "coordinator_replay_commitment": coordinator.check_coordinator_replay_commits_a_fresh_release,
     "uls_sampler_matches_accountant": _no_tmp(sampling.check_uls_sampler_matches_accountant),
     "els_sampler_matches_accountant": _no_tmp(sampling.check_els_sampler_matches_accountant),
     "els_ranked_sampler_matches_accountant": _no_tmp(
@@ -138,6 +140,9 @@ CHECKS: dict[str, Callable[[object], None]] = {
     ),
     "calibration_delta_is_the_reports": calibration.check_calibration_delta_is_the_reports,
     "run_states_one_certified_epsilon": run_epsilon.check_run_states_one_certified_epsilon,
+    "trainer_sampling": hf.check_trainer_samples_poisson_cohorts_at_the_ledgers_q,
+    "trainer_noise_magnitude": hf.check_trainer_update_carries_the_calibrated_noise,
+    "trainer_ledger_before_optimizer": hf.check_trainer_charges_each_step_before_its_optimizer_step,
 }
 
 
@@ -324,6 +329,19 @@ CASES: list[Case] = [
         "noise_fresh_after_resume",
         "coordinator_resume_fresh_noise",
         "coordinator_resume_fresh_noise_collective",
+    ),
+    *_cases(
+        "noise reused after resume",
+        "mutation_replay_reuses_discarded_noise",
+        REUSED,
+        "coordinator_replay_commitment",
+        "coordinator_resume_fresh_noise",
+    ),
+    *_cases(
+        "noise reused after resume",
+        "mutation_noise_seeded_by_step",
+        REUSED,
+        "coordinator_replay_commitment",
     ),
     *_cases(
         "noise reused after resume",
@@ -619,6 +637,44 @@ CASES: list[Case] = [
         r"split product of R·c is incomplete",
         "engine_split_book_keeping_product",
     ),
+    # --- the Hugging Face Trainer path (userdp.hf) ---------------------------------------------
+    *_cases(
+        "sampler inclusion probability ≠ accountant q",
+        "mutation_sampler_q_differs",
+        r"UserDPTrainer: .*the accountant \(ledger mechanism\) is told q",
+        "trainer_sampling",
+    ),
+    *_cases(
+        "sampler not fresh every step",
+        "mutation_sampler_frozen_cohort",
+        r"UserDPTrainer: .*not iid Binomial",
+        "trainer_sampling",
+    ),
+    *_cases(
+        "fixed-size sampling accounted as Poisson",
+        "mutation_sampler_fixed_size",
+        r"UserDPTrainer: .*are not Binomial",
+        "trainer_sampling",
+    ),
+    *_cases(
+        "noise not scaled by C",
+        "mutation_noise_not_scaled_by_clip",
+        NOISE_STD,
+        "trainer_noise_magnitude",
+    ),
+    *_cases("missing noise", "mutation_no_noise", NO_NOISE, "trainer_noise_magnitude"),
+    *_cases(
+        "noise normalized by realized instead of expected cohort",
+        "mutation_normalize_by_realized_cohort",
+        NOISE_STD,
+        "trainer_noise_magnitude",
+    ),
+    *_cases(
+        "step applied before the ledger charges it",
+        "mutation_ledger_skips_first_step",
+        r"ledger before release: when the Trainer's optimizer applied step 0",
+        "trainer_ledger_before_optimizer",
+    ),
 ]
 
 REQUIRED_BUGS = frozenset(
@@ -660,6 +716,7 @@ REQUIRED_BUGS = frozenset(
         "slack in the clip",
         "rounding margin in the wrong direction",
         "tensor-core book-keeping split product incomplete",
+        "step applied before the ledger charges it",
     }
 )
 

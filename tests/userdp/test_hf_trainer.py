@@ -268,3 +268,24 @@ def test_sft_trainer_on_chat_data(tmp_path, tokenizer) -> None:
     manifest = json.loads((shards / "manifest.json").read_text())
     assert manifest["totals"]["users"] == 40 and manifest["totals"]["examples"] == 80
     assert main(["ledger", "verify", str(tmp_path)]) == 0
+
+
+def test_the_example_script_runs_and_its_folder_verifies(tmp_path) -> None:
+    """examples/hf_trainer.py as a user runs it: it trains, prints ε, and its output folder is
+    a run folder that `userdp report` and `userdp ledger verify` accept."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "hf_trainer.py"), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
+    assert f"ε = {report['epsilon']:.3f}" in done.stdout and report["epsilon"] <= 8.0
+    assert ledger_steps(tmp_path / "run") == list(range(40))
+    assert main(["report", str(tmp_path / "run")]) == 0
+    assert main(["ledger", "verify", str(tmp_path / "run")]) == 0
