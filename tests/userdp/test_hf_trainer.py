@@ -289,3 +289,80 @@ def test_the_example_script_runs_and_its_folder_verifies(tmp_path) -> None:
     assert ledger_steps(tmp_path / "run") == list(range(40))
     assert main(["report", str(tmp_path / "run")]) == 0
     assert main(["ledger", "verify", str(tmp_path / "run")]) == 0
+
+
+@pytest.mark.parametrize(
+    ("privacy", "kind"),
+    [
+        ({"unit": "example"}, "els"),
+        (
+            {"strategy": "randomized-clipping", "engine": "randomized", "probes": 4},
+            "randomized-clipping",
+        ),
+    ],
+)
+def test_example_level_and_randomized_clipping_strategies(
+    tmp_path, tokenizer, privacy, kind
+) -> None:
+    options = {k: v for k, v in PRIVACY.items() if k != "engine"}
+    trainer = UserDPTrainer(
+        model=tiny_model(tokenizer),
+        args=trainer_args(tmp_path, 2),
+        train_dataset=user_dataset(),
+        processing_class=tokenizer,
+        privacy=UserDPArguments(epsilon=8.0, **options, **privacy),
+    )
+    trainer.train()
+    lines = (tmp_path / "ledger.jsonl").read_text().splitlines()
+    kinds = {r["mechanism"]["kind"] for r in map(json.loads, lines) if r["type"] == "step"}
+    assert kinds == {kind} and ledger_steps(tmp_path) == [0, 1]
+    assert main(["ledger", "verify", str(tmp_path)]) == 0
+
+
+def test_a_userdp_shards_folder_instead_of_a_dataset(tmp_path, capsys) -> None:
+    """privacy.shards: a folder `userdp shard` wrote (byte tokenizer), no train_dataset."""
+    from tests.userdp.hf_fixtures import user_texts
+
+    ids, texts = user_texts()
+    source = tmp_path / "input.jsonl"
+    source.write_text(
+        "".join(json.dumps({"uid": u, "text": t}) + "\n" for u, t in zip(ids, texts, strict=True))
+    )
+    argv = ["shard", str(source), "--user-column", "uid", "--text-column", "text"]
+    assert main([*argv, "--out", str(tmp_path / "shards")]) == 0
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+
+    class ByteVocabulary:
+        eos_token_id = pad_token_id = manifest["tokenizer"]["pad_id"]
+
+        def __len__(self) -> int:
+            return manifest["tokenizer"]["vocab_size"]
+
+    trainer = UserDPTrainer(
+        model=tiny_model(ByteVocabulary()),
+        args=trainer_args(tmp_path / "run", 2),
+        privacy=UserDPArguments(shards=str(tmp_path / "shards"), epsilon=8.0, **PRIVACY),
+    )
+    trainer.train()
+    assert ledger_steps(tmp_path / "run") == [0, 1]
+    assert not (tmp_path / "run" / "userdp_shards").exists()
+
+
+def test_an_iterable_dataset_is_sharded_like_a_dataset(tmp_path, tokenizer) -> None:
+    from userdp.hf.data import dataset_shards
+
+    a = dataset_shards(user_dataset(), "user_id", "text", tokenizer, tmp_path / "a")
+    b = dataset_shards(
+        user_dataset().to_iterable_dataset(), "user_id", "text", tokenizer, tmp_path / "b"
+    )
+    assert a.name == b.name  # the same data and tokenizer: the same content hash
+    for name in ("manifest.json",):
+        left, right = (json.loads((f / name).read_text()) for f in (a, b))
+        assert (
+            left["totals"]
+            == right["totals"]
+            == {"users": 40, "examples": 120, "tokens": left["totals"]["tokens"]}
+        )
+    assert (
+        dataset_shards(user_dataset(), "user_id", "text", tokenizer, tmp_path / "a") == a
+    )  # reused
