@@ -38,6 +38,7 @@ from userdp.accounting.ledger_format import (
     acquire_lock,
     canonical_json,
     group_phases,
+    is_sha256,
     ledger_state,
     read_and_verify,
     read_ledger,
@@ -270,12 +271,15 @@ class Ledger:
         *,
         enforce_budget: bool = True,
         noise: str | None = None,
+        release_sha256: str | None = None,
     ) -> dict:
         """Durably record one released step (write, flush, fsync) and return the record.
 
         Refuses a step number not strictly greater than the last one, and (when the ledger has a
         budget and ``enforce_budget``) a step that would exceed it; both before any write.
-        ``noise`` records the step's noise generator (one of :data:`NOISE_MODES`) for the report.
+        ``noise`` records the step's noise generator (one of :data:`NOISE_MODES`) for the report;
+        ``release_sha256`` the commitment to its noise draw
+        (:mod:`userdp.strategies.release_commitment`).
         """
         if self._lock_fd is None:
             raise LedgerError(f"ledger {self.path} is closed")
@@ -293,6 +297,8 @@ class Ledger:
             )
         if noise is not None and noise not in NOISE_MODES:
             raise ValueError(f"noise={noise!r} is not allowed; expected one of {NOISE_MODES}")
+        if release_sha256 is not None and not is_sha256(release_sha256):
+            raise ValueError(f"release_sha256={release_sha256!r} is not a hex SHA-256")
         mechanism_dict = mechanism.to_dict()
         mechanism_from_dict(mechanism_dict)  # must round-trip or the ledger can't re-account
         if enforce_budget and self.budget is not None:
@@ -308,6 +314,8 @@ class Ledger:
         }
         if noise is not None:
             record["noise"] = noise
+        if release_sha256 is not None:
+            record["release_sha256"] = release_sha256
         record["hash"] = record_hash(record)
         self._write_line(record, mode="a")
         self._records.append(record)

@@ -10,8 +10,10 @@ File format (one JSON object per line, canonical JSON: sorted keys, no spaces):
   "budget_delta", "created", "prev_hash": "", "hash"}``
 * every other line: ``{"type": "step", "step", "mechanism": <Mechanism.to_dict()>, "time",
   "run_id", "prev_hash", "hash"}``, and ``"noise"`` (:data:`NOISE_MODES`) when the writer knew
-  the step's noise generator; ``"recharged": true`` on a record that ``userdp ledger repair``
-  wrote again for a released step whose line was cut short
+  the step's noise generator; ``"release_sha256"``, the commitment to the step's noise draw
+  (:mod:`userdp.strategies.release_commitment`; records without it predate the field); and
+  ``"recharged": true`` on a record that ``userdp ledger repair`` wrote again for a released step
+  whose line was cut short
 
 ``hash`` is sha256 over the canonical JSON of the record without ``hash``; ``prev_hash`` is the
 previous line's ``hash``, so editing, deleting or reordering any line breaks the chain. A process
@@ -66,6 +68,14 @@ class BudgetExceededError(LedgerError):
 
 class StepOrderError(LedgerError):
     """A step number that is not strictly greater than the last one (a duplicate release)."""
+
+
+HEX = frozenset("0123456789abcdef")
+
+
+def is_sha256(value: Any) -> bool:
+    """``value`` is a lower-case hex SHA-256 (a step record's ``release_sha256``)."""
+    return isinstance(value, str) and len(value) == 64 and all(c in HEX for c in value)
 
 
 def canonical_json(record: dict[str, Any]) -> str:
@@ -188,6 +198,8 @@ def read_and_verify(
                 mechanism_from_dict(record["mechanism"])
             except (KeyError, ValueError) as e:
                 raise LedgerCorruptError(f"{where}: bad mechanism ({e})") from None
+            if "release_sha256" in record and not is_sha256(record["release_sha256"]):
+                raise LedgerCorruptError(f"{where}: release_sha256 is not a hex SHA-256")
         parsed.append(record)
     return parsed[0], parsed[1:], truncate_at
 

@@ -24,8 +24,9 @@ checkpoints, the release journal and resume around it. Its workers are a
 6. ``update``: the strategy's server optimizer steps on the noisy sum (÷ EXPECTED cohort size).
 7. ``checkpoint`` (every ``checkpoint_every`` steps): model, strategy state (optimizer, sampler,
    correlated-noise buffers), step, model version, ledger offset.
-8. ``broadcast``: the step is appended (fsync'd) to the release journal, then the fleet sends the
-   new trainable tensors to every connected worker (chunked).
+8. ``broadcast``: the step is appended (fsync'd) to the release journal with the commitment to
+   its release (a replay's own, never the discarded draw's), then the fleet sends the new
+   trainable tensors to every connected worker (chunked).
 
 Resume (:meth:`Coordinator.resume`): the ledger, not the checkpoint, says what was spent. It
 starts from the newest checkpoint that verifies (:mod:`userdp.server.resume_point`: checksums,
@@ -72,6 +73,7 @@ from userdp.server.release_journal import append_release_journal, read_release_r
 from userdp.server.resume_point import ResumeError as ResumeError  # tests import it from here
 from userdp.server.resume_point import continue_after_lost_steps, restore_resume_point
 from userdp.server.startup import WorkerProgress
+from userdp.strategies.release_commitment import release_sha256
 from userdp.strategies.step import CohortSum, ExecutionOptions, PlannedStep, run_step
 from userdp.strategies.unit_stats import UnitStats
 
@@ -291,7 +293,7 @@ class Coordinator:
             return CohortSum(summed, cohort_sum.stats)
 
         replay = self._charged_unreleased == step  # charged before a crash, never released
-        planned, _, _ = run_step(
+        planned, _, release = run_step(
             self.strategy,
             step,
             self.params,
@@ -313,7 +315,13 @@ class Coordinator:
             self.save()
 
         phase("broadcast")
-        append_release_journal(self.checkpoint_dir, step, self.model_version)
+        append_release_journal(
+            self.checkpoint_dir,
+            step,
+            self.model_version,
+            release_sha256=self._commitment(step, release, replay),
+            replayed=replay,
+        )
         self.fleet.broadcast(self.params)
         phase("done")
         times.pop("done")
@@ -329,6 +337,15 @@ class Coordinator:
             sum(times.values()),
         )
         return report
+
+    def _commitment(self, step: int, release: Any, replay: bool) -> str:
+        """The release's commitment: the one the ledger recorded with this step's charge (not
+        hashed twice), or, for a replay (charged by an earlier process for the draw its crash
+        discarded), the release's own."""
+        last = self.ledger.records[-1] if self.ledger.records else {}
+        if not replay and last.get("step") == step and "release_sha256" in last:
+            return last["release_sha256"]
+        return release_sha256(release)
 
     def save(self) -> Path:
         return save_checkpoint(

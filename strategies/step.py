@@ -14,8 +14,9 @@ they pass in. The order is the privacy contract:
    others refuse it before any work);
 4. the strategy privatizes it into a :class:`~userdp.strategies.base.Release` (fresh noise; a
    retried step draws new noise);
-5. the ledger records the mechanism — fsync'd — BEFORE anything derived from the release leaves
-   (a replayed step that was charged before a crash is not charged again);
+5. the ledger records the mechanism and a commitment to the release
+   (:mod:`~userdp.strategies.release_commitment`) — fsync'd — BEFORE anything derived from the
+   release leaves (a replayed step that was charged before a crash is not charged again);
 6. ``on_release`` observers see the release (an auditor sees exactly what is published);
 7. the strategy's server update applies it (post-processing).
 
@@ -35,6 +36,7 @@ from userdp.accounting.ledger import Ledger
 from userdp.accounting.mechanisms import Mechanism
 from userdp.strategies.base import Cohort, Release, Strategy, StrategyError, TaskSpec
 from userdp.strategies.noise import noise_mode
+from userdp.strategies.release_commitment import release_sha256
 from userdp.strategies.unit_stats import UnitStats
 
 __all__ = [
@@ -177,11 +179,12 @@ def finish_step(
         release = strategy.privatize(step, cohort_sum.sums, cohort_sum.stats, cohort)
     _phase(on_phase, "ledger")
     if charge and ledger is not None:  # fsync'd; refuses a step over the budget
-        if isinstance(ledger, Ledger):  # which noise the step drew, for the report
+        if isinstance(ledger, Ledger):  # which noise the step drew, and a commitment to it
             noise = (
                 "none" if test_only_disable_noise else noise_mode(getattr(strategy, "noise", None))
             )
-            ledger.append(step, planned.mechanism, noise=noise)
+            commitment = release_sha256(release)
+            ledger.append(step, planned.mechanism, noise=noise, release_sha256=commitment)
         else:  # any object with append(step, mechanism), e.g. a test's list
             ledger.append(step, planned.mechanism)
     if on_release is not None:

@@ -222,3 +222,53 @@ def test_a_released_steps_cut_record_gets_its_charge_back(tmp_path, capsys, cut,
     assert code == 0 and json.loads(out)["steps"] == 3
     with Ledger.open(path) as resumed:  # the run continues after it
         resumed.append(3, ULS)
+
+
+COMMITS = [f"{n:064x}" for n in (11, 12, 13, 99)]
+
+
+@pytest.mark.parametrize(
+    "journal, problem",
+    [
+        ([{}, {}, {}], None),  # lines written before the field: nothing to compare
+        ([{"c": 0}, {"c": 1}, {"c": 2}], None),
+        ([{"c": 0}, {"c": 1}, {"c": 3, "replayed": True}], None),  # fresh draw on the replay
+        (
+            [{"c": 0}, {"c": 1}, {"c": 2, "replayed": True}],
+            "step 2 was replayed with the release its crash discarded",
+        ),
+        ([{"c": 0}, {"c": 3}, {"c": 2}], "step 1's release (release journal) is not the draw"),
+    ],
+    ids=["old-format", "as-charged", "replay-fresh", "replay-reused", "release-not-charged"],
+)
+def test_verify_checks_the_release_commitments(tmp_path, capsys, journal, problem):
+    """`ledger verify` compares each release's commitment with the ledger's: a step released once
+    must release the draw the ledger charged; a replayed step must not release the draw its
+    crash discarded (the one the ledger charged before the crash)."""
+    with Ledger.create(tmp_path / "ledger.jsonl", budget_epsilon=50.0, delta=1e-5) as led:
+        for step in range(3):
+            led.append(step, ULS, release_sha256=COMMITS[step])
+    lines = []
+    for step, line in enumerate(journal):
+        entry = {"step": step, "model_version": step + 1}
+        if "c" in line:
+            entry["release_sha256"] = COMMITS[line["c"]]
+        lines.append({**entry, **({"replayed": True} if line.get("replayed") else {})})
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "released.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in lines)
+    )
+    code, out, err = _cli(["ledger", "verify", str(tmp_path)], capsys)
+    if problem is None:
+        replayed = [s for s, line in enumerate(journal) if line.get("replayed")]
+        assert code == 0 and json.loads(out)["replayed"] == replayed, err
+    else:
+        assert code == 2 and problem in err and len(err.splitlines()) == 1, err
+
+
+def test_a_malformed_release_commitment_is_refused(tmp_path):
+    with Ledger.create(tmp_path / "ledger.jsonl", budget_epsilon=50.0, delta=1e-5) as led:
+        with pytest.raises(ValueError, match="not a hex SHA-256"):
+            led.append(0, ULS, release_sha256="deadbeef")
+        record = led.append(0, ULS, release_sha256=COMMITS[0])
+    assert read_ledger(tmp_path / "ledger.jsonl")[1] == [record]

@@ -10,6 +10,9 @@
 - :func:`check_coordinator_resume_draws_fresh_noise`: the coordinator crashes after drawing a
   step's noise but before releasing it; a new process resumes from the checkpoint and replays
   the step: every noise draw of the run (before and after the crash) is independent.
+- :func:`check_coordinator_replay_commits_a_fresh_release`: the same crash after the ledger
+  append; the replay's release commitment in the release journal differs from the discarded
+  draw's in the ledger, and `userdp ledger verify` accepts the run.
 
 Each check takes ``collective``: run it over the collective data plane (the workers hold their
 sums, reduce them in a gloo group to the coordinator, and receive versions through the group;
@@ -75,6 +78,7 @@ def make_loopback(
     settings: CoordinatorSettings | None = None,
     fault_hook=None,
     collective: bool = False,
+    checkpoint_dir: Path | None = None,
 ) -> Loopback:
     """tests/server/harness.make_loopback with this module's parameters (a model large enough
     for exact noise statistics, 1 MiB chunks); ``collective``: the collective data plane."""
@@ -88,6 +92,7 @@ def make_loopback(
         fault_hook=fault_hook,
         publisher_chunk_bytes=1 << 20,
         group=GROUP if collective else None,
+        checkpoint_dir=checkpoint_dir,
     )
 
 
@@ -359,3 +364,61 @@ def check_coordinator_uls_resume_never_rereleases(tmp_path: Path, collective: bo
         f"ledger {charged} vs releases {journal}: every release charged exactly once"
     )
     assert journal[-1] == 4, f"the resumed run did not finish: releases {journal}"
+
+
+def check_coordinator_replay_commits_a_fresh_release(
+    tmp_path: Path, collective: bool = False
+) -> None:
+    """The coordinator crashes after charging step 1 and before releasing it (at the update); a
+    new process resumes and replays step 1 (same checkpoint, cohort and toy sum). The release
+    journal must mark the replay, its commitment (``release_sha256``) must differ from the one
+    the ledger recorded for the discarded draw — reused noise on the same sum would give the same
+    release — and `userdp ledger verify` must accept the run folder."""
+    from userdp.server.release_journal import read_release_records
+
+    from userdp.cli import main as cli_main
+
+    class Crash(Exception):
+        pass
+
+    def crash(phase, step):
+        if (phase, step) == ("update", 1):
+            raise Crash()
+
+    population = toy.toy_population(N_USERS, 4)
+    shards = list(population.shard_sha256)
+    shapes = {"w": (16, 8), "b": (8,)}
+    checkpoints = tmp_path / "checkpoints"  # a run folder's layout, which `ledger verify` reads
+    for hook in (crash, None):
+        loop = make_loopback(
+            tmp_path,
+            _strategy(0),
+            _params(shapes),
+            population,
+            fault_hook=hook,
+            collective=collective,
+            checkpoint_dir=checkpoints,
+        )
+        try:
+            start_worker(loop, "w0", shards, toy.ToyCompute())
+            loop.coordinator.wait_for_workers()
+            loop.coordinator.run(3)
+        except Crash:
+            pass
+        finally:
+            loop.close()
+    committed = {r["step"]: r.get("release_sha256") for r in loop.coordinator.ledger.records}
+    journal = read_release_records(checkpoints)
+    replays = [line for line in journal if line.get("replayed")]
+    assert [line["step"] for line in replays] == [1], (
+        f"precondition: step 1 charged before the crash must be replayed once ({journal})"
+    )
+    assert committed[1] is not None and replays[0].get("release_sha256") is not None, (
+        "the ledger and the release journal must commit to step 1's releases"
+    )
+    assert replays[0]["release_sha256"] != committed[1], (
+        "step 1 was replayed with the release the crash discarded (release_sha256 IDENTICAL in "
+        "the ledger and the release journal): the replay did not draw fresh noise"
+    )
+    code = cli_main(["ledger", "verify", str(tmp_path)])
+    assert code == 0, "`userdp ledger verify` refuses the run's release commitments"

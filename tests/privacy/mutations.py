@@ -234,6 +234,21 @@ def mutation_noise_seeded_by_step(monkeypatch):
 
 
 @pytest.fixture
+def mutation_replay_reuses_discarded_noise(monkeypatch):
+    """Each step index's noise is drawn once and kept: a step retried, or replayed after a crash
+    that discarded its release, gets the draw it had before instead of fresh noise."""
+    drawn: dict[int, dict] = {}
+    original = GaussianNoise.sample
+
+    def sample(self, step, like):
+        if step not in drawn:
+            drawn[step] = original(self, step, like)
+        return drawn[step]
+
+    monkeypatch.setattr(GaussianNoise, "sample", sample)
+
+
+@pytest.fixture
 def mutation_noise_seed_from_config(monkeypatch):
     """The noise generator is seeded from the config seed instead of os.urandom: every new
     process (a resumed coordinator) starts the same stream."""

@@ -85,10 +85,10 @@ def inject(kind: str, where: str, monkeypatch):
         return None
     real_append = coordinator_module.append_release_journal
 
-    def failing_append(directory, step, model_version):
+    def failing_append(directory, step, model_version, **commitment):
         if step == FAULT_STEP:
             raise disk_full()
-        return real_append(directory, step, model_version)
+        return real_append(directory, step, model_version, **commitment)
 
     monkeypatch.setattr(coordinator_module, "append_release_journal", failing_append)
     return None

@@ -12,7 +12,7 @@ import torch
 from userdp.accounting import UlsMechanism, epsilon
 from userdp.server.checkpoint import load_checkpoint, load_latest
 from userdp.server.coordinator import PHASES
-from userdp.server.release_journal import read_release_records
+from userdp.server.release_journal import commitment_problem, read_release_records
 from userdp.strategies.builtins import UserLevelSampling
 from userdp.strategies.dpftrl import BltDpFtrl
 from userdp.strategies.optimizers import Sgd
@@ -106,6 +106,16 @@ def test_crash_at_every_phase_then_resume(tmp_path, phase):
         assert draws_of_step_1 == 2 and final.count(1) == 1
     else:
         assert 1 in charged and draws_of_step_1 == 1  # released (checkpointed): not replayed
+    # the commitments: each release is the draw the ledger charged; the replayed step's is not
+    # the draw the crash discarded (which the ledger committed to with the charge)
+    records = loop2.coordinator.ledger.records
+    journal = read_release_records(tmp_path / "ckpt")
+    committed = {r["step"]: r["release_sha256"] for r in records}
+    released = {line["step"]: line for line in journal}
+    if 1 in released:  # (not after a crash at the broadcast: step 1 went out with step 2)
+        assert released[1].get("replayed", False) == replay
+        assert (released[1]["release_sha256"] == committed[1]) != replay
+    assert commitment_problem(records, journal) is None
 
 
 @pytest.mark.parametrize("phase", ["noise", "checkpoint", "broadcast"])

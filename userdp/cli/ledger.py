@@ -2,7 +2,9 @@
 
 ``verify`` reads the run's ``ledger.jsonl``: every line parses, every hash matches, the chain
 is unbroken, steps increase, every step the release journal (``checkpoints/released.jsonl``)
-shows released is charged, and ``privacy_report.json`` and the exported ``model/``, when
+shows released is charged, each release's commitment (``release_sha256``) is the draw the ledger
+charged, or, for a replayed step, differs from the draw its crash discarded, and
+``privacy_report.json`` and the exported ``model/``, when
 present, match this ledger: the same step count and last record, and the ε each states equals
 the ledger's certified ε at its δ. ``repair`` repairs only a partial last line
 (:mod:`userdp.accounting.ledger_repair`): dropped when a crash mid-write left it, its charge
@@ -39,6 +41,7 @@ def _verify(args: argparse.Namespace) -> int:
         ledger_state,
         read_ledger,
     )
+    from userdp.server.release_journal import commitment_problem, read_release_records
 
     path = ledger_path(args.run_dir)
     header, records = read_ledger(path)
@@ -49,6 +52,10 @@ def _verify(args: argparse.Namespace) -> int:
             f"{path}: the release journal shows step(s) {missing[:5]} released but the ledger "
             "does not charge them"
         )
+    journal = read_release_records(path.parent / "checkpoints")
+    problem = commitment_problem(records, journal)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
     report = path.parent / "privacy_report.json"
     stale, report_state = None, "missing"
     if report.is_file():
@@ -82,6 +89,7 @@ def _verify(args: argparse.Namespace) -> int:
                 "last_step": steps[-1] if steps else None,
                 "last_hash": state["last_hash"],
                 "budget_epsilon": header["budget_epsilon"],
+                "replayed": [line["step"] for line in journal if line.get("replayed")],
                 "report": report_state,
                 "model": model_state,
             }
