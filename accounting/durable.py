@@ -25,6 +25,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "fsync_path",
+    "publish_directory",
     "truncate_durably",
     "write_all",
 ]
@@ -38,6 +39,19 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def publish_directory(staging: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Make the folder ``staging`` durable (every file and folder in it fsync'd) and rename it to
+    ``target`` in the same parent, whose entry is fsync'd too: a crash leaves no target or the
+    whole one. ``OSError`` when ``target`` exists (another writer published first)."""
+    staging, target = Path(staging), Path(target)
+    for folder, _, files in os.walk(staging):
+        for name in files:
+            fsync_path(Path(folder) / name)
+        fsync_path(Path(folder))
+    os.rename(staging, target)
+    fsync_path(target.parent)
 
 
 def write_all(fd: int, data: bytes) -> None:

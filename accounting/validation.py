@@ -74,6 +74,18 @@ def non_negative_float(name: str, value: Any, error: type[Exception]) -> float:
     return float(value)
 
 
+def in_unit_interval(
+    name: str, value: Any, error: type[Exception], *, lo_open: bool = True, hi_open: bool = True
+) -> float:
+    """A real number in the unit interval, open or closed at each end (not a bool)."""
+    if isinstance(value, bool) or not in_interval(
+        value, 0.0, 1.0, lo_open=lo_open, hi_open=hi_open
+    ):
+        allowed = interval_text(0.0, 1.0, lo_open=lo_open, hi_open=hi_open)
+        raise error(f"{name}={value!r} is out of range; expected a float in {allowed}")
+    return float(value)
+
+
 def probability(name: str, value: Any, error: type[Exception], *, upper_open: bool) -> float:
     """A real number in (0, 1) (``upper_open``, e.g. δ) or in (0, 1] (e.g. a sampling rate)."""
     if not in_interval(value, 0.0, 1.0, hi_open=upper_open):

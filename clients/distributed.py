@@ -24,6 +24,7 @@ import torch
 from userdp.clients.batching import EngineError
 from userdp.clients.deepspeed_config import deepspeed_json_problem
 from userdp.clients.deepspeed_ops import build_startup_ops
+from userdp.clients.zero3 import partition_summary
 from userdp.proto.results import TaskSum
 from userdp.strategies.unit_stats import UnitStats
 
@@ -182,8 +183,6 @@ def wrap_with_deepspeed(
     except AssertionError as exc:  # DeepSpeed reports configuration problems as assertions
         raise EngineError(f"deepspeed.initialize refused the worker model: {exc}") from exc
     if config["zero_optimization"]["stage"] == 3:
-        from userdp.clients.zero3 import partition_summary
-
         log.info("ZeRO-3: %s", partition_summary(engine.module))
     placed = next(engine.module.parameters()).device.type
     if placed != device:

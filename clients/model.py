@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from userdp.clients.presets import PRESETS
+from userdp.clients.zero3 import is_partitioned, load_partitioned
 
 # Where userdp's default differs from PEFT's: GPT-2 keeps adapters on attention AND MLP (PEFT's
 # mapping has c_attn only), as userdp has always trained it.
@@ -182,8 +183,6 @@ def load_parameters(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
     parameter). A name the model does not have is an error, never silently skipped. A ZeRO-3
     parameter takes only this rank's partition of its tensor
     (:func:`userdp.clients.zero3.load_partitioned`)."""
-    from userdp.clients.zero3 import is_partitioned, load_partitioned
-
     params = dict(model.named_parameters())
     unknown = sorted(set(tensors) - set(params))
     if unknown:

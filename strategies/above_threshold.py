@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from userdp.accounting.validation import positive_float
 from userdp.strategies.errors import StrategyError
 from userdp.strategies.noise import NoiseRng
 
@@ -36,10 +37,7 @@ class AboveThreshold:
 
     def __init__(self, epsilon: float, sensitivity: float, threshold: float = 0.0) -> None:
         for name, value in (("epsilon", epsilon), ("sensitivity", sensitivity)):
-            if not (math.isfinite(value) and value > 0):
-                raise StrategyError(
-                    f"AboveThreshold {name}={value!r} is out of range; expected > 0"
-                )
+            positive_float(f"AboveThreshold {name}", value, StrategyError)
         if not math.isfinite(threshold):
             raise StrategyError(f"AboveThreshold threshold={threshold!r}; expected a finite float")
         self.epsilon = float(epsilon)

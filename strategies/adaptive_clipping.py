@@ -24,6 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from userdp.accounting.validation import in_unit_interval
 from userdp.strategies.base import Cohort, NoisyStatistic, Release, StrategyError
 from userdp.strategies.builtins import UserLevelSampling
 from userdp.strategies.unit_stats import UnitStats
@@ -64,11 +65,7 @@ class AdaptiveClipping(UserLevelSampling):
     ) -> None:
         super().__init__(clip_norm=clip_norm, **uls)
         self._require_poisson()
-        if not 0.0 < target_quantile < 1.0:
-            raise StrategyError(
-                f"target_quantile={target_quantile} is out of range; expected (0, 1)"
-            )
-        self.target_quantile = float(target_quantile)
+        self.target_quantile = in_unit_interval("target_quantile", target_quantile, StrategyError)
         self.clip_lr = float(clip_lr)
         self.count_stddev = float(count_stddev)
         update_noise_multiplier(self.noise_multiplier, count_stddev)  # refuse a too-small σ_b now

@@ -43,6 +43,7 @@ from userdp.accounting.correlation import (
     toeplitz_matrix,
 )
 from userdp.accounting.correlation_spec import CorrelationSpec
+from userdp.accounting.validation import positive_int
 from userdp.strategies import tensors as T
 from userdp.strategies.noise import NoiseMechanism, NoiseRng
 
@@ -197,8 +198,7 @@ def optimize_blt(
     Nelder–Mead on logits of (θ, θ̂) from a few deterministic and random starts, then a
     polishing run from the best. Single participation: min_sep=1, participations=1.
     """
-    if buffers < 1:
-        raise BltError(f"buffers={buffers} is out of range; expected >= 1")
+    positive_int("buffers", buffers, BltError)
     d = buffers
     rng = np.random.default_rng(seed)
     error = objective_error(objective)
@@ -355,8 +355,7 @@ def optimize_banded(
     """Banded Toeplitz coefficients c_0 = 1, c_1..c_{bands−1} ∈ [0, 1] minimizing
     sens² · error (the BLT objectives, :data:`OBJECTIVES`), by L-BFGS-B. With
     ``bands ≤ min_sep`` participations never share a band, so the min-sep sensitivity is exact."""
-    if bands < 1:
-        raise BltError(f"bands={bands} is out of range; expected >= 1")
+    positive_int("bands", bands, BltError)
     error = objective_error(objective)
     coefs = np.ones(1)
     if bands > 1:

@@ -21,6 +21,7 @@ from userdp.accounting.mechanisms import (
     RandomizedClippingMechanism,
     UlsMechanism,
 )
+from userdp.accounting.validation import positive_int
 from userdp.strategies.base import (
     Cohort,
     Strategy,
@@ -171,8 +172,7 @@ class DpFedAvg(UserLevelSampling):
         **uls: Any,
     ) -> None:
         super().__init__(**uls)
-        if local_steps < 1:
-            raise StrategyError(f"local_steps={local_steps} is out of range; expected >= 1")
+        positive_int("local_steps", local_steps, StrategyError)
         self.task_template = TaskSpec(
             clip_norm=self.clip_norm,
             unit="user",
@@ -249,8 +249,7 @@ class ExampleLevelSampling(Strategy):
         noise: NoiseMechanism | None = None,
         optimizer: ServerOptimizer | None = None,
     ) -> None:
-        if group_size < 1:
-            raise StrategyError(f"group_size={group_size} is out of range; expected >= 1")
+        positive_int("group_size", group_size, StrategyError)
         if selection not in EXAMPLE_UNIT_SELECTIONS:
             raise StrategyError(
                 f"selection={selection!r} does not choose whole records for D_sub; expected one "

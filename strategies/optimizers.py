@@ -12,12 +12,12 @@ SGD (optionally with heavy-ball momentum), Adam (Kingma & Ba 2015) and Adafactor
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from userdp.accounting.validation import in_unit_interval, positive_float
 from userdp.strategies import tensors as T
 
 __all__ = ["Adafactor", "Adam", "OPTIMIZERS", "ServerOptimizer", "Sgd", "make_optimizer"]
@@ -63,9 +63,7 @@ class ServerOptimizer(ABC):
     name: str = ""
 
     def __init__(self, learning_rate: float) -> None:
-        if not (math.isfinite(learning_rate) and learning_rate > 0):
-            raise ValueError(f"learning_rate={learning_rate!r} is out of range; expected > 0")
-        self.learning_rate = float(learning_rate)
+        self.learning_rate = positive_float("learning_rate", learning_rate, ValueError)
         self.steps = 0
         self.slots: dict[str, dict[str, Any]] = {}
 
@@ -112,9 +110,7 @@ class Sgd(ServerOptimizer):
 
     def __init__(self, learning_rate: float, momentum: float = 0.0) -> None:
         super().__init__(learning_rate)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum={momentum!r} is out of range; expected [0, 1)")
-        self.momentum = float(momentum)
+        self.momentum = in_unit_interval("momentum", momentum, ValueError, lo_open=False)
 
     def _delta(self, grad: Any, slots: dict[str, Any]) -> Any:
         if self.momentum == 0.0:

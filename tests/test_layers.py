@@ -127,12 +127,17 @@ def test_no_import_cycle() -> None:
     assert not cycles, f"import cycles: {cycles}"
 
 
+def is_cli(module: str) -> bool:
+    """``userdp.cli`` and its modules (not ``userdp.clients``, which shares the prefix)."""
+    return module == "userdp.cli" or module.startswith("userdp.cli.")
+
+
 def test_only_the_cli_imports_userdp_inside_functions() -> None:
     _, edges = graph()
     inside = sorted(
         f"{source} imports {target}"
         for source, targets in edges.items()
-        if not source.startswith("userdp.cli")
+        if not is_cli(source)
         for target, in_function in targets
         if in_function
     )
@@ -157,6 +162,7 @@ def test_the_graph_sees_known_edges() -> None:
     assert ("userdp.run.registry", False) in edges["userdp.config.load"]
     assert ("userdp.accounting.mechanisms", False) in edges["userdp.strategies.builtins"]
     assert any(in_function for _, in_function in edges["userdp.cli.simulate"])
+    assert not is_cli("userdp.clients.engine") and is_cli("userdp.cli") and is_cli("userdp.cli.x")
     assert layer("userdp.accounting.ledger") < layer("userdp.strategies.base") < layer("userdp.cli")
 
 

@@ -11,6 +11,7 @@ from userdp.accounting.durable import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
+    publish_directory,
 )
 
 
@@ -47,3 +48,34 @@ def test_the_file_gets_the_permissions_open_gives(tmp_path):
         os.umask(umask)
     mode = (tmp_path / "privacy_report.md").stat().st_mode & 0o777
     assert mode == (tmp_path / "plain").stat().st_mode & 0o777
+
+
+def test_a_published_folder_is_fsynced_then_renamed_and_never_overwritten(tmp_path, monkeypatch):
+    """Every file and folder of the staging folder is fsync'd before the rename, the parent
+    after it; a target that exists already is an OSError and is left as it was."""
+    from userdp.accounting import durable
+
+    staging = tmp_path / "staging"
+    (staging / "inner").mkdir(parents=True)
+    (staging / "a.bin").write_bytes(b"a")
+    (staging / "inner" / "b.bin").write_bytes(b"b")
+    synced: list[tuple[str, bool]] = []
+    real = durable.fsync_path
+    monkeypatch.setattr(
+        durable,
+        "fsync_path",
+        lambda path: (synced.append((path.name, (tmp_path / "target").exists())), real(path)),
+    )
+    publish_directory(staging, tmp_path / "target")
+    assert (tmp_path / "target" / "inner" / "b.bin").read_bytes() == b"b"
+    assert not staging.exists()
+    before_rename = {name for name, renamed in synced if not renamed}
+    assert {"a.bin", "b.bin", "inner", "staging"} <= before_rename
+    assert synced[-1] == (tmp_path.name, True)  # the parent's entry, after the rename
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "c.bin").write_bytes(b"c")
+    (tmp_path / "target" / "keep").write_bytes(b"k")
+    with pytest.raises(OSError):
+        publish_directory(again, tmp_path / "target")
+    assert (tmp_path / "target" / "keep").read_bytes() == b"k" and again.is_dir()

@@ -86,3 +86,19 @@ def test_adafactor_factored_update_and_state_round_trip():
     np.testing.assert_allclose(p["m"], p2["m"])
     with pytest.raises(ValueError):
         Sgd(0.1).load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Sgd(True), "learning_rate=True is not a number"),
+        (lambda: Sgd(float("nan")), "learning_rate=nan is out of range"),
+        (lambda: Sgd(0.1, momentum=True), "momentum=True is out of range"),
+        (lambda: Sgd(0.1, momentum=1.0), "expected a float in [0, 1)"),
+    ],
+)
+def test_optimizer_hyperparameters_are_checked_like_every_other_range(build, message) -> None:
+    """One validation module: a bool is not a learning rate, momentum is in [0, 1)."""
+    with pytest.raises(ValueError) as info:
+        build()
+    assert message in str(info.value)

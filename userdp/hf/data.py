@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from userdp.accounting.durable import publish_directory
 from userdp.clients.shard_format import MANIFEST_NAME
 from userdp.shards.input import InputSource
 from userdp.shards.writer import ShardOptions, write_shards
@@ -111,8 +112,8 @@ def dataset_shards(
         staging = Path(tmp) / "shards"
         options = ShardOptions(num_shards=NUM_SHARDS, tokenizer=str(tokenizer_dir), progress=False)
         write_shards(source, staging, options)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        shutil.rmtree(target, ignore_errors=True)  # a folder left without its manifest
+        publish_directory(staging, target)
     return target
 
 

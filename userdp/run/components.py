@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from userdp.accounting import calibration
+from userdp.accounting.durable import publish_directory
 from userdp.accounting.ledger import Ledger
 from userdp.accounting.mechanisms import Mechanism
 from userdp.clients.model import build_model, model_shape, split_parameters
@@ -95,7 +96,7 @@ def demo_shards(num_users: int, quiet: bool = True) -> Path:
         source, tmp, ShardOptions(num_shards=DEMO_NUM_SHARDS, tokenizer="byte", progress=not quiet)
     )
     try:
-        tmp.rename(target)
+        publish_directory(tmp, target)
     except OSError:  # another process won the race: use its copy
         shutil.rmtree(tmp, ignore_errors=True)
     return target
