@@ -112,9 +112,14 @@ class WorkerGroup:
         with self._lock:
             self._sources.clear()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the group's thread, which drops the groups; wait up to ``wait_s`` for it. A
+        process about to exit waits: one that exits while its group's thread is inside gloo
+        (a join or a collective with a peer that just died) aborts at exit."""
         self._closed.set()
         self._ops.put(None)
+        if wait_s > 0 and threading.current_thread() is not self._thread:
+            self._thread.join(wait_s)
 
     # ---- the group's thread ---------------------------------------------------------------------
 

@@ -81,13 +81,18 @@ class CoordinatorUnreachableError(RuntimeError):
 
     def __init__(self, target: str, seconds: float) -> None:
         super().__init__(
-            f"coordinator {target} unreachable for {seconds:.0f}s; giving up (--reconnect-timeout)"
+            f"coordinator {target} unreachable for {seconds:.0f}s; giving up (set "
+            "workers.reconnect_timeout_s or --reconnect-timeout to wait longer)"
         )
         self.target = target
         self.seconds = seconds
 
 
 DEFAULT_RECONNECT_TIMEOUT_S = 600.0
+GROUP_CLOSE_WAIT_S = 10.0
+"""How long :meth:`WorkerClient.run` waits, as it returns, for the collective plane's thread to
+leave gloo (its join or collective fails at once when a peer died; one with live peers may
+take until the group's timeout, and is then left behind)."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,13 @@ class WorkerClient(TaskRunner):
         """Serve until :meth:`stop` or a Drain; reconnect with backoff on stream errors, for at
         most ``reconnect_timeout_s`` without a welcomed session (then
         :class:`CoordinatorUnreachableError`). Raises :class:`WorkerRefusedError` on a refusal."""
+        try:
+            self._reconnect()
+        finally:
+            if self._group is not None:  # the process may exit next: leave gloo first
+                self._group.close(wait_s=GROUP_CLOSE_WAIT_S)
+
+    def _reconnect(self) -> None:
         delays = self.backoff.delays()
         last_contact = time.monotonic()  # start, or the end of the last welcomed session
         while not self._stop.is_set():

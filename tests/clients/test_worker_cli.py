@@ -63,7 +63,10 @@ def test_no_verify_warns_once_and_an_unreachable_coordinator_ends_the_worker(tru
     errors = [line for line in lines if " ERROR " in line or ERROR_PREFIX in line]
     assert errors == [lines[-1]], result.stderr[-3000:]
     assert "worker w0: coordinator 127.0.0.1:" in lines[-1]
-    assert "unreachable for" in lines[-1] and "(--reconnect-timeout)" in lines[-1]
+    assert (
+        "unreachable for" in lines[-1]
+        and "workers.reconnect_timeout_s or --reconnect-timeout" in lines[-1]
+    )
 
 
 def test_a_negative_reconnect_timeout_is_refused(tmp_path, capsys):
@@ -75,3 +78,11 @@ def test_a_negative_reconnect_timeout_is_refused(tmp_path, capsys):
     )
     assert code == 2
     assert "--reconnect-timeout must be >= 0" in capsys.readouterr().err
+
+
+def test_the_configs_reconnect_timeout_ends_a_worker_without_the_flag(truncated_shards, tmp_path):
+    config = tmp_path / "worker.toml"
+    config.write_text("[workers]\nreconnect_timeout_s = 1.0\n")
+    result = _worker(truncated_shards, "--no-verify", "--config", str(config))
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert " unreachable for 1s; giving up " in result.stderr.strip().splitlines()[-1]

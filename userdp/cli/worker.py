@@ -22,13 +22,15 @@ Exit status: 0 when drained (by a signal, or by the coordinator at the end of it
 does not reconnect then); 2 for bad input (arguments, config, shards); 3 when the coordinator
 refuses the worker (bad token/certificate, unknown worker id, shards that do not match its
 manifest), with the coordinator's message; 4 when the coordinator has been unreachable for
-``--reconnect-timeout`` seconds (default 600; 0 = keep retrying).
+``--reconnect-timeout`` seconds (default: the config's ``workers.reconnect_timeout_s``, 600;
+0 = keep retrying).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -37,7 +39,6 @@ from userdp.cli.simulate import stop_signals
 
 REFUSED_EXIT = 3
 UNREACHABLE_EXIT = 4
-DEFAULT_RECONNECT_TIMEOUT_S = 600.0
 
 log = logging.getLogger("userdp.worker")
 
@@ -108,11 +109,16 @@ def _serve(args: argparse.Namespace) -> int:
     target = _parse_target(args.coordinator)
     if args.token_file and args.tls_dir:
         raise ValueError("give either --token-file or --tls-dir, not both")
-    if args.reconnect_timeout < 0:
+    if args.reconnect_timeout is not None and args.reconnect_timeout < 0:
         raise ValueError(
             f"--reconnect-timeout must be >= 0 seconds (0 = forever), got {args.reconnect_timeout:g}"
         )
     config = load_config(args.config) if args.config else Config()
+    reconnect_timeout_s = (
+        config.workers.reconnect_timeout_s
+        if args.reconnect_timeout is None
+        else args.reconnect_timeout
+    )
     _, world_size = launched_rank()
     if world_size > 1:
         bind_local_device(config.workers.device)
@@ -174,12 +180,13 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             manifest_sha256=file_sha256(shard_dir / "manifest.json"),
             max_message_bytes=max_bytes,
-            reconnect_timeout_s=args.reconnect_timeout,
+            reconnect_timeout_s=reconnect_timeout_s,
             health=health,
             on_welcome=startup.stop,
         )
 
         def on_stop(signum, frame):
+            log.info("worker %s: %s: draining", worker_id, signal.Signals(signum).name)
             threading.Thread(target=client.drain, daemon=True).start()
 
         with stop_signals(on_stop):
@@ -223,10 +230,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--reconnect-timeout",
         type=float,
-        default=DEFAULT_RECONNECT_TIMEOUT_S,
         metavar="SECONDS",
         help="exit (status 4) once the coordinator has been unreachable this long "
-        f"(default {DEFAULT_RECONNECT_TIMEOUT_S:g}; 0 = keep retrying)",
+        "(default: workers.reconnect_timeout_s of --config, 600; 0 = keep retrying)",
     )
     verify = parser.add_mutually_exclusive_group()
     verify.add_argument(

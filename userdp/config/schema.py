@@ -283,6 +283,13 @@ class WorkersConfig(_Section):
     so each unit is clipped by a proven bound on the norm of what it releases (clipping a little
     harder; docs/worker.md, "Tensor cores: a proven norm bound"). false: IEEE float32 GEMMs,
     whose norms and sums carry float32 rounding only."""
+    reconnect_timeout_s: NonNegative = 600.0
+    """How long a worker that lost its coordinator keeps reconnecting (a restarted coordinator
+    picks it up again) before it exits with status 4; 0 = forever. It bounds how long a worker
+    outlives a dead coordinator: its stream breaks at once when the coordinator's process dies,
+    within 30 s (gRPC keepalive) when the coordinator's host goes silent. ``userdp worker
+    --reconnect-timeout`` overrides it; ``simulate``'s workers also end with ``simulate``
+    (docs/protocol.md, "Workers outliving their coordinator")."""
     cache_dir: str | None = None
     """Where a worker caches the per-example perplexities of ``data.selection = "highest_ppl" |
     "lowest_ppl"`` (keyed by model and shard sha256); default: ``cache/`` in the shard folder.

@@ -4,7 +4,9 @@ the worker processes it serves, and shutting both down.
 ``grpc`` (``simulate``) spawns ``workers.count`` ``userdp worker`` processes on loopback (each of
 ``workers.ranks`` ranks under torch's launcher), each holding its share of the shards
 (:func:`_worker_assignments`), logging to ``RUN/logs/``, and
-fails fast when one exits before it is ready (:func:`_check_workers_alive`). ``external``
+fails fast when one exits before it is ready (:func:`_check_workers_alive`). Every process it
+starts (worker, launcher, rank) is tethered to its parent (:mod:`userdp.run.tether`): a
+``simulate`` killed with SIGKILL leaves no worker behind. ``external``
 (``train``) spawns nothing: it prints the address and waits for a deployment's workers.
 :func:`serve_workers` drives the coordinator's steps into the run loop and, whatever happens,
 saves the last checkpoint and stops the server and the processes (:func:`shut_down`).
@@ -25,11 +27,15 @@ import psutil
 import torch
 
 from userdp.run.loop import RunLoop, shut_down
+from userdp.run.tether import PARENT_ENV
 from userdp.server.startup import WorkerStartupError
 
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+TETHER = "userdp.run.tether"
+WORKER_MODULE = "userdp.cli"
+"""The module each worker process runs (``userdp worker``)."""
 
 
 def _worker_assignments(shards: list[str], workers: int, replicas: int) -> list[list[str]]:
@@ -65,14 +71,17 @@ def _spawn_workers(loop: RunLoop, address: str) -> list[subprocess.Popen]:
         )
     threads = max(1, (os.cpu_count() or 1) // (len(held) * ranks))
     env.setdefault("OMP_NUM_THREADS", str(threads))
-    launcher = [sys.executable, "-m"]
+    env[PARENT_ENV] = str(os.getpid())
+    # each process ends with the one that started it (userdp.run.tether)
+    launcher = [sys.executable, "-m", TETHER, "TERM"]
     if ranks > 1:  # torch's launcher: a free rendezvous port per worker, ranks' output here
-        launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m"]
+        launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        launcher += ["-m", TETHER, "KILL"]
     procs = []
     for i, names in enumerate(held):
         cmd = [
             *launcher,
-            "userdp.cli",
+            WORKER_MODULE,
             "worker",
             "--coordinator",
             address,
