@@ -273,15 +273,20 @@ def test_sft_trainer_on_chat_data(tmp_path, tokenizer) -> None:
 def test_the_example_script_runs_and_its_folder_verifies(tmp_path) -> None:
     """examples/hf_trainer.py as a user runs it: it trains, prints ε, and its output folder is
     a run folder that `userdp report` and `userdp ledger verify` accept."""
+    import os
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
+    # a user's shell: not the rendezvous variables an in-process run of this test session set
+    rendezvous = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
     done = subprocess.run(
         [sys.executable, str(root / "examples" / "hf_trainer.py"), str(tmp_path / "run")],
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
