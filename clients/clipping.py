@@ -301,25 +301,36 @@ def unit_gradient(
     return grads, loss_sum, tokens
 
 
-def loop_clipped_sum(
-    module: torch.nn.Module,
-    params: dict[str, torch.Tensor],
-    prepared: Sequence[PreparedUnit],
-    indices: Sequence[int],
-    acc: Accumulator,
-    token_budget: int,
-    pad_id: int,
-    lockstep: Lockstep | None = None,
-) -> None:
+@dataclass(frozen=True)
+class UnitWork:
+    """This rank's share of one task, as every engine function takes it
+    (:data:`userdp.clients.engine.CLIPPED_SUMS`): add the clipped gradients (or deltas) of
+    ``prepared[indices]`` to ``acc``, with micro-batches of at most ``token_budget`` padded
+    tokens, ``pad_id`` in padded positions, and ``lockstep`` under ZeRO-3 over ranks
+    (:mod:`userdp.clients.zero3`; None otherwise)."""
+
+    module: torch.nn.Module
+    params: dict[str, torch.Tensor]
+    prepared: Sequence[PreparedUnit]
+    indices: Sequence[int]
+    acc: Accumulator
+    token_budget: int
+    pad_id: int
+    lockstep: Lockstep | None = None
+
+
+def loop_clipped_sum(work: UnitWork) -> None:
     """The reference engine: per unit, exact gradient, exact norm, clip, add.
 
-    ``lockstep`` (ZeRO-3, :mod:`userdp.clients.zero3`): every rank runs as many chunk passes as
-    the rank with the most, the extra ones on the lockstep's dummy unit."""
+    ``work.lockstep`` (ZeRO-3, :mod:`userdp.clients.zero3`): every rank runs as many chunk passes
+    as the rank with the most, the extra ones on the lockstep's dummy unit."""
+    module, params, prepared, acc = work.module, work.params, work.prepared, work.acc
+    token_budget, pad_id, lockstep = work.token_budget, work.pad_id, work.lockstep
     extra = 0
     if lockstep is not None:  # agreed before any pass
-        mine = sum(chunk_passes(prepared[i], token_budget) for i in indices)
+        mine = sum(chunk_passes(prepared[i], token_budget) for i in work.indices)
         extra = lockstep.most([mine])[0] - mine
-    for index in indices:
+    for index in work.indices:
         if not prepared[index].examples:
             acc.record(0.0, 0.0, 0)
             continue

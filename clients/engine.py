@@ -9,11 +9,14 @@ normalization and no noise: those are the coordinator's. Loss layout, padding an
 budget are in :mod:`userdp.clients.batching`; clipping arithmetic in
 :mod:`userdp.clients.clipping`.
 
-Three clipping engines behind :meth:`ClippingEngine.clipped_sum` (docs/worker.md):
+Three clipping engines behind :meth:`ClippingEngine.run`, which takes one task as one
+:class:`EngineRequest` (``clipped_sum`` is its keyword form) and dispatches through the registry
+:data:`CLIPPED_SUMS` (docs/worker.md):
 
 - ``loop``: one forward/backward per unit (reference, always correct).
 - ``vectorized``: many units per micro-batch; exact per-unit norms from per-layer factors
-  captured by hooks, then the clipped sum by book-keeping (:mod:`userdp.clients.ghost`).
+  captured by hooks, then the clipped sum by book-keeping (:mod:`userdp.clients.vectorized`,
+  :mod:`userdp.clients.ghost`).
 - ``randomized``: the same pass with norm ESTIMATES from fresh Gaussian probes, Hutchinson or
   Hutch++ (DP-SGD-RC, "Efficient DP-SGD for LLMs with Randomized Clipping";
   :mod:`userdp.clients.sketch`); only for the randomized-clipping strategy, whose accountant
@@ -24,8 +27,8 @@ With ``local_steps ≥ 1`` (DP-FedAvg) the clipped quantity is each unit's local
 
 :func:`build_engine` builds the model of the config (:func:`userdp.clients.model.build_model`)
 and wraps it with DeepSpeed (:mod:`userdp.clients.distributed`). Inside one worker with
-torch.distributed initialized (world size > 1), ``clipped_sum`` is a collective: every rank must
-call it with the same units; ranks split the units and all-reduce the clipped sums, after
+torch.distributed initialized (world size > 1), ``run`` is a collective: every rank must call
+it with the same units; ranks split the units and all-reduce the clipped sums, after
 all-reducing a failure flag so that one rank's error fails the call on every rank. Under ZeRO-3
 the clipped sums are instead reduce-scattered to the partition owners as each pass ends and
 gathered to rank 0 at the end (:mod:`userdp.clients.sharded_sums`). A worker's
@@ -36,12 +39,13 @@ An engine is not thread-safe: the vectorized engines attach hooks to the shared 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from userdp.clients.batching import EngineError, Unit, prepare_units
-from userdp.clients.clipping import Accumulator, loop_clipped_sum
+from userdp.clients.clipping import Accumulator, UnitWork, loop_clipped_sum
 from userdp.clients.deepspeed_config import read_deepspeed_json
 from userdp.clients.distributed import (
     all_reduce_statistics,
@@ -53,19 +57,22 @@ from userdp.clients.distributed import (
     world,
     wrap_with_deepspeed,
 )
+from userdp.clients.engine_request import EngineRequest
 from userdp.clients.fedavg import fedavg_clipped_sum
-from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.model import build_model, model_shape
 from userdp.clients.sharded_sums import ShardedAccumulator
-from userdp.clients.sketch import SKETCHES, GaussianProbes
+from userdp.clients.sketch import SKETCHES, GaussianProbes, ProbeSource
 from userdp.clients.unit_cost import device_rates
+from userdp.clients.vectorized import vectorized_clipped_sum
 from userdp.clients.zero3 import Lockstep, any_partitioned, offload_device
 from userdp.proto.results import TaskSum
 
 __all__ = [
+    "CLIPPED_SUMS",
     "ENGINES",
     "ClippingEngine",
     "EngineError",
+    "EngineRequest",
     "Unit",
     "build_engine",
 ]
@@ -139,51 +146,18 @@ class ClippingEngine:
     def trainable_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.params)
 
-    def clipped_sum(
-        self,
-        units: Sequence[Unit],
-        clip_norm: float,
-        *,
-        engine: str | None = None,
-        probes: int | None = None,
-        token_budget: int | None = None,
-        local_steps: int = 0,
-        local_lr: float = 0.0,
-        local_batch_size: int = 0,
-        probe_seed: int | None = None,
-        estimator: str | None = None,
-    ) -> TaskSum:
-        """Σ_u clip(g_u, C) over ``units`` and its statistics (:class:`TaskSum`).
-
-        engine/token_budget: per-task overrides (None, "" or 0 = the engine's defaults).
-        probes: probes k for ``randomized`` (None = the default; 0 = exact norms).
-        estimator: ``"hutchinson"`` or ``"hutch++"`` for ``randomized`` (None = the default).
-        local_steps ≥ 1: DP-FedAvg (:mod:`userdp.clients.fedavg`): the clipped quantity is each
-            unit's model delta after ``local_steps`` SGD steps (``local_lr``, batches of
-            ``local_batch_size`` examples, 0 = all); norms are exact whatever ``engine`` says.
-        Under ZeRO-3 only rank 0 (the one that sends the result) gets the sums; the other ranks
-        get the statistics and an empty ``sums``.
-        probe_seed: TESTS ONLY — seeds the randomized engine's probes; production draws them from
-            an ``os.urandom``-seeded generator on every call."""
+    def run(self, request: EngineRequest) -> TaskSum:
+        """Σ_u clip(g_u, C) over ``request.units`` and its statistics (:class:`TaskSum`); the
+        task's options are those of :class:`EngineRequest`. Under ZeRO-3 only rank 0 (the one
+        that sends the result) gets the sums; the other ranks get the statistics and an empty
+        ``sums``."""
+        clip_norm = request.clip_norm
         if not (clip_norm > 0 and clip_norm < float("inf")):
             raise EngineError(f"clip_norm must be a positive finite number, got {clip_norm!r}")
         rank, world_size = world()
         error: Exception | None = None
         try:
-            acc = self._local_clipped_sum(
-                units,
-                clip_norm,
-                engine,
-                probes,
-                token_budget,
-                local_steps,
-                local_lr,
-                local_batch_size,
-                probe_seed,
-                estimator,
-                rank,
-                world_size,
-            )
+            acc = self._local_sum(request, rank, world_size)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
             error = exc
         if world_size > 1:
@@ -203,90 +177,113 @@ class ClippingEngine:
             raise error
         return acc.result()
 
-    def _local_clipped_sum(
-        self,
-        units: Sequence[Unit],
-        clip_norm: float,
-        engine: str | None,
-        probes: int | None,
-        token_budget: int | None,
-        local_steps: int,
-        local_lr: float,
-        local_batch_size: int,
-        probe_seed: int | None,
-        estimator: str | None,
-        rank: int,
-        world_size: int,
-    ) -> Accumulator:
-        """This rank's share of :meth:`clipped_sum` (all of it in a single process)."""
-        name = self._engine_name(engine) if engine else self.engine
-        budget = int(token_budget) if token_budget else self.token_budget
-        k = self.probes if probes is None else int(probes)
-        sketch = self._estimator_name(estimator) if estimator else self.estimator
-        prepared = prepare_units(units, self.max_positions)
+    def clipped_sum(self, units: Sequence[Unit], clip_norm: float, **options: Any) -> TaskSum:
+        """:meth:`run` of ``EngineRequest(units, clip_norm, **options)``: the keyword form that
+        tests, benchmarks and tools call (``options``: the fields of :class:`EngineRequest`)."""
+        return self.run(EngineRequest(tuple(units), clip_norm, **options))
+
+    def _local_sum(self, request: EngineRequest, rank: int, world_size: int) -> Accumulator:
+        """This rank's share of :meth:`run` (all of it in a single process)."""
+        request = self._with_defaults(request)
+        prepared = prepare_units(request.units, self.max_positions)
         mine = list(range(len(prepared)))
         if world_size > 1:
             costs = [max(1, u.positions) for u in prepared]
             mine = split_units(costs, world_size)[rank]
-        lockstep = None
-        if local_steps and any_partitioned(self.params):
+        if request.local_steps and any_partitioned(self.params):
             raise EngineError(
                 "DP-FedAvg (strategy.local_steps >= 1) takes SGD steps on a private copy of "
                 "the whole model per unit, which a ZeRO-3 worker does not hold: use "
                 "model.zero_stage <= 2"
             )
+        acc, lockstep = self._accumulator(request.clip_norm, world_size)
+        acc.skipped_examples = sum(prepared[i].skipped for i in mine)
+        work = UnitWork(
+            self.module,
+            self.params,
+            prepared,
+            mine,
+            acc,
+            request.token_budget,
+            self.pad_id,
+            lockstep,
+        )
+        CLIPPED_SUMS["fedavg" if request.local_steps else request.engine](self, work, request)
+        return acc
+
+    def _with_defaults(self, request: EngineRequest) -> EngineRequest:
+        """``request`` with this engine's defaults for the options it leaves open, checked."""
+        engine, budget = request.engine, request.token_budget
+        return dataclasses.replace(
+            request,
+            engine=self._engine_name(engine) if engine else self.engine,
+            token_budget=int(budget) if budget else self.token_budget,
+            probes=self.probes if request.probes is None else int(request.probes),
+            estimator=(
+                self._estimator_name(request.estimator) if request.estimator else self.estimator
+            ),
+        )
+
+    def _accumulator(
+        self, clip_norm: float, world_size: int
+    ) -> tuple[Accumulator, Lockstep | None]:
+        """This rank's accumulator and, under ZeRO-3 over ranks, the lockstep of its passes."""
         if world_size > 1 and any_partitioned(self.params):  # ZeRO-3 (clients/zero3.py)
             lockstep = Lockstep(self.device, self.pad_id, self.max_positions)
-            acc: Accumulator = ShardedAccumulator(self.params, float(clip_norm))
-        else:
-            acc = Accumulator(self.params, float(clip_norm), device=offload_device(self.params))
-            # one process: the sums start for host memory during the last micro-batch; ranks
-            # first sum them on the device (all_reduce_sums)
-            acc.early_copy = world_size == 1 and acc.flat.device.type == "cuda"
-        acc.skipped_examples = sum(prepared[i].skipped for i in mine)
-        if local_steps:
-            fedavg_clipped_sum(
-                self.module,
-                self.params,
-                prepared,
-                mine,
-                acc,
-                budget,
-                self.pad_id,
-                local_steps=int(local_steps),
-                local_lr=float(local_lr),
-                local_batch_size=int(local_batch_size),
-            )
-        elif name == "loop":
-            loop_clipped_sum(
-                self.module,
-                self.params,
-                prepared,
-                mine,
-                acc,
-                budget,
-                self.pad_id,
-                lockstep,
-            )
-        else:
-            probe_source = None
-            if name == "randomized" and k > 0:  # k = 0: exact norms (the proto's "0 = exact")
-                probe_source = GaussianProbes(k, seed=probe_seed, estimator=sketch)
-            verified = vectorized_clipped_sum(
-                self.module,
-                self.params,
-                prepared,
-                mine,
-                acc,
-                budget,
-                self.pad_id,
-                probes=probe_source,
-                verify=not self.attribution_verified,
-                tensor_cores=self.tensor_core_matmul,
-                lockstep=lockstep,
-            )
-            self.attribution_verified = self.attribution_verified or verified
-        return acc
+            return ShardedAccumulator(self.params, float(clip_norm)), lockstep
+        acc = Accumulator(self.params, float(clip_norm), device=offload_device(self.params))
+        # one process: the sums start for host memory during the last micro-batch; ranks
+        # first sum them on the device (all_reduce_sums)
+        acc.early_copy = world_size == 1 and acc.flat.device.type == "cuda"
+        return acc, None
+
+
+def _loop(engine: ClippingEngine, work: UnitWork, request: EngineRequest) -> None:
+    loop_clipped_sum(work)
+
+
+def _vectorized(
+    engine: ClippingEngine,
+    work: UnitWork,
+    request: EngineRequest,
+    probes: ProbeSource | None = None,
+) -> None:
+    verified = vectorized_clipped_sum(
+        work,
+        probes=probes,
+        verify=not engine.attribution_verified,
+        tensor_cores=engine.tensor_core_matmul,
+    )
+    engine.attribution_verified = engine.attribution_verified or verified
+
+
+def _randomized(engine: ClippingEngine, work: UnitWork, request: EngineRequest) -> None:
+    probes = None
+    if request.probes > 0:  # k = 0: exact norms (the proto's "0 = exact")
+        probes = GaussianProbes(
+            request.probes, seed=request.probe_seed, estimator=request.estimator
+        )
+    _vectorized(engine, work, request, probes)
+
+
+def _fedavg(engine: ClippingEngine, work: UnitWork, request: EngineRequest) -> None:
+    fedavg_clipped_sum(
+        work,
+        local_steps=int(request.local_steps),
+        local_lr=float(request.local_lr),
+        local_batch_size=int(request.local_batch_size),
+    )
+
+
+CLIPPED_SUMS: dict[str, Callable[[ClippingEngine, UnitWork, EngineRequest], None]] = {
+    "loop": _loop,
+    "vectorized": _vectorized,
+    "randomized": _randomized,
+    "fedavg": _fedavg,
+}
+"""Engine name -> the function that adds this rank's share of a task (:class:`UnitWork`) with
+the request's own options (defaults filled in). ``fedavg`` runs whenever the request has
+``local_steps >= 1``, whatever its ``engine``."""
 
 
 def build_engine(

@@ -14,12 +14,11 @@ Norms are exact (no randomized estimate for deltas).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from userdp.clients.batching import EngineError, PreparedUnit
-from userdp.clients.clipping import Accumulator, add_clipped_unit, unit_gradient
+from userdp.clients.clipping import UnitWork, add_clipped_unit, unit_gradient
 
 
 class _Bound:
@@ -65,30 +64,28 @@ def local_delta(
 
 
 def fedavg_clipped_sum(
-    module: torch.nn.Module,
-    params: dict[str, torch.Tensor],
-    prepared: Sequence[PreparedUnit],
-    indices: Sequence[int],
-    acc: Accumulator,
-    token_budget: int,
-    pad_id: int,
-    *,
-    local_steps: int,
-    local_lr: float,
-    local_batch_size: int,
+    work: UnitWork, *, local_steps: int, local_lr: float, local_batch_size: int
 ) -> None:
-    """Σ_u clip(Δ_u, C) over ``prepared[indices]`` into ``acc`` (non-finite Δ_u → zero)."""
+    """Σ_u clip(Δ_u, C) over ``work.prepared[work.indices]`` into ``work.acc`` (non-finite Δ_u →
+    zero). ``work.lockstep`` is unused: the engine refuses DP-FedAvg under ZeRO-3."""
     if local_steps < 1 or not local_lr > 0:
         raise EngineError(
             f"local_steps={local_steps}, local_lr={local_lr}: DP-FedAvg needs local_steps >= 1 "
             "and local_lr > 0"
         )
-    for index in indices:
-        unit = prepared[index]
+    for index in work.indices:
+        unit = work.prepared[index]
         if not unit.examples:
-            acc.record(0.0, 0.0, 0)
+            work.acc.record(0.0, 0.0, 0)
             continue
         delta, loss_sum, tokens = local_delta(
-            module, params, unit, local_steps, local_lr, local_batch_size, token_budget, pad_id
+            work.module,
+            work.params,
+            unit,
+            local_steps,
+            local_lr,
+            local_batch_size,
+            work.token_budget,
+            work.pad_id,
         )
-        add_clipped_unit(acc, delta, loss_sum, tokens)
+        add_clipped_unit(work.acc, delta, loss_sum, tokens)

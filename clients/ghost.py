@@ -1,6 +1,7 @@
 """The ``vectorized`` (exact) and ``randomized`` (Hutchinson) engines: per-unit norms of many units
 from ONE forward and ONE activation backward, then the clipped sum from retained per-unit
-gradients or by book-keeping.
+gradients or by book-keeping. :mod:`userdp.clients.vectorized` runs the micro-batches and steps
+1-2; this module does steps 3-5 of one micro-batch (:func:`clip_and_add`).
 
 Per micro-batch (rows = examples of whole units, see :mod:`userdp.clients.batching`):
 
@@ -75,34 +76,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 from userdp.clients import tensor_core_bound
-from userdp.clients.attribution import (
-    direct_unit_squared_norms,
-    verify_attribution,
-    verify_unit_norms,
-)
-from userdp.clients.batching import (
-    EngineError,
-    MicroBatch,
-    PreparedUnit,
-    make_batch,
-    pack_units,
-    token_losses,
-)
-from userdp.clients.capture import GENERIC, Capture, Layout
-from userdp.clients.clipping import (
-    Accumulator,
-    Discard,
-    add_clipped_unit,
-    chunk_passes,
-    run_dummy_chunk_passes,
-    unit_gradient,
-)
-from userdp.clients.layer_uses import generic_unit_grads, weight_uses
-from userdp.clients.matmul_precision import exact_matmul, tensor_cores_active
+from userdp.clients.attribution import verify_attribution, verify_unit_norms
+from userdp.clients.capture import Capture, Layout
+from userdp.clients.clipping import Accumulator
+from userdp.clients.layer_uses import generic_unit_grads
+from userdp.clients.matmul_precision import tensor_cores_active
 from userdp.clients.norms import (
     Factor,
     Padded,
@@ -118,102 +101,37 @@ from userdp.clients.unit_gradients import (
     batched_unit_gradients,
     retains_unit_gradients,
 )
-from userdp.clients.zero3 import (
-    Lockstep,
-    any_partitioned,
-    is_partitioned,
-    param_shape,
-)
+from userdp.clients.zero3 import param_shape
 
 
-def _micro_batch(
-    module: torch.nn.Module,
-    params: dict[str, torch.Tensor],
-    batch: MicroBatch,
-    acc: Accumulator,
-    probes: ProbeSource | None,
-    verify: bool = False,
-    tensor_cores: bool = False,
-    workspace: Workspace | None = None,
-) -> bool:
-    """Process one micro-batch into ``acc``; with ``verify``, first check the attribution (see
-    :func:`verify_attribution`). Returns whether a verification ran and passed.
-    ``tensor_cores``: bf16 GEMMs for the norms and book-keeping
-    (:mod:`userdp.clients.matmul_precision`), each unit clipped by a proven bound on what it
-    releases (:mod:`userdp.clients.tensor_core_bound`). ``workspace``: the buffer for
-    materialized per-unit gradients whose only use is their norm, reused across micro-batches."""
-    # the token layout first: its host work and index copies then wait for nothing on the device
-    layout = Layout.of(batch)
-    padded = Padded.of(layout.spans, len(layout.positions), layout.positions.device)
-    direct = None
-    unit_checks: dict[int, float] = {}
-    fresh = verify and any_partitioned(params)
-    if fresh:  # ZeRO-3 releases gathered weights after a backward: one forward per backward
-        direct = torch.autograd.grad(
-            (token_losses(module, batch) * batch.weights).sum(),
-            list(params.values()),
-            allow_unused=True,
-        )
-        if probes is None:
-            unit_checks = direct_unit_squared_norms(
-                lambda: token_losses(module, batch), batch, layout, params
-            )
-    capture = Capture(params, *map(int, batch.inputs.shape[:2]))
-    handles = capture.attach(module)
-    try:
-        with record_function("userdp.forward"):
-            losses = token_losses(module, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    weighted = (losses * batch.weights).sum()
-    outputs = [call.output for call in capture.calls]
-    if verify and not fresh:
-        direct = torch.autograd.grad(
-            weighted, list(params.values()), retain_graph=True, allow_unused=True
-        )
-        if probes is None:  # exact norms: check single units too (see verify_attribution)
-            unit_checks = direct_unit_squared_norms(lambda: losses, batch, layout, params)
-    with record_function("userdp.output_backward"):
-        grads = torch.autograd.grad(weighted, outputs, allow_unused=True)
-    for call, grad in zip(capture.calls, grads, strict=True):
-        if grad is None:  # the loss does not depend on this output
-            like = call.output_like
-            grad = torch.zeros(like.shape, dtype=like.dtype, device=layout.positions.device)
-        call.grad = grad
-    del grads
-    weights, token_rows, generic = weight_uses(capture.calls, layout, params)
-    partitioned = [
-        name for _, owned in generic for _, name in owned if is_partitioned(params[name])
-    ]
-    if partitioned:  # a re-run per unit would gather its parameters a data-dependent number of
-        # times, and ZeRO-3's gathers must be the same on every rank (clients/zero3.py)
-        raise EngineError(
-            f"the vectorized engines re-run {partitioned[0]!r}'s module once per unit, which "
-            "ZeRO-3 cannot do in step across ranks: use strategy.engine = 'loop' or "
-            "model.zero_stage <= 2 for this model"
-        )
-    # from here on the factors live in ``weights`` and ``token_rows`` only (generic calls are
-    # re-run from their own records), so a weight's factors are freed once they are used up
-    for call in capture.calls:
-        if call.kind != GENERIC:
-            call.inputs = call.grad = None
-    with exact_matmul(tensor_cores):
-        return _clip_and_add(
-            params,
-            weights,
-            token_rows,
-            generic,
-            layout,
-            padded,
-            capture,
-            losses,
-            acc,
-            probes,
-            direct,
-            unit_checks,
-            workspace,
-        )
+@dataclass
+class CapturedBatch:
+    """One micro-batch after its output backward (steps 1-2): the factors of every weight's uses
+    (``weights``), the biases' token rows (``token_rows``), the generic calls with the
+    parameters they own, the token layout and the token losses. Steps 3-5 consume
+    ``token_rows`` and the factors of every weight whose per-unit gradients they retain."""
+
+    params: dict[str, torch.Tensor]
+    weights: dict[str, list[tuple[Factor, torch.Tensor]]]
+    token_rows: dict[str, list[torch.Tensor]]
+    generic: list
+    layout: Layout
+    padded: Padded
+    capture: Capture
+    losses: torch.Tensor
+
+
+@dataclass
+class _UnitNorms:
+    """Step 3 of a micro-batch: the squared norms each unit is clipped by (``clip_sq``) and the
+    ones computed for it (``computed_sq``; the same tensor outside tensor-core mode), [U]
+    float64 on the device, and the per-unit gradients retained for step 5 (``retained``; the
+    small parameters' also side by side in ``block``)."""
+
+    clip_sq: torch.Tensor
+    computed_sq: torch.Tensor
+    retained: dict[str, UnitGradients]
+    block: ParameterBlock | None
 
 
 def bound_applies(
@@ -232,15 +150,8 @@ def bound_applies(
     )
 
 
-def _clip_and_add(
-    params: dict[str, torch.Tensor],
-    weights: dict[str, list[tuple[Factor, torch.Tensor]]],
-    token_rows: dict[str, list[torch.Tensor]],
-    generic: list,
-    layout: Layout,
-    padded: Padded,
-    capture: Capture,
-    losses: torch.Tensor,
+def clip_and_add(
+    captured: CapturedBatch,
     acc: Accumulator,
     probes: ProbeSource | None,
     direct: Sequence[torch.Tensor | None] | None,
@@ -250,9 +161,27 @@ def _clip_and_add(
     """Steps 3-5 of the module docstring for one micro-batch. Per-unit quantities stay on the
     device until one copy to the host (norms and losses), so the GPU is not stalled per weight
     or per unit. Consumes ``token_rows``, and the factors of every weight whose per-unit
-    gradients it retains (they leave ``weights``), so that their memory is freed as it goes."""
-    n_units = len(layout.spans)
-    device = layout.positions.device
+    gradients it retains (they leave ``weights``), so that their memory is freed as it goes.
+    With ``direct`` (the plain batch gradient), checks the attribution first on an all-finite
+    micro-batch and returns whether it did."""
+    norms = _unit_norms(captured, probes, workspace)
+    factors, computed_sq = _record_units(captured, norms, acc)
+    verified = False
+    if direct is not None and all(f is not None for f in factors):
+        verify_attribution(captured.params, direct, captured.weights, norms.retained)
+        verify_unit_norms(captured.params, unit_checks or {}, computed_sq)
+        verified = True
+    _add_clipped(captured, norms, factors, acc)
+    return verified
+
+
+def _unit_norms(
+    captured: CapturedBatch, probes: ProbeSource | None, workspace: Workspace | None
+) -> _UnitNorms:
+    """Step 3: every unit's squared norm, batched over the units, on the device."""
+    params, weights, padded = captured.params, captured.weights, captured.padded
+    n_units = len(captured.layout.spans)
+    device = captured.layout.positions.device
     # tensor-core mode: each unit is clipped by B_u, a bound on the norm of what it releases
     # (docs/worker.md, "Tensor cores: a proven norm bound")
     bounded = bound_applies(weights, device)
@@ -265,21 +194,7 @@ def _clip_and_add(
     retained: dict[str, UnitGradients] = {}
     rates = device_rates(device)  # a GPU's, to choose retained or book-kept by cost
     with record_function("userdp.norms"):
-        small: dict[str, torch.Tensor] = {}
-        for name, parts in token_rows.items():
-            rows = parts[0]
-            for part in parts[1:]:
-                rows = rows.to(torch.float32) + part.to(torch.float32)
-            # per-unit sums over each unit's own slots (not a matmul with an assignment matrix:
-            # 0·NaN from a non-finite unit's rows would reach every other unit), in float32
-            small[name] = padded.rows(rows, keep_bf16=True).sum(1, dtype=torch.float32)
-        token_rows.clear()  # the rows (an output gradient, for a bias) are used up
-        for call, owned in generic:
-            for name, per_unit in generic_unit_grads(call, owned, layout, capture).items():
-                small[name] = small[name] + per_unit if name in small else per_unit
-        # side by side: one norm, and later one weighted sum over units, for all of them
-        block = ParameterBlock.of(small)
-        small.clear()  # the block holds them now
+        block = _small_parameter_block(captured)
         if block is not None:
             sq += block.gradients.squared_norms(float64=True)
             retained.update(block.views())
@@ -309,29 +224,67 @@ def _clip_and_add(
             bounds = bound_terms.finish()
             clip_sq = tensor_core_bound.clip_squared_norms(sq, bounds, n_units)
             computed_sq = sq + bounds.booked
-    # clip factors, statistics: one device-to-host copy of the per-unit norms and losses
-    token_loss = losses.detach().reshape(-1)[layout.positions].double()
+    return _UnitNorms(clip_sq, computed_sq, retained, block)
+
+
+def _small_parameter_block(captured: CapturedBatch) -> ParameterBlock | None:
+    """The per-unit gradients of the biases and the generic modules' parameters, side by side:
+    one norm, and later one weighted sum over units, for all of them. Consumes ``token_rows``."""
+    small: dict[str, torch.Tensor] = {}
+    for name, parts in captured.token_rows.items():
+        rows = parts[0]
+        for part in parts[1:]:
+            rows = rows.to(torch.float32) + part.to(torch.float32)
+        # per-unit sums over each unit's own slots (not a matmul with an assignment matrix:
+        # 0·NaN from a non-finite unit's rows would reach every other unit), in float32
+        small[name] = captured.padded.rows(rows, keep_bf16=True).sum(1, dtype=torch.float32)
+    captured.token_rows.clear()  # the rows (an output gradient, for a bias) are used up
+    for call, owned in captured.generic:
+        unit_grads = generic_unit_grads(call, owned, captured.layout, captured.capture)
+        for name, per_unit in unit_grads.items():
+            small[name] = small[name] + per_unit if name in small else per_unit
+    block = ParameterBlock.of(small)
+    small.clear()  # the block holds them now
+    return block
+
+
+def _record_units(
+    captured: CapturedBatch, norms: _UnitNorms, acc: Accumulator
+) -> tuple[list[float | None], torch.Tensor]:
+    """Step 4: every unit's clip factor (None: not finite, dropped) and statistics into ``acc``,
+    from ONE device-to-host copy of the per-unit norms and losses; also the computed squared
+    norms, on the host."""
+    layout = captured.layout
+    n_units = len(layout.spans)
+    device = layout.positions.device
+    token_loss = captured.losses.detach().reshape(-1)[layout.positions].double()
     unit_loss = torch.zeros(n_units, dtype=torch.float64, device=device)
     unit_loss.index_add_(0, layout.position_unit, token_loss)
-    host = torch.stack([clip_sq, unit_loss, computed_sq]).cpu()
+    host = torch.stack([norms.clip_sq, unit_loss, norms.computed_sq]).cpu()
     factors: list[float | None] = []
     for j, span in enumerate(layout.spans):
         squared = float(host[0, j])
         norm = math.sqrt(squared) if math.isfinite(squared) else float("nan")
         factors.append(acc.record(norm, float(host[1, j]), span.stop - span.start))
-    verified = False
-    if direct is not None and all(f is not None for f in factors):
-        verify_attribution(params, direct, weights, retained)
-        verify_unit_norms(params, unit_checks or {}, host[2])
-        verified = True
+    return factors, host[2]
+
+
+def _add_clipped(
+    captured: CapturedBatch, norms: _UnitNorms, factors: list[float | None], acc: Accumulator
+) -> None:
+    """Step 5: Σ_u c_u M_u over the finite units into ``acc``, one add per parameter, in the
+    parameters' order (under ZeRO-3 each add is a collective: clients/sharded_sums.py)."""
+    params, weights, layout = captured.params, captured.weights, captured.layout
+    block, retained = norms.block, norms.retained
     kept = [j for j, f in enumerate(factors) if f is not None]
     if not kept:
-        return verified
+        return
+    device = layout.positions.device
     unit_factor = torch.tensor(
         [f if f is not None else 0.0 for f in factors], dtype=torch.float32, device=device
     )
     keep: torch.Tensor | slice = slice(None)
-    if len(kept) < n_units:  # drop the tokens of non-finite units before any product
+    if len(kept) < len(layout.spans):  # drop the tokens of non-finite units before any product
         keep = torch.cat([torch.arange(layout.spans[j].start, layout.spans[j].stop) for j in kept])
         keep = keep.to(device)
     token_factor = unit_factor[layout.position_unit][keep][:, None]
@@ -343,7 +296,6 @@ def _clip_and_add(
             acc.add_block(block, unit_factor, kept)
         elif block is not None:
             block_sum = block.gradients.clipped_sum(unit_factor, kept)
-        # in the parameters' order: under ZeRO-3 each add is a collective (clients/sharded_sums.py)
         for name in params:
             shape, total = param_shape(params[name]), None
             if name in weights:
@@ -362,70 +314,3 @@ def _clip_and_add(
                 total = total + retained[name].clipped_sum(unit_factor, kept).reshape(shape)
             if total is not None:  # one add per parameter and pass
                 acc.add(name, total)
-    return verified
-
-
-def vectorized_clipped_sum(
-    module: torch.nn.Module,
-    params: dict[str, torch.Tensor],
-    prepared: Sequence[PreparedUnit],
-    indices: Sequence[int],
-    acc: Accumulator,
-    token_budget: int,
-    pad_id: int,
-    probes: ProbeSource | None = None,
-    verify: bool = False,
-    tensor_cores: bool = False,
-    lockstep: Lockstep | None = None,
-) -> bool:
-    """Add clip(g_u)·… of ``prepared[indices]`` to ``acc``: exact norms, or sketched norms when
-    ``probes`` is given. Units over the token budget run through the loop path (chunked, exact
-    norm; for the randomized engine an exact norm means Z = 1, inside the accountant's law).
-
-    ``verify``: check the hooks' attribution against one plain batch gradient on the first
-    all-finite micro-batch (one extra backward); returns whether that check ran.
-    ``lockstep`` (ZeRO-3, :mod:`userdp.clients.zero3`): every rank runs as many micro-batch
-    passes and chunk passes as the rank with the most, the extra ones on the lockstep's dummy
-    unit, and runs the attribution check's backwards on the same passes as the others."""
-    local = [prepared[i] for i in indices]
-    batches, oversized = pack_units(local, token_budget)
-    verified = False
-    device = next(iter(params.values())).device
-    workspace = Workspace()  # per-unit gradient chunks, reused by every weight and micro-batch
-    for unit in local:
-        if not unit.examples:
-            acc.record(0.0, 0.0, 0)
-    chunks = sum(chunk_passes(local[j], token_budget) for j in oversized)
-    passes, all_chunks = len(batches), chunks
-    if lockstep is not None:
-        passes, all_chunks = lockstep.most([len(batches), chunks])
-    check = verify
-    for i in range(passes):
-        if lockstep is not None and check:  # while any rank still has to check, all do
-            check = lockstep.any(verify)
-        real = i < len(batches)
-        if real:
-            batch, target = make_batch(local, batches[i], device, pad_id), acc
-        else:  # lockstep only: a dummy pass, its sums thrown away
-            batch = make_batch(lockstep.dummy, [0], device, pad_id)
-            target = Discard(params, 1.0)
-        if real and i == len(batches) - 1 and not oversized:
-            acc.last_pass()  # nothing is added after this micro-batch
-        run_check = check if lockstep is not None else verify
-        passed = _micro_batch(
-            module, params, batch, target, probes, run_check, tensor_cores, workspace
-        )
-        acc.end_round()
-        if passed and real:  # a one-unit dummy cannot show units' tokens mixing
-            verify = False
-            verified = True
-    for j in oversized:
-        grads, loss_sum, tokens = unit_gradient(
-            module, params, local, j, token_budget, pad_id, acc.end_round
-        )
-        add_clipped_unit(acc, grads, loss_sum, tokens)
-        acc.end_round()
-    if lockstep is not None:
-        extra = all_chunks - chunks
-        run_dummy_chunk_passes(module, params, lockstep, extra, token_budget, pad_id, acc)
-    return verified

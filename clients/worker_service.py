@@ -13,8 +13,9 @@ engine's sum of clipped unit gradients, on the model version the coordinator bro
   ``highest_ppl`` / ``lowest_ppl`` rank a user's examples by the perplexities
   :func:`build_compute` scored ONCE with the model as built, before any broadcast is applied
   (:mod:`userdp.clients.perplexity`); a worker started without them fails such a task.
-  The engine returns the plain SUM of clipped unit gradients and its statistics; normalization
-  and noise are the coordinator's. In a worker of N ranks every rank calls it with the same task
+  The task reaches the engine as one :class:`userdp.clients.engine_request.EngineRequest`
+  (:meth:`EngineRequest.of_task`). The engine returns the plain SUM of clipped unit gradients
+  and its statistics; normalization and noise are the coordinator's. In a worker of N ranks every rank calls it with the same task
   and the engine's sum is their collective (:mod:`userdp.clients.ranks`).
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 from userdp.clients.distributed import raise_if_any_rank_failed, world
 from userdp.clients.engine import Unit, build_engine
+from userdp.clients.engine_request import EngineRequest
 from userdp.clients.model import load_parameters
 from userdp.clients.perplexity import ExamplePerplexities, example_perplexities
 from userdp.clients.selection import (
@@ -50,9 +52,9 @@ def _selection_rng(seed: int, step: int, unit_id: str) -> np.random.Generator:
 class EngineCompute:
     """Task compute over a :class:`ShardStore` and a clipping engine (see the module docstring).
 
-    ``engine`` must offer ``clipped_sum(units, clip_norm)`` and ``trainable_parameters()`` /
-    ``module`` as :mod:`userdp.clients.engine` defines them; ``unit_type`` is the engine's unit
-    value class (unit id + token arrays). ``perplexities``: every example's perplexity under the
+    ``engine`` must offer ``run(request)`` (one :class:`EngineRequest` per task) and
+    ``trainable_parameters()`` / ``module`` as :mod:`userdp.clients.engine` defines them;
+    ``unit_type`` is the engine's unit value class (unit id + token arrays). ``perplexities``: every example's perplexity under the
     initial model, needed by the perplexity-based selections only."""
 
     def __init__(
@@ -130,7 +132,7 @@ class EngineCompute:
             )
         if error is not None:
             raise error
-        return self.engine.clipped_sum(units, decoded.clip_norm, **decoded.engine_options())
+        return self.engine.run(EngineRequest.of_task(decoded, units))
 
 
 def build_compute(

@@ -123,18 +123,6 @@ class WorkerTask:
     local_lr: float
     local_batch_size: int
 
-    def engine_options(self) -> dict[str, Any]:
-        """The keyword options of the clipping engine's ``clipped_sum(units, clip_norm, ...)``."""
-        return {
-            "engine": self.engine,
-            "probes": self.probes,
-            "estimator": self.estimator,
-            "token_budget": self.token_budget,
-            "local_steps": self.local_steps,
-            "local_lr": self.local_lr,
-            "local_batch_size": self.local_batch_size,
-        }
-
 
 def task_from_proto(task: pb.Task) -> WorkerTask:
     """The worker's view of a wire ``Task``: zero or empty fields become their defaults."""

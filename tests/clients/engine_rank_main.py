@@ -210,7 +210,7 @@ def main(
         def broken(*args, **kwargs):
             raise RuntimeError(f"injected failure on rank {rank}")
 
-        engine_module.loop_clipped_sum = engine_module.vectorized_clipped_sum = broken
+        engine_module.CLIPPED_SUMS.update(dict.fromkeys(engine_module.CLIPPED_SUMS, broken))
     received = {}
     if "apply_seed" in opts:  # a model version after a first task (which leaves DeepSpeed's
         # persistent parameters gathered), applied the way a worker's ranks apply one

@@ -263,8 +263,8 @@ def test_sums_copied_on_a_side_stream_during_the_last_micro_batch_equal_one_copy
     gives. Every write to the sums is queued behind a ~1 ms GPU sleep, so the host is far ahead
     of the device: a copy that did not wait for the compute stream would read stale sums."""
     from userdp.clients.batching import prepare_units
-    from userdp.clients.clipping import Accumulator
-    from userdp.clients.ghost import vectorized_clipped_sum
+    from userdp.clients.clipping import Accumulator, UnitWork
+    from userdp.clients.vectorized import vectorized_clipped_sum
 
     def late(method):
         def write(self, *args, **kwargs):
@@ -284,7 +284,9 @@ def test_sums_copied_on_a_side_stream_during_the_last_micro_batch_equal_one_copy
         acc = Accumulator(engine.params, 2.5, early_copy=flag)
         acc.COPY_ELEMENTS = 4096  # many ranges, each racing the kernels queued after it
         vectorized_clipped_sum(
-            engine.module, engine.params, prepared, range(len(units)), acc, 60, engine.pad_id
+            UnitWork(
+                engine.module, engine.params, prepared, range(len(units)), acc, 60, engine.pad_id
+            )
         )
         assert (acc._copied > 0) == flag
         results.append(acc.host_sums())

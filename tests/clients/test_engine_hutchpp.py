@@ -12,7 +12,7 @@ import pytest
 import torch
 from userdp.clients import norms
 from userdp.clients.batching import EngineError
-from userdp.clients.engine import ClippingEngine
+from userdp.clients.engine import ClippingEngine, EngineRequest
 from userdp.clients.norms import (
     Factor,
     Padded,
@@ -182,11 +182,11 @@ def test_the_strategys_estimator_reaches_the_engine_over_the_wire_task(model):
     spec = strategy.configure_task(0, strategy.sample_cohort(0, ("a", "b")))
     assert spec.estimator == "hutch++"
     decoded = task_from_proto(task_proto(spec, 0, "t", 0, 0, ["a"], 60.0))
-    assert decoded.engine_options()["estimator"] == "hutch++"
     units = _short_units()
+    assert EngineRequest.of_task(decoded, units).estimator == "hutch++"
     loop = ClippingEngine(model, engine="loop").clipped_sum(units, decoded.clip_norm)
     engine = ClippingEngine(model)  # the worker's defaults: vectorized, Hutchinson
-    got = engine.clipped_sum(units, decoded.clip_norm, **decoded.engine_options())
+    got = engine.run(EngineRequest.of_task(decoded, units))
     assert got.stats.norm_sum == pytest.approx(loop.stats.norm_sum, rel=1e-5)
     assert_sums_close(got.sums, loop.sums, rtol=2e-5)
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from scipy import stats
 from userdp.clients.batching import prepare_units
-from userdp.clients.clipping import Accumulator
+from userdp.clients.clipping import Accumulator, UnitWork
 from userdp.clients.engine import ClippingEngine
-from userdp.clients.ghost import vectorized_clipped_sum
 from userdp.clients.norms import Factor, materialize, sketch_squared_norm
 from userdp.clients.sketch import GaussianProbes, IdentityProbes
+from userdp.clients.vectorized import vectorized_clipped_sum
 
 from tests.clients.engine_fixtures import (
     assert_sums_close,
@@ -40,7 +40,7 @@ def test_identity_probes_make_the_randomized_engine_equal_loop(model):
     prepared = prepare_units(units, engine.max_positions)
     indices = list(range(len(units)))
     vectorized_clipped_sum(
-        model, engine.params, prepared, indices, acc, 8192, 0, probes=IdentityProbes()
+        UnitWork(model, engine.params, prepared, indices, acc, 8192, 0), probes=IdentityProbes()
     )
     exact = acc.result()
     assert_sums_close(exact.sums, loop.sums, rtol=2e-5)

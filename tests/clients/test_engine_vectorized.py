@@ -466,7 +466,8 @@ def test_the_engine_copying_sums_during_its_last_micro_batch_gives_the_same_sums
     with ``early_copy`` the sums copied range by range while it runs equal those copied when
     read, bit for bit; with an oversized unit after the micro-batches nothing is copied early."""
     from userdp.clients.batching import prepare_units
-    from userdp.clients.clipping import Accumulator
+    from userdp.clients.clipping import Accumulator, UnitWork
+    from userdp.clients.vectorized import vectorized_clipped_sum
 
     engine = ClippingEngine(model, engine="vectorized", token_budget=40)
     units = random_units(6, seed=21, max_examples=1)  # none over the budget
@@ -478,9 +479,10 @@ def test_the_engine_copying_sums_during_its_last_micro_batch_gives_the_same_sums
         for flag in (False, True):
             acc = Accumulator(engine.params, 2.0, early_copy=flag)
             acc.COPY_ELEMENTS = 5000
-            ghost.vectorized_clipped_sum(
+            work = UnitWork(
                 engine.module, engine.params, prepared, range(len(units)), acc, 40, engine.pad_id
             )
+            vectorized_clipped_sum(work)
             assert (acc._copy is not None) == (flag and not oversized)
             copied_before_read = acc._copied
             results.append(acc.host_sums())

@@ -47,11 +47,10 @@ class TokenCountEngine:
     def __init__(self):
         self.module = torch.nn.Linear(3, 2)
         self.seen: list[Unit] = []
-        self.options: list[dict] = []
 
-    def clipped_sum(self, units, clip_norm, **options):
+    def run(self, request):
+        units, clip_norm = request.units, request.clip_norm
         self.seen.extend(units)
-        self.options.append(options)
         sums = {n: torch.zeros_like(p) for n, p in self.module.named_parameters()}
         total = sum(p.numel() for p in self.module.parameters())
         for unit in units:
@@ -167,11 +166,11 @@ class RecordingEngine:
     def __init__(self, engine):
         self.engine = engine
         self.module = engine.module
-        self.calls: list[tuple[list, float, dict]] = []
+        self.requests: list = []
 
-    def clipped_sum(self, units, clip_norm, **options):
-        self.calls.append((list(units), clip_norm, options))
-        return self.engine.clipped_sum(units, clip_norm, **options)
+    def run(self, request):
+        self.requests.append(request)
+        return self.engine.run(request)
 
 
 def test_end_to_end_over_grpc_with_the_real_engine(shard_dir, tmp_path):
@@ -191,8 +190,8 @@ def test_end_to_end_over_grpc_with_the_real_engine(shard_dir, tmp_path):
     strategy = uls_strategy(q=0.5, clip_norm=0.5, lr=0.1)
     compute = EngineCompute(store, engine, EngineUnit)
     report, after = _one_step_over_grpc(tmp_path, store, population, strategy, params, compute)
-    units = [u for call in engine.calls for u in call[0]]
-    assert all(call[1] == 0.5 and call[2]["engine"] == "vectorized" for call in engine.calls)
+    units = [u for request in engine.requests for u in request.units]
+    assert all(r.clip_norm == 0.5 and r.engine == "vectorized" for r in engine.requests)
     cohort = uls_strategy(q=0.5).sample_cohort(0, population)
     assert sorted(u.unit_id for u in units) == sorted(cohort.unit_ids)
     assert report.units == report.stats.count == len(units) and report.stats.clipped > 0

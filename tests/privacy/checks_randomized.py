@@ -20,6 +20,7 @@ records the tail probe matrix of every norm sketch the engine computes. Then:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from unittest import mock
 
@@ -27,7 +28,7 @@ import numpy as np
 from userdp.accounting import calibration, randomized_clipping
 from userdp.accounting.api import epsilon
 from userdp.clients import sketch
-from userdp.clients.engine import ClippingEngine, Unit
+from userdp.clients.engine import ClippingEngine, EngineRequest, Unit
 from userdp.clients.model import ModelShape, build_model
 from userdp.proto.codec import task_from_proto, task_proto
 
@@ -85,7 +86,7 @@ def _engine_tail_probes(strategy) -> set[int]:
         mock.patch.object(sketch, "batched_sketch_squared_norms", record_hutchinson),
         mock.patch.object(sketch, "batched_hutchpp_squared_norms", record_hutchpp),
     ):
-        engine.clipped_sum(units, task.clip_norm, probe_seed=0, **task.engine_options())
+        engine.run(dataclasses.replace(EngineRequest.of_task(task, units), probe_seed=0))
     return seen
 
 

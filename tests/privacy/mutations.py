@@ -494,16 +494,16 @@ def mutation_engine_clips_after_summing(monkeypatch):
     Private Stochastic Gradient Descent", §3.1)."""
     from userdp.clients.engine import ClippingEngine
 
-    original = ClippingEngine.clipped_sum
+    original = ClippingEngine.run
 
-    def clipped_sum(self, units, clip_norm, **kwargs):
-        result = original(self, units, 1e30, **kwargs)  # nothing binds: Σ_u g_u
+    def run(self, request):
+        result = original(self, dataclasses.replace(request, clip_norm=1e30))  # Σ_u g_u
         norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in result.sums.values()))
-        factor = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+        factor = min(1.0, request.clip_norm / norm) if norm > 0 else 1.0
         result.sums = {name: t * factor for name, t in result.sums.items()}
         return result
 
-    monkeypatch.setattr(ClippingEngine, "clipped_sum", clipped_sum)
+    monkeypatch.setattr(ClippingEngine, "run", run)
 
 
 def _per_example_units(unit):
@@ -517,13 +517,13 @@ def mutation_engine_clips_per_example(monkeypatch):
     """ULS treated like ELS: every example of a user is clipped and summed (sensitivity m·C)."""
     from userdp.clients.engine import ClippingEngine
 
-    original = ClippingEngine.clipped_sum
+    original = ClippingEngine.run
 
-    def clipped_sum(self, units, clip_norm, **kwargs):
-        expanded = [u for unit in units for u in _per_example_units(unit)]
-        return original(self, expanded, clip_norm, **kwargs)
+    def run(self, request):
+        expanded = [u for unit in request.units for u in _per_example_units(unit)]
+        return original(self, dataclasses.replace(request, units=expanded))
 
-    monkeypatch.setattr(ClippingEngine, "clipped_sum", clipped_sum)
+    monkeypatch.setattr(ClippingEngine, "run", run)
 
 
 @pytest.fixture
@@ -531,22 +531,22 @@ def mutation_engine_averages_clipped_examples(monkeypatch):
     """ULS user gradient = mean of the per-example CLIPPED gradients (norm ≤ C, wrong vector)."""
     from userdp.clients.engine import ClippingEngine
 
-    original = ClippingEngine.clipped_sum
+    original = ClippingEngine.run
 
-    def clipped_sum(self, units, clip_norm, **kwargs):
+    def run(self, request):
         total = None
-        for unit in units:
-            part = original(self, _per_example_units(unit), clip_norm, **kwargs)
+        for unit in request.units:
+            part = original(self, dataclasses.replace(request, units=_per_example_units(unit)))
             scale = 1.0 / max(len(unit.examples), 1)
             if total is None:
                 total = part
                 total.sums = {n: t * scale for n, t in part.sums.items()}
             else:
                 total.sums = {n: total.sums[n] + t * scale for n, t in part.sums.items()}
-        total.stats = dataclasses.replace(total.stats, count=len(units))
+        total.stats = dataclasses.replace(total.stats, count=len(request.units))
         return total
 
-    monkeypatch.setattr(ClippingEngine, "clipped_sum", clipped_sum)
+    monkeypatch.setattr(ClippingEngine, "run", run)
 
 
 @pytest.fixture
