@@ -21,6 +21,16 @@ from userdp.server.registry import WorkerRegistry
 from userdp.server.service import CoordinatorService, tolerant_deserializer
 
 
+class ListenError(ValueError):
+    """The server could not listen on ``host:port`` (the port is in use, or the host is not an
+    address of this machine); :mod:`userdp.server.runtime` names the config key to change."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(f"coordinator: cannot listen on {host}:{port}")
+        self.host = host
+        self.port = port
+
+
 @dataclass
 class RunningServer:
     server: grpc.Server
@@ -118,13 +128,16 @@ def serve(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, server_credentials(tls))
-        if tls is not None
-        else server.add_insecure_port(address)
-    )
+    try:
+        bound = (
+            server.add_secure_port(address, server_credentials(tls))
+            if tls is not None
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # "Failed to bind to address" (older gRPC returned 0)
+        bound = 0
     if bound == 0:
-        raise ValueError(f"coordinator: cannot listen on {address} (port in use or bad host)")
+        raise ListenError(host, port)
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -5,23 +5,28 @@ have the strategy, the ledger, the model tensors and the population: it picks th
 from ``[coordinator]`` (mTLS with ``tls_dir``, else the shared token of ``auth_token_file``, else
 unauthenticated — allowed on a loopback host only, and logged as a warning), starts the gRPC
 server, and returns the resumed :class:`~userdp.server.coordinator.Coordinator` with its server.
+A set port that cannot be listened on (``coordinator.port``, ``coordinator.group_port``) is one
+line naming the key and what to change (:func:`port_problem`), never a library's error.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from userdp.proto.channels import TlsFiles, chunk_bytes_within, read_token
 from userdp.server.auth import Authorizer
 from userdp.server.certs import read_coordinator_tls
 from userdp.server.coordinator import Coordinator, CoordinatorSettings
 from userdp.server.group_plane import GroupPlane, GroupSettings
-from userdp.server.grpc_server import RunningServer, serve
+from userdp.server.grpc_server import ListenError, RunningServer, serve
 from userdp.server.population import Population
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import WorkerRegistry
@@ -90,18 +95,26 @@ def start_coordinator(
     registry = WorkerRegistry()
     publisher = ModelPublisher(chunk_bytes=chunk_bytes_within(1 << 20, max_message_bytes))
     partial_bytes = sum(t.numel() * t.element_size() for t in params.values())
-    server = serve(
-        registry,
-        publisher,
-        authorizer,
-        population.shard_sha256,
-        manifest_sha256=population.manifest_sha256,
-        host=config.coordinator.host,
-        port=config.coordinator.port,
-        tls=tls,
-        max_message_bytes=max_message_bytes,
-        max_partial_bytes=2 * partial_bytes + (1 << 20),
-    )
+    group = _group_plane(config.coordinator)
+    _check_port("coordinator.port", config.coordinator.host, config.coordinator.port)
+    try:
+        server = serve(
+            registry,
+            publisher,
+            authorizer,
+            population.shard_sha256,
+            manifest_sha256=population.manifest_sha256,
+            host=config.coordinator.host,
+            port=config.coordinator.port,
+            tls=tls,
+            max_message_bytes=max_message_bytes,
+            max_partial_bytes=2 * partial_bytes + (1 << 20),
+        )
+    except ListenError as exc:  # taken since the check
+        raise ValueError(
+            port_problem("coordinator.port", exc.host, exc.port)
+            or f"coordinator.port = {exc.port}: {exc}: set coordinator.port to another port"
+        ) from None
     deadline = config.coordinator.step_deadline_s
     coordinator = Coordinator(
         strategy=strategy,
@@ -121,7 +134,7 @@ def start_coordinator(
         ),
         options=options,
         test_only_disable_noise=test_only_disable_noise,
-        group=_group_plane(config.coordinator),
+        group=group,
     )
     try:
         coordinator.resume()
@@ -135,11 +148,17 @@ def _group_plane(config: Any) -> GroupPlane | None:
     """The collective data plane's rendezvous for ``coordinator.data_plane = "collective"``."""
     if config.data_plane != "collective":
         return None
-    plane = GroupPlane(
-        GroupSettings(
-            store_port=config.group_port, timeout_s=config.group_timeout_s, store_bind=config.host
-        )
+    settings = GroupSettings(
+        store_port=config.group_port, timeout_s=config.group_timeout_s, store_bind=config.host
     )
+    _check_port("coordinator.group_port", settings.store_bind, settings.store_port)
+    try:
+        plane = GroupPlane(settings)
+    except dist.DistNetworkError as exc:  # taken since the check
+        raise ValueError(
+            port_problem("coordinator.group_port", settings.store_bind, settings.store_port)
+            or f"coordinator.group_port = {settings.store_port}: {exc}"
+        ) from None
     log.info("collective data plane: workers' rendezvous store on port %d", plane.port)
     if config.tls_dir or config.auth_token_file:
         log.warning(
@@ -149,3 +168,41 @@ def _group_plane(config: Any) -> GroupPlane | None:
             plane.port,
         )
     return plane
+
+
+def _check_port(key: str, host: str, port: int) -> None:
+    """A set port (``key``) that cannot be listened on stops the run here, with one line, before
+    a server library tries it and logs its own error (0 = any free port: nothing to check)."""
+    problem = port_problem(key, host, port) if port else ""
+    if problem:
+        raise ValueError(problem)
+
+
+def port_problem(key: str, host: str, port: int) -> str:
+    """One line saying why the coordinator cannot listen on ``host:port``, which ``key`` sets,
+    and what to change; "" when it can (a test bind, as the servers bind, finds the reason)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host.strip("[]"), port))
+        return ""
+    except socket.gaierror:
+        code = errno.EADDRNOTAVAIL
+    except OSError as exc:
+        code = exc.errno or 0
+    if code == errno.EADDRINUSE:
+        return (
+            f"{key} = {port}: {host}:{port} is in use (another run or program listens there): "
+            f"stop it, or set {key} to a free port (0 picks one)"
+        )
+    if code == errno.EACCES:
+        return f"{key} = {port}: a port below 1024 needs privileges: set {key} to 1024 or above"
+    if code == errno.EADDRNOTAVAIL:
+        return (
+            f"coordinator.host = {host!r} is not an address of this machine: set coordinator.host "
+            "to one of its addresses (0.0.0.0 for all of them)"
+        )
+    return (
+        f"{key} = {port}: cannot listen on {host}:{port} ({errno.errorcode.get(code, code)}): "
+        f"set {key} to another port"
+    )

@@ -229,7 +229,8 @@ class PrivacyConfig(_Section):
 class CoordinatorConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 0
-    """0 = pick a free port (simulate); a deployment sets a fixed one."""
+    """0 = pick a free port (simulate tells its workers); a deployment sets a fixed one. A set
+    port that is in use stops the run with one line naming this key (simulate and train)."""
     step_deadline_s: Positive = 300.0
     worker_startup_s: Positive = 1800.0
     """The longest wait for every shard to have a ready worker before step 1 (workers report
@@ -254,7 +255,8 @@ class CoordinatorConfig(_Section):
     each other and the coordinator's ``group_port``."""
     group_port: Annotated[int, Field(ge=0, le=65535)] = 0
     """``data_plane = "collective"``: the port of the coordinator's rendezvous store (a
-    torch.distributed TCPStore); 0 = pick a free port (simulate); a deployment sets a fixed one."""
+    torch.distributed TCPStore); 0 = pick a free port (simulate); a deployment sets a fixed one.
+    A set port that is in use stops the run with one line naming this key."""
     group_timeout_s: Positive = 300.0
     """``data_plane = "collective"``: a collective of the workers' group fails after this long
     (a member died); the step is then aborted and retried by a new group."""

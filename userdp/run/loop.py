@@ -65,8 +65,8 @@ def resolved_config(config: Config, setup: RunSetup, out: Path, mode: str) -> An
     fixed, output dir set (written to ``config.toml``, which workers and ``userdp report``
     read)."""
     coordinator = config.coordinator
-    if mode != "external":
-        coordinator = coordinator.model_copy(update={"host": "127.0.0.1", "port": 0})
+    if mode != "external":  # the workers are local; a configured port is kept (0: a free one)
+        coordinator = coordinator.model_copy(update={"host": "127.0.0.1"})
     files = {
         key: str(Path(value).expanduser().resolve())
         for key in ("path", "deepspeed_config")
