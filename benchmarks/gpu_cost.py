@@ -4,7 +4,8 @@ For a model shape, one non-private step and the private steps (``ClippingEngine.
 ULS G=g and ELS, with the norm GEMMs in IEEE float32 or as bf16 tensor-core GEMMs) of the real
 engine (``userdp.clients.engine.build_engine``, bf16, ZeRO 0, built and driven by the helpers of
 ``benchmarks/end_to_end.py``) run on the CPU under a ``TorchDispatchMode`` that sees every aten
-op and counts, per engine phase (the ``userdp.*`` ranges of ``clients/ghost.py``):
+op and counts, per engine phase (the ``userdp.*`` ranges of ``clients/vectorized.py`` and
+``clients/ghost.py``):
 
 * **launches**: one per aten op that would be a GPU kernel. Not kernels: views and other
   metadata ops (every return aliases an input without writing it, and ``_unsafe_view``),

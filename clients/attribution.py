@@ -1,6 +1,6 @@
 """The vectorized engines' per-unit attribution, checked against autograd before it is trusted.
 
-The hooks of :mod:`userdp.clients.ghost` attribute every parameter's gradient to units from
+The hooks of :mod:`userdp.clients.vectorized` attribute every parameter's gradient to units from
 captured factors. A parameter used outside the module that owns it, or a layer that mixes units'
 tokens, would make a unit's clipped update carry another unit's gradient. On the first all-finite
 micro-batch the engine therefore compares the attribution with plain autograd: the SUM over units

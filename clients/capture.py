@@ -1,6 +1,6 @@
 """Forward hooks that record, per micro-batch, every call of a module owning a trainable
 parameter (its input, and its output whose gradient is requested later), and the token layout
-that maps flat positions to units. Used by the vectorized engines (:mod:`userdp.clients.ghost`).
+that maps flat positions to units. Used by the vectorized engines (:mod:`userdp.clients.vectorized`).
 
 Kinds: ``linear`` (nn.Linear, incl. peft LoRA factors and untied LM heads), ``conv1d``
 (transformers' GPT-2 Conv1D), ``embedding`` (incl. subclasses that scale their output, e.g.

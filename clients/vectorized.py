@@ -42,7 +42,8 @@ def _micro_batch(
     workspace: Workspace | None = None,
 ) -> bool:
     """Process one micro-batch into ``acc``; with ``verify``, first check the attribution (see
-    :func:`userdp.clients.attribution.verify_attribution`). Returns whether a verification ran and passed.
+    :func:`userdp.clients.attribution.verify_attribution`). Returns whether a verification ran
+    and passed.
     ``tensor_cores``: bf16 GEMMs for the norms and book-keeping
     (:mod:`userdp.clients.matmul_precision`), each unit clipped by a proven bound on what it
     releases (:mod:`userdp.clients.tensor_core_bound`). ``workspace``: the buffer for

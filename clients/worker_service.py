@@ -15,8 +15,9 @@ engine's sum of clipped unit gradients, on the model version the coordinator bro
   (:mod:`userdp.clients.perplexity`); a worker started without them fails such a task.
   The task reaches the engine as one :class:`userdp.clients.engine_request.EngineRequest`
   (:meth:`EngineRequest.of_task`). The engine returns the plain SUM of clipped unit gradients
-  and its statistics; normalization and noise are the coordinator's. In a worker of N ranks every rank calls it with the same task
-  and the engine's sum is their collective (:mod:`userdp.clients.ranks`).
+  and its statistics; normalization and noise are the coordinator's. In a worker of N ranks
+  every rank calls it with the same task and the engine's sum is their collective
+  (:mod:`userdp.clients.ranks`).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class EngineCompute:
 
     ``engine`` must offer ``run(request)`` (one :class:`EngineRequest` per task) and
     ``trainable_parameters()`` / ``module`` as :mod:`userdp.clients.engine` defines them;
-    ``unit_type`` is the engine's unit value class (unit id + token arrays). ``perplexities``: every example's perplexity under the
-    initial model, needed by the perplexity-based selections only."""
+    ``unit_type`` is the engine's unit value class (unit id + token arrays). ``perplexities``:
+    every example's perplexity under the initial model, needed by the perplexity-based
+    selections only."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
-"""The ``vectorized`` engine (clients/ghost.py) agrees with ``loop``: ghost and materialized
-user-level norms, the tied wte/lm_head weight, LayerNorm and generic modules, book-keeping sums
-and sums of retained per-unit gradients, non-finite units, oversized units; unsupported layouts
-are refused, not silently mis-clipped."""
+"""The ``vectorized`` engine (clients/vectorized.py, clients/ghost.py) agrees with ``loop``: ghost
+and materialized user-level norms, the tied wte/lm_head weight, LayerNorm and generic modules,
+book-keeping sums and sums of retained per-unit gradients, non-finite units, oversized units;
+unsupported layouts are refused, not silently mis-clipped."""
 
 from __future__ import annotations
 
