@@ -60,6 +60,10 @@ class ShardIntegrityError(ShardError):
     """A shard or index file does not match the manifest (hash, row counts, index bounds)."""
 
 
+class ShardsGoneError(ShardError):
+    """A shard folder, or a file of it, vanished while a run used it (deleted or moved)."""
+
+
 class InputDataError(ShardError):
     """The raw input of ``userdp shard`` is unusable (missing column, null user id, bad UTF-8...)."""
 

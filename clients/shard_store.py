@@ -3,7 +3,9 @@
 The coordinator uses :meth:`ShardStore.user_counts` (index files only, no rows). A worker opens
 only the shards it owns (``ShardStore(dir, shards=[...])`` or :meth:`ShardStore.subset`) and reads
 one user's examples with :meth:`ShardStore.user_examples`, which memory-maps the shard file and
-slices the user's row range: the cost is O(that user), never a full-file load.
+slices the user's row range: the cost is O(that user), never a full-file load. Each read first
+checks that the shard's files are still there (:func:`check_present`): a folder deleted or moved
+during a run is one clear error, not a read from whatever is still memory-mapped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from userdp.clients.shard_format import (
     ShardEntry,
     ShardError,
     ShardIntegrityError,
+    ShardsGoneError,
     file_sha256,
     read_manifest,
     shard_of_user,
@@ -92,6 +95,21 @@ class _OpenShard:
 
     def close(self) -> None:
         self._source.close()
+
+
+def check_present(directory: Path, entries: Iterable[ShardEntry]) -> None:
+    """Raise :class:`ShardsGoneError` naming ``directory`` when its ``manifest.json`` or a file of
+    ``entries`` no longer exists: the folder was deleted or moved while a run used it. (Files
+    already memory-mapped stay readable until closed; the run stops instead of going on with
+    what it happens to hold open and failing at its next start.)"""
+    directory = Path(directory)
+    files = ["manifest.json", *(name for e in entries for name in (e.file, e.index_file))]
+    for name in files:
+        if not (directory / name).is_file():
+            raise ShardsGoneError(
+                f"the shards folder {directory} was deleted or moved during the run "
+                f"({name} is gone): put it back, then run the same command to resume"
+            )
 
 
 def _read_index(path: Path) -> pa.Table:
@@ -182,6 +200,7 @@ class ShardStore:
 
     def _user_range(self, user_id: str) -> tuple[_OpenShard, _UserRange]:
         name, span = self._span(user_id)
+        check_present(self.directory, [self._entries[name]])
         if name not in self._open:
             self._open[name] = _OpenShard(self.directory / self._entries[name].file)
         return self._open[name], span

@@ -146,9 +146,12 @@ class Coordinator:
         fault_hook: Callable[[str, int], None] | None = None,
         test_only_disable_noise: bool = False,
         group: GroupPlane | None = None,
+        data_check: Callable[[], None] | None = None,
     ) -> None:
         """``group``: the collective data plane (:mod:`userdp.server.group_plane`); None = every
-        worker streams its sums to this process and receives each version from it."""
+        worker streams its sums to this process and receives each version from it.
+        ``data_check``: raises when the run's data is gone, which ends :meth:`run` before the
+        step under way releases anything (:class:`~userdp.server.fleet.Fleet`)."""
         self.strategy = strategy
         self.options = options
         self.ledger = ledger
@@ -163,9 +166,9 @@ class Coordinator:
         self._no_noise = bool(test_only_disable_noise)
         shards = frozenset(population.shard_sha256)
         self.fleet = (
-            Fleet(registry, publisher, shards, settings)
+            Fleet(registry, publisher, shards, settings, data_check)
             if group is None
-            else CollectiveFleet(registry, publisher, shards, settings, plane=group)
+            else CollectiveFleet(registry, publisher, shards, settings, data_check, plane=group)
         )
         self.template = template_of(params)
         self.step = 0

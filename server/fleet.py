@@ -64,6 +64,8 @@ if TYPE_CHECKING:  # the coordinator imports this module
 log = logging.getLogger("userdp.server.coordinator")
 
 MAX_RESYNCS = 3
+DATA_CHECK_S = 1.0
+"""How often a gathering step checks that the run's data is still there (``data_check``)."""
 
 
 class StepAborted(RuntimeError):
@@ -85,11 +87,17 @@ class Fleet:
         publisher: ModelPublisher,
         shards: frozenset[str],
         settings: CoordinatorSettings,
+        data_check: Callable[[], None] | None = None,
     ) -> None:
+        """``data_check``: raises when the run's data is gone (the shard folder deleted or
+        moved); called as each step starts and about every :data:`DATA_CHECK_S` while it
+        gathers, so the run stops before that step releases anything."""
         self.registry = registry
         self.publisher = publisher
         self.shards = shards
         self.settings = settings
+        self.data_check = data_check
+        self._data_checked = -math.inf
         self.model_version = 0
         """The version a worker must hold to be given tasks."""
         self._resyncs: dict[WorkerSession, int] = defaultdict(int)
@@ -100,6 +108,7 @@ class Fleet:
         """Before a step: handle queued events, resync every worker that was not sent the
         current version (e.g. it joined mid-broadcast), and wait up to ``ack_wait_s`` for the
         workers that were sent it to acknowledge it."""
+        self._check_data(force=True)
         self.pump_events()
         for session in self.registry.sessions():
             if session.sent_version != self.model_version:
@@ -119,6 +128,11 @@ class Fleet:
                     f"step {collect.step}: {len(collect.pending()) + len(collect.outstanding())} "
                     f"task(s) not done after {self.settings.step_deadline_s:.0f}s"
                 )
+            try:
+                self._check_data()
+            except Exception:
+                self._cancel_all(collect)
+                raise
             self.registry.reap_silent(self.settings.heartbeat_timeout_s, now)
             for task_id, attempt, worker, issued_at in collect.outstanding():
                 if now - issued_at > self.settings.task_deadline_s:
@@ -134,6 +148,14 @@ class Fleet:
                 continue
             self.handle(event, collect)
         self._after_gather(collect, deadline)
+
+    def _check_data(self, force: bool = False) -> None:
+        """Run ``data_check`` (at most every :data:`DATA_CHECK_S` unless ``force``)."""
+        now = time.monotonic()
+        if self.data_check is None or (not force and now - self._data_checked < DATA_CHECK_S):
+            return
+        self._data_checked = now
+        self.data_check()
 
     def _before_gather(self) -> None:
         """Before a gather's first task (the collective plane forms its group here)."""

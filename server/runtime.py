@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,9 +82,11 @@ def start_coordinator(
     allowed_workers: Iterable[str] | None = None,
     options: Any = None,
     test_only_disable_noise: bool = False,
+    data_check: Callable[[], None] | None = None,
 ) -> RunningCoordinator:
     """Serve ``config.coordinator`` and return the resumed coordinator (see the module docstring).
-    ``options``: the run's :class:`~userdp.strategies.step.ExecutionOptions`.
+    ``options``: the run's :class:`~userdp.strategies.step.ExecutionOptions`; ``data_check``:
+    raises when the shard folder is gone (:class:`~userdp.server.coordinator.Coordinator`).
 
     ``test_only_disable_noise`` (test-only, NOT PRIVATE): see
     :class:`~userdp.server.coordinator.Coordinator`; no config key or CLI flag reaches it."""
@@ -135,6 +137,7 @@ def start_coordinator(
         options=options,
         test_only_disable_noise=test_only_disable_noise,
         group=group,
+        data_check=data_check,
     )
     try:
         coordinator.resume()

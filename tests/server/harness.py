@@ -128,10 +128,11 @@ def make_loopback(
     params=None,
     group=None,
     checkpoint_dir=None,
+    data_check=None,
 ) -> Loopback:
     """A coordinator serving on loopback; ``group``: a
     :class:`~userdp.server.group_plane.GroupSettings` for the collective data plane;
-    ``checkpoint_dir``: default ``tmp_path/"ckpt"``."""
+    ``checkpoint_dir``: default ``tmp_path/"ckpt"``; ``data_check``: the coordinator's."""
     population = population or toy.toy_population()
     registry = WorkerRegistry()
     publisher = ModelPublisher(chunk_bytes=publisher_chunk_bytes)
@@ -158,6 +159,7 @@ def make_loopback(
         fault_hook=fault_hook,
         test_only_disable_noise=no_noise,
         group=GroupPlane(group) if group is not None else None,
+        data_check=data_check,
     )
     try:
         coordinator.resume()

@@ -8,7 +8,8 @@ users, builds the strategy (σ calibrated to the target when not given), the led
 security choice) and runs until ``strategy.steps`` steps are done or the budget is exhausted;
 then it drains the workers (they exit 0). Interrupted (SIGTERM or SIGINT, also when started as a
 background job with SIGINT ignored), it saves a checkpoint and leaves the workers waiting for a
-restart (each for at most its ``--reconnect-timeout``). A run that took steps leaves, beside the
+restart (each for at most its ``workers.reconnect_timeout_s``). A shard folder deleted or moved
+during the run stops it before the step under way releases anything. A run that took steps leaves, beside the
 ledger and checkpoints in ``output.dir``, the config as run, the privacy report and the exported
 model (:func:`_write_outputs`).
 """
@@ -16,6 +17,7 @@ model (:func:`_write_outputs`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 from pathlib import Path
@@ -40,6 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if config.data.shards is None:
         raise ValueError("data.shards must name a shard directory for `userdp coordinator`")
+    from userdp.clients.shard_store import check_present
     from userdp.run.components import open_ledger, prepare_run
     from userdp.server.runtime import start_coordinator
 
@@ -56,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         checkpoint_dir=out / "checkpoints",
         allowed_workers=[w for w in (args.allow_workers or "").split(",") if w] or None,
         options=setup.options,
+        data_check=functools.partial(check_present, setup.shard_dir, setup.manifest.shards),
     )
     coordinator = running.coordinator
     finished = False

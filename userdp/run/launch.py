@@ -19,10 +19,12 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from userdp.clients.shard_store import check_present
 from userdp.config import Config
 from userdp.run.grpc_workers import serve_workers
 from userdp.run.in_process import run_in_process
 from userdp.run.loop import RunLoop, RunResult
+from userdp.run.registry import check_strategy
 from userdp.server.runtime import start_coordinator
 from userdp.strategies.local_step import run_local_step
 
@@ -45,6 +47,7 @@ def run(
     in-process paths; no config key or CLI flag reaches it."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_strategy(config)  # a plugin's errors before any output is written
     out = Path(output or config.output.dir)
     loop = RunLoop(config, out, quiet=quiet, test_only_disable_noise=test_only_disable_noise)
     loop.start(mode)
@@ -84,4 +87,5 @@ def start_coordinator_for(loop: RunLoop) -> Any:
         checkpoint_dir=loop.out / "checkpoints",
         options=setup.options,
         test_only_disable_noise=loop.no_noise,
+        data_check=functools.partial(check_present, setup.shard_dir, setup.manifest.shards),
     )

@@ -190,10 +190,15 @@ class RunLoop:
             self._bar = None
 
     def abandon(self) -> None:
-        """After an error: close the progress bar and end the trackers' runs (flushed); a
-        failure here (e.g. the same full disk) is logged, never raised over the run's error."""
+        """After an error: close the progress bar, end the trackers' runs (flushed) and release
+        the ledger's writer lock (the same process may run the folder again, e.g. once the
+        error is fixed); a failure here (e.g. the same full disk) is logged, never raised over
+        the run's error."""
         self.close_progress()
-        shut_down(("end the trackers' runs", lambda: self.trackers.finish(None, None)))
+        shut_down(
+            ("end the trackers' runs", lambda: self.trackers.finish(None, None)),
+            ("close the ledger", self.ledger.close),
+        )
 
     def on_worker_progress(self, starting: list[Any]) -> None:
         """While the coordinator waits for workers: each starting worker's phase on the progress
