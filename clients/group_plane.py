@@ -225,6 +225,7 @@ class WorkerGroup:
         except Exception as exc:  # the coordinator's own reduce fails too
             self._group = self._reducer = None
             self._error = f"reduce of step {message.step} failed: {exc}"
+            log.warning("worker %s: %s", self.runner.worker_id, self._error)
             send(task_failed(task, self._error))
 
     def _held_sums(self, message: pb.GroupReduce) -> tuple[list[Mapping], str]:
