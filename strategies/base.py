@@ -208,6 +208,19 @@ class Strategy(ABC):
     """The ``strategy.sampling`` schemes (:class:`~userdp.accounting.facts.Sampling` values) the
     strategy's mechanism is accounted for; None: any scheme of the sampler it is given. A config
     naming another scheme is refused before the strategy is built."""
+    record_units: bool = False
+    """True: the units are whole records of a subset chosen once (ELS, group privacy), so
+    ``data.selection`` must choose whole records (not windows across them)."""
+    full_participation: bool = False
+    """True: every unit takes part in every step (``sampling = "poisson"`` with rate 1)."""
+    required_keys: tuple[str, ...] = ()
+    """Strategy-only ``[strategy]`` keys (of the config's optional ones) that must be set."""
+    banded_samplings: tuple[str, ...] = ()
+    """The samplings with which ``strategy.bands`` (a banded C) is accounted; () : bands is not
+    taken."""
+    estimates_norms: bool = False
+    """True: the mechanism is accounted for estimated norms (``strategy.engine = "randomized"``);
+    no other strategy may run the randomized engine."""
     needs_unit_updates: bool = False
     """True: the release depends on each unit's own clipped update, not only on their sum (e.g.
     a filter over pairwise distances). The step then gathers one update per unit and calls

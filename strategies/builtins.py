@@ -193,6 +193,7 @@ class RandomizedClipping(UserLevelSampling):
     probability, which the envelope accountant covers."""
 
     samplings = ("poisson",)
+    estimates_norms = True
 
     def __init__(self, *, probes: int, estimator: str = "hutchinson", **uls: Any) -> None:
         super().__init__(**uls)
@@ -235,6 +236,7 @@ class ExampleLevelSampling(Strategy):
     """
 
     samplings = ("poisson",)
+    record_units = True
 
     def __init__(
         self,

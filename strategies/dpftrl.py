@@ -55,6 +55,7 @@ class BltDpFtrl(Strategy):
     ``bands`` ≤ bins optimized the same way)."""
 
     samplings = ("balls-in-bins-fixed", "cyclic-poisson")
+    banded_samplings = ("balls-in-bins-fixed", "cyclic-poisson")
 
     def __init__(
         self,

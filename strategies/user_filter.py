@@ -117,6 +117,8 @@ class UserWiseFilter(Strategy):
 
     needs_unit_updates = True
     samplings = ("poisson",)
+    full_participation = True
+    required_keys = ("concentration_threshold",)
 
     def __init__(
         self,

@@ -144,6 +144,21 @@ def test_only_the_cli_imports_userdp_inside_functions() -> None:
     assert not inside, f"imports inside functions outside userdp/cli: {inside}"
 
 
+def test_config_is_below_run() -> None:
+    """The config layer reads and checks a config; building a run from it is the run layer's: no
+    module of ``userdp.config`` imports ``userdp.run`` (the strategy catalogue it needs is
+    :mod:`userdp.strategies.catalogue`)."""
+    _, edges = graph()
+    upward = sorted(
+        f"{source} imports {target}"
+        for source, targets in edges.items()
+        if source.startswith("userdp.config")
+        for target, _ in targets
+        if target.startswith("userdp.run")
+    )
+    assert not upward, f"userdp.config imports the run layer: {upward}"
+
+
 def test_no_package_module_is_over_the_line_limit() -> None:
     modules, _ = graph()
     long = sorted(
@@ -159,7 +174,7 @@ def test_the_graph_sees_known_edges() -> None:
     """The checks above read a real graph: known imports of each kind are found."""
     modules, edges = graph()
     assert "userdp.run.components" in modules and "userdp.accounting.ledger" in modules
-    assert ("userdp.run.registry", False) in edges["userdp.config.load"]
+    assert ("userdp.strategies.catalogue", False) in edges["userdp.config.load"]
     assert ("userdp.accounting.mechanisms", False) in edges["userdp.strategies.builtins"]
     assert any(in_function for _, in_function in edges["userdp.cli.simulate"])
     assert not is_cli("userdp.clients.engine") and is_cli("userdp.cli") and is_cli("userdp.cli.x")

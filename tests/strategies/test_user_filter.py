@@ -332,7 +332,7 @@ def test_config_requires_tau_and_the_full_batch():
         parse_config(_raw(concentration_threshold=None))
     with pytest.raises(ConfigError, match="sampling_prob = 1.0"):
         parse_config(_raw(sampling_prob=0.05))
-    with pytest.raises(ConfigError, match="is for strategy.name = 'user-wise-filter'"):
+    with pytest.raises(ConfigError, match="concentration_threshold is set, but .* 'uls'"):
         parse_config({"strategy": {"concentration_threshold": 0.5}})
 
 

@@ -11,9 +11,14 @@ def _check(args: argparse.Namespace) -> int:
 
     from userdp.config import ConfigError, load_config
     from userdp.config.load import read_toml, relative_paths
+    from userdp.run.registry import check_strategy
     from userdp.run.tracking import missing_backends
 
     config = load_config(args.file)
+    try:  # the strategy (a plugin is imported from its folder) takes what the run would pass
+        check_strategy(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     missing = missing_backends(config.output.report_to)
     if missing:  # the machine that runs simulate/train needs them; checked here too
         raise ConfigError("output.report_to: " + "; ".join(missing))

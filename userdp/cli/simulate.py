@@ -74,6 +74,7 @@ def _summary(result, quiet: bool) -> None:
 
 def _load(args: argparse.Namespace):
     from userdp.config import load_config
+    from userdp.run.registry import check_strategy
 
     if getattr(args, "demo", False):
         if args.config:
@@ -81,7 +82,9 @@ def _load(args: argparse.Namespace):
         return demo_config()
     if not args.config:
         raise ValueError("--config FILE is required (or --demo for the embedded default run)")
-    return load_config(args.config)
+    config = load_config(args.config)
+    check_strategy(config)  # a plugin's errors before anything else is said or started
+    return config
 
 
 def _logging(quiet: bool) -> None:

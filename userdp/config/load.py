@@ -12,13 +12,12 @@ from pydantic import ValidationError
 
 from userdp.clients.deepspeed_config import read_deepspeed_json
 from userdp.clients.presets import PRESETS
-from userdp.clients.selection import EXAMPLE_UNIT_SELECTIONS
 from userdp.config.local_files import local_file_problems
-from userdp.config.schema import Config, ConfigError, StrategyConfig
-from userdp.run.registry import (
+from userdp.config.schema import Config, ConfigError
+from userdp.strategies.catalogue import (
     BUILTIN_STRATEGIES,
     PluginError,
-    check_strategy,
+    check_config_rules,
     check_strategy_keys,
     strategy_class,
 )
@@ -76,20 +75,11 @@ def parse_config(raw: dict[str, Any]) -> Config:
             f"built-in {strategy.name!r} takes the [strategy] keys"
         )
 
-    if config.data.selection not in EXAMPLE_UNIT_SELECTIONS and strategy.name in (
-        "els",
-        "group-privacy",
-    ):
-        raise ConfigError(
-            f"data.selection = {config.data.selection!r} cuts windows across a user's records, "
-            f"but strategy.name = {strategy.name!r} trains on records of a subset chosen once; "
-            f"use data.selection = one of {', '.join(EXAMPLE_UNIT_SELECTIONS)}, or a user-level "
-            "strategy (uls, dp-fedavg, ...)"
-        )
-    _check_user_wise_filter(strategy)
-    if strategy.name in BUILTIN_STRATEGIES:
+    if strategy.name in BUILTIN_STRATEGIES:  # a plugin is checked once its folder is known
+        cls = strategy_class(strategy.name)
         try:
-            check_strategy_keys(strategy_class(strategy.name), strategy)
+            check_strategy_keys(cls, strategy)
+            check_config_rules(cls, strategy, config.data.selection)
         except PluginError as exc:
             raise ConfigError(str(exc)) from None
     if config.model.path is None:
@@ -113,17 +103,10 @@ def parse_config(raw: dict[str, Any]) -> Config:
             f"workers.replicas = {workers.replicas} > workers.count = {workers.count}: each shard "
             "needs that many distinct workers; lower workers.replicas or raise workers.count"
         )
-    cyclic = strategy.sampling == "cyclic-poisson"
-    banded_ok = strategy.name == "blt-dp-ftrl" and strategy.sampling in (
-        "cyclic-poisson",
-        "balls-in-bins-fixed",
-    )
-    if (cyclic and strategy.bands is None) or (strategy.bands is not None and not banded_ok):
+    if strategy.sampling == "cyclic-poisson" and strategy.bands is None:
         raise ConfigError(
-            "strategy.bands (a banded C) goes with strategy.name = 'blt-dp-ftrl' and "
-            "strategy.sampling = 'cyclic-poisson' (accounted as banded matrix factorization) or "
-            "'balls-in-bins-fixed' (the balls-in-bins accountant), and cyclic-poisson needs it; "
-            f"got name {strategy.name!r}, sampling {strategy.sampling!r}, bands {strategy.bands!r}"
+            "strategy.sampling = 'cyclic-poisson' samples group t mod b̂ at step t: set "
+            "strategy.bands = b̂ (the groups, and the bands of the banded C it is accounted with)"
         )
     if config.strategy.sampling == "shuffle" and not config.privacy.allow_unaccounted_sampling:
         raise ConfigError(
@@ -155,43 +138,17 @@ def _check_preset_seq_len(preset: str | None, seq_len: int) -> None:
     )
 
 
-def _check_user_wise_filter(strategy: StrategyConfig) -> None:
-    """``user-wise-filter`` takes every user in every step and needs τ; τ means nothing elsewhere."""
-    name = strategy.name
-    if name != "user-wise-filter":
-        if strategy.concentration_threshold is not None:
-            raise ConfigError(
-                "strategy.concentration_threshold is for strategy.name = 'user-wise-filter'; "
-                f"remove it for {name!r}"
-            )
-        return
-    if strategy.concentration_threshold is None:
-        raise ConfigError(
-            "strategy.name = 'user-wise-filter' needs strategy.concentration_threshold (tau, the "
-            "L2 radius of concentrated user gradients; the noise scales with it)"
-        )
-    if strategy.sampling != "poisson" or strategy.sampling_prob != 1.0:
-        raise ConfigError(
-            "strategy.name = 'user-wise-filter' uses every user in every step: set "
-            "strategy.sampling = 'poisson' and strategy.sampling_prob = 1.0, got "
-            f"{strategy.sampling!r} with {strategy.sampling_prob:g}"
-        )
-
-
 def check_local_files(config: Config) -> None:
-    """The files ``config`` names on THIS machine (:mod:`userdp.config.local_files`), its DeepSpeed JSON
-    and its plugin; :class:`ConfigError` naming every problem. Checked by :func:`load_config`,
+    """The files ``config`` names on THIS machine (:mod:`userdp.config.local_files`) and its
+    DeepSpeed JSON; :class:`ConfigError` naming every problem (a plugin strategy is imported and
+    checked by the run that builds it, and by ``config check``:
+    :func:`userdp.run.registry.check_strategy`). Checked by :func:`load_config`,
     not by :func:`parse_config` nor ``deploy render``, whose config names paths that exist only
     inside the pods."""
     problems = local_file_problems(config)
     if config.model.deepspeed_config is not None:
         try:
             read_deepspeed_json(config.model.deepspeed_config)
-        except ValueError as exc:
-            problems.append(str(exc))
-    if config.strategy.name not in BUILTIN_STRATEGIES:
-        try:
-            check_strategy(config)
         except ValueError as exc:
             problems.append(str(exc))
     if problems:

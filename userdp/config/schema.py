@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
 from userdp.accounting.validation import in_interval, interval_text
-from userdp.run.registry import BUILTIN_STRATEGIES
+from userdp.strategies.catalogue import BUILTIN_STRATEGIES
 
 
 class ConfigError(ValueError):

@@ -17,7 +17,7 @@ from userdp.kubernetes.chart import (
     DEPLOY_PATHS,
     worker_ids,
 )
-from userdp.run.registry import BUILTIN_STRATEGIES
+from userdp.strategies.catalogue import BUILTIN_STRATEGIES
 
 
 @dataclass(frozen=True)

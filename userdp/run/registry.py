@@ -1,6 +1,6 @@
 """The strategy registry: one way to name, find and build a strategy from a config.
 
-``[strategy] name`` is a registered name (the built-ins below) or a plugin
+``[strategy] name`` is a registered name (:mod:`userdp.strategies.catalogue`) or a plugin
 ``"package.module:ClassName"``; a registered name is itself a ``module:Class`` path, so a built-in
 and a plugin are imported, checked and built by the same code:
 
@@ -23,22 +23,27 @@ Bad names, a class that is not a Strategy and arguments the constructor does not
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import math
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from userdp.accounting.mechanisms import Mechanism
 from userdp.strategies.base import Strategy
+from userdp.strategies.catalogue import (
+    BUILTIN_STRATEGIES,
+    PluginError,
+    check_config_rules,
+    check_strategy_keys,
+    constructor_parameters,
+    strategy_class,
+)
 from userdp.strategies.noise import NoiseRng
 from userdp.strategies.optimizers import ServerOptimizer, make_optimizer
 from userdp.strategies.samplers import Sampler, bins_for, make_sampler, padding_cap
 
 if TYPE_CHECKING:
-    from userdp.config import Config, StrategyConfig
+    from userdp.config import Config
 
 __all__ = [
     "BUILTIN_STRATEGIES",
@@ -53,30 +58,11 @@ __all__ = [
     "strategy_class",
 ]
 
-BUILTIN_STRATEGIES: dict[str, str] = {
-    "uls": "userdp.strategies.builtins:UserLevelSampling",
-    "els": "userdp.strategies.builtins:ExampleLevelSampling",
-    "group-privacy": "userdp.strategies.builtins:GroupPrivacyComparison",
-    "dp-fedavg": "userdp.strategies.builtins:DpFedAvg",
-    "adaptive-clipping": "userdp.strategies.adaptive_clipping:AdaptiveClipping",
-    "randomized-clipping": "userdp.strategies.builtins:RandomizedClipping",
-    "blt-dp-ftrl": "userdp.strategies.dpftrl:BltDpFtrl",
-    "user-wise-filter": "userdp.strategies.user_filter:UserWiseFilter",
-}
-"""The registered names and the ``module:Class`` each stands for."""
-
-OPTIONAL_KEYS = ("bands", "expected_cohort_size", "expected_batch_size", "concentration_threshold")
-"""Strategy-only ``[strategy]`` keys that default to unset: set, they must reach the constructor."""
-
 BALLS_IN_BINS = ("balls-in-bins-fixed", "balls-in-bins-epoch")
 
 _OMIT = object()
 """A derived argument that does not apply to the config's sampling (the constructor's default
 stands; a required one is reported missing)."""
-
-
-class PluginError(ValueError):
-    """A strategy cannot be imported or built from the config; the message says what to change."""
 
 
 def default_delta(num_users: int) -> float:
@@ -93,50 +79,6 @@ def server_optimizer(config: Config) -> ServerOptimizer:
     if s.server_optimizer == "momentum":
         return make_optimizer("sgd", s.server_lr, momentum=s.momentum)
     return make_optimizer(s.server_optimizer, s.server_lr)
-
-
-def strategy_class(name: str, plugin_path: str | None = None) -> type[Strategy]:
-    """The Strategy subclass a registered name or a plugin ``"package.module:ClassName"`` names."""
-    target = BUILTIN_STRATEGIES.get(name, name)
-    module_name, _, class_name = target.partition(":")
-    where = f"{plugin_path} or PYTHONPATH" if plugin_path else "PYTHONPATH"
-    if plugin_path:
-        folder = str(Path(plugin_path).expanduser())
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or ""
-        if module_name == missing or module_name.startswith(missing + "."):
-            raise PluginError(
-                f"strategy.name = {name!r}: no module {module_name!r} in {where}; put "
-                f"{module_name.replace('.', '/')}.py next to the config or set "
-                "strategy.plugin_path"
-            ) from None
-        raise PluginError(
-            f"strategy.name = {name!r}: importing {module_name!r} failed: {exc}"
-        ) from None
-    except Exception as exc:  # the plugin's own code failed while importing
-        raise PluginError(
-            f"strategy.name = {name!r}: importing {module_name!r} failed: "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise PluginError(
-            f"strategy.name = {name!r}: module {module_name!r} ({module.__file__}) has no "
-            f"{class_name!r}"
-        )
-    if not (inspect.isclass(cls) and issubclass(cls, Strategy)):
-        raise PluginError(
-            f"strategy.name = {name!r}: {class_name} is not a subclass of "
-            "userdp.strategies.Strategy"
-        )
-    if inspect.isabstract(cls):
-        missing = ", ".join(sorted(cls.__abstractmethods__))
-        raise PluginError(f"strategy.name = {name!r}: {class_name} does not implement {missing}")
-    return cls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,46 +160,6 @@ CONFIG_ARGUMENTS: tuple[str, ...] = tuple(_ARGUMENTS)
 """The constructor arguments userdp makes from the config (module docstring)."""
 
 
-def constructor_parameters(cls: type[Strategy]) -> set[str]:
-    """The keyword arguments ``cls(...)`` takes, following ``**kwargs`` up its base classes (a
-    built-in such as DP-FedAvg passes the ULS arguments through)."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        if init is None:
-            continue
-        parameters = list(inspect.signature(init).parameters.values())[1:]  # without self
-        names |= {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            break
-    return names
-
-
-def check_strategy_keys(cls: type[Strategy], strategy: StrategyConfig) -> None:
-    """The ``[strategy]`` keys ``cls`` cannot honour: a sampling scheme outside its
-    :attr:`~userdp.strategies.Strategy.samplings`, or a strategy-only key that is set but that its
-    constructor does not take (:class:`PluginError`)."""
-    name = strategy.name
-    if cls.samplings is not None and strategy.sampling not in cls.samplings:
-        allowed = " or ".join(repr(x) for x in cls.samplings)
-        raise PluginError(
-            f"strategy.name = {name!r} supports strategy.sampling = {allowed} only, got "
-            f"{strategy.sampling!r}"
-        )
-    accepted = constructor_parameters(cls)
-    unused = [k for k in OPTIONAL_KEYS if getattr(strategy, k) is not None and k not in accepted]
-    if unused:
-        raise PluginError(
-            f"strategy.{unused[0]} is set, but strategy.name = {name!r} ({cls.__name__}) does not "
-            "take it; remove it"
-            + (
-                ""
-                if name in BUILTIN_STRATEGIES
-                else " (a plugin takes its own arguments in [strategy.params])"
-            )
-        )
-
-
 def strategy_arguments(
     cls: type[Strategy],
     config: Config,
@@ -294,21 +196,12 @@ def strategy_arguments(
     return kwargs
 
 
-def _checked_config(config: Config) -> None:
-    s = config.strategy
-    if s.engine == "randomized" and s.name != "randomized-clipping":
-        raise PluginError(
-            "strategy.engine = 'randomized' estimates norms, which needs its own accountant: "
-            "set strategy.name = 'randomized-clipping' (or use engine 'vectorized' / 'loop'; a "
-            "plugin that estimates norms sets engine='randomized' in its configure_task)"
-        )
-
-
 def check_strategy(config: Config) -> None:
-    """Import the config's strategy and check its constructor takes the arguments userdp would
-    pass (without building it)."""
-    _checked_config(config)
+    """Import the config's strategy, apply the rules its class states
+    (:func:`~userdp.strategies.catalogue.check_config_rules`) and check its constructor takes the
+    arguments userdp would pass (without building it)."""
     cls = strategy_class(config.strategy.name, config.strategy.plugin_path)
+    check_config_rules(cls, config.strategy, config.data.selection)
     strategy_arguments(cls, config, num_users=1000, noise_multiplier=1.0, delta=1e-6)
 
 
@@ -325,12 +218,12 @@ def build_strategy(
     and the mechanism it reports must equal the calibrated value, or the build fails rather than
     record one mechanism and run another. δ (``user-wise-filter`` splits it): ``delta``, else
     ``privacy.delta`` or 1/(10·N)."""
-    _checked_config(config)
     if delta is None:
         delta = config.privacy.delta or default_delta(num_users)
     calibrate = noise_multiplier if callable(noise_multiplier) else None
     sigma = 1.0 if calibrate is not None else float(noise_multiplier)
     cls = strategy_class(config.strategy.name, config.strategy.plugin_path)
+    check_config_rules(cls, config.strategy, config.data.selection)
     kwargs = strategy_arguments(cls, config, num_users, sigma, delta)
     try:
         strategy = cls(**kwargs)
