@@ -72,6 +72,13 @@ class AdaptiveClipping(UserLevelSampling):
         self.history: list[tuple[int, float, float]] = []
         """(step, clip norm used, noisy unclipped fraction) per released step."""
 
+    def calibrate(self, noise_multiplier: float) -> None:
+        """Take the calibrated σ only if the count's noise leaves the sum a share of it
+        (2σ_b > z, :func:`update_noise_multiplier`): the constructor checked the σ it was built
+        with (σ = 1 when a run calibrates), not this one."""
+        update_noise_multiplier(noise_multiplier, self.count_stddev)
+        super().calibrate(noise_multiplier)
+
     @property
     def update_noise_multiplier(self) -> float:
         """σ_Δ, the sum's share of the step's noise multiplier (Andrew et al., Thm. 1)."""

@@ -198,6 +198,24 @@ def test_adaptive_clipping_tracks_the_target_quantile():
     assert s.clip_norm == pytest.approx(1.0, rel=0.1)
 
 
+def test_adaptive_clipping_refuses_a_calibrated_sigma_its_count_noise_cannot_share(tmp_path):
+    """The run's strategy is built at σ = 1 and calibrated after; a calibrated z ≥ 2σ_b leaves
+    the sum no noise share, so the build stops naming count_stddev (before any step)."""
+    from userdp.config import parse_config
+    from userdp.run.registry import build_strategy
+
+    config = parse_config(
+        {
+            "strategy": {"name": "adaptive-clipping", "sampling_prob": 0.2, "steps": 8},
+            "privacy": {"epsilon": 1.0, "delta": 1e-5},
+        }
+    )
+    calibrated = build_strategy(config, 1000, lambda template: 19.5)  # σ_b = qN/20 = 10
+    assert calibrated.noise_multiplier == 19.5 and calibrated.count_stddev == 10.0
+    with pytest.raises(StrategyError, match=r"count_stddev=10.0 is too small.*noise_multiplier=20"):
+        build_strategy(config, 1000, lambda template: 20.0)
+
+
 def test_estimate_and_double_rules():
     def norm(g):
         return 10.0 / math.sqrt(g)  # τ_G = 0.707 (iid gradients)
