@@ -36,9 +36,10 @@ __all__ = ["BltDpFtrl"]
 
 @functools.lru_cache(maxsize=8)
 def optimized_blt(steps: int, buffers: int, min_sep: int, participations: int) -> Blt:
-    """The BLT :func:`~userdp.strategies.blt.optimize_blt` finds for a run (deterministic, so
-    computed once per process: calibrating σ on the run's mechanism and building the strategy
-    for that σ use the same C, optimized once)."""
+    """The BLT :func:`~userdp.strategies.blt.optimize_blt` finds for a run. A run's build
+    optimizes it once (the strategy is built once and calibrated on its mechanism value); the
+    cache (it is deterministic) saves the optimization when one process builds the same run
+    again (a notebook or a test that builds twice)."""
     return optimize_blt(steps, buffers, min_sep=min_sep, participations=participations)[0]
 
 

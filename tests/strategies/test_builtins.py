@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -233,19 +234,30 @@ def test_estimate_and_double_rules():
 
 
 @pytest.mark.parametrize(
-    ("strategy", "optimizer"),
+    ("strategy", "optimizer", "cached"),
     [
-        ({"name": "blt-dp-ftrl", "sampling": "balls-in-bins-fixed"}, "optimize_blt"),
-        ({"name": "blt-dp-ftrl", "sampling": "cyclic-poisson", "bands": 2}, "optimize_banded"),
+        (
+            {"name": "blt-dp-ftrl", "sampling": "balls-in-bins-fixed"},
+            "optimize_blt",
+            "optimized_blt",
+        ),
+        (
+            {"name": "blt-dp-ftrl", "sampling": "cyclic-poisson", "bands": 2},
+            "optimize_banded",
+            "optimized_banded",
+        ),
     ],
 )
-def test_a_blt_run_optimizes_its_correlation_once(monkeypatch, tmp_path, strategy, optimizer):
-    """A config's setup calibrates σ on the run's mechanism and builds the strategy for that σ:
-    C is optimized once, and the mechanism calibrated is the one the ledger will record."""
+def test_a_calibrated_blt_build_optimizes_its_correlation_once(
+    monkeypatch, strategy, optimizer, cached
+):
+    """A calibrated build makes the strategy once at σ = 1, calibrates its mechanism value and
+    sets σ: the real optimizer runs once, counted with the per-process cache bypassed (a second
+    construction would optimize again), and the strategy records the mechanism calibrated."""
     from userdp.strategies import dpftrl
 
     from userdp.config import parse_config
-    from userdp.run.components import strategy_from_config
+    from userdp.run.registry import build_strategy
 
     calls = []
     real = getattr(dpftrl, optimizer)
@@ -255,21 +267,23 @@ def test_a_blt_run_optimizes_its_correlation_once(monkeypatch, tmp_path, strateg
         return real(*args, **kwargs)
 
     monkeypatch.setattr(dpftrl, optimizer, counted)
-    dpftrl.optimized_blt.cache_clear()
-    dpftrl.optimized_banded.cache_clear()
-    # cyclic Poisson is accounted by PLD: σ is calibrated (on a mechanism with the optimized C)
-    privacy = {"noise_multiplier": 1.5} if "bands" not in strategy else {"epsilon": 8.0}
+    monkeypatch.setattr(dpftrl, cached, getattr(dpftrl, cached).__wrapped__)
     config = parse_config(
         {
             "strategy": {**strategy, "sampling_prob": 0.25, "steps": 8},
-            "privacy": {**privacy, "delta": 1e-5},
+            "privacy": {"epsilon": 8.0, "delta": 1e-5},
         }
     )
-    monkeypatch.setenv("USERDP_CACHE_DIR", str(tmp_path))
-    built, _, _ = strategy_from_config(config, 40)
-    again, _, _ = strategy_from_config(config, 40)
+    templates = []
+
+    def calibrate(template):
+        templates.append(template)
+        return 2.5
+
+    built = build_strategy(config, 40, calibrate)
     assert len(calls) == 1
-    assert built.mechanism() == again.mechanism()
+    assert [t.noise_multiplier for t in templates] == [1.0]
+    assert built.mechanism() == dataclasses.replace(templates[0], noise_multiplier=2.5)
 
 
 def test_aggregate_is_not_a_hook_a_strategy_can_override():
