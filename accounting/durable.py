@@ -5,6 +5,8 @@ directory entry is too (:func:`fsync_path` of the directory). A file that is REP
 a checkpoint's ``LATEST`` pointer, a cache entry) goes through :func:`atomic_write`: a temporary
 file in the same folder is written and fsync'd, renamed over the target with ``os.replace`` and
 the folder fsync'd, so a crash leaves the old content or the new one, never a torn file.
+An append-only file (the ledger, the release journal) grows through :func:`append_durably`: all
+of a record is written and fsync'd, or the file is cut back to what it held before.
 :func:`atomic_write_bytes`, :func:`atomic_write_text` and :func:`atomic_write_json` are its
 common forms. Plain ``os`` calls only, so :mod:`userdp.accounting` stays free of torch and of the
 server.
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "TornAppendError",
+    "append_durably",
     "atomic_write",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -60,6 +64,33 @@ def write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+class TornAppendError(OSError):
+    """An append failed and cutting its partial bytes off failed too: the file may end in a torn
+    record. ``append_error`` and ``undo_error`` are the two ``OSError`` s."""
+
+    def __init__(self, append_error: OSError, undo_error: OSError) -> None:
+        super().__init__(undo_error.errno, undo_error.strerror or str(undo_error))
+        self.append_error = append_error
+        self.undo_error = undo_error
+
+
+def append_durably(fd: int, data: bytes) -> None:
+    """Append all of ``data`` at the end of the file open as ``fd`` and fsync it, or leave the file
+    as it was: on an ``OSError`` the file is cut back to its length before (and fsync'd) and the
+    error propagates; :class:`TornAppendError` when the cut fails too."""
+    end = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    except OSError as exc:
+        try:
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+        except OSError as undo:
+            raise TornAppendError(exc, undo) from exc
+        raise
 
 
 def truncate_durably(path: str | os.PathLike[str], size: int) -> None:

@@ -24,7 +24,12 @@ from typing import Any
 
 from userdp.accounting.api import compose_epsilon
 from userdp.accounting.budget import BudgetCertificates
-from userdp.accounting.durable import fsync_path, truncate_durably, write_all
+from userdp.accounting.durable import (
+    TornAppendError,
+    append_durably,
+    fsync_path,
+    truncate_durably,
+)
 from userdp.accounting.ledger_format import (
     NOISE_MODES,
     SCHEMA_VERSION,
@@ -328,22 +333,20 @@ class Ledger:
         """Write one line durably, or leave the file as it was (module docstring)."""
         line = (canonical_json(record) + "\n").encode("utf-8")
         with open(self.path, mode + "b") as f:
-            end = f.tell()
             try:
-                write_all(f.fileno(), line)
-                os.fsync(f.fileno())
+                append_durably(f.fileno(), line)
+            except TornAppendError as torn:
+                exc = torn.append_error
+                self._write_failed = f"{exc.strerror or exc} writing {self.path}"
+                raise LedgerWriteError(
+                    f"ledger {self.path}: writing step record failed ({exc.strerror or exc}) "
+                    "and undoing the partial line failed too "
+                    f"({torn.undo_error.strerror or torn.undo_error}); nothing of this step was "
+                    "released. Free space, then run `userdp ledger repair RUN_DIR` to drop the "
+                    "partial line"
+                ) from exc
             except OSError as exc:
                 self._write_failed = f"{exc.strerror or exc} writing {self.path}"
-                try:
-                    os.ftruncate(f.fileno(), end)
-                    os.fsync(f.fileno())
-                except OSError as undo:
-                    raise LedgerWriteError(
-                        f"ledger {self.path}: writing step record failed ({exc.strerror or exc}) "
-                        f"and undoing the partial line failed too ({undo.strerror or undo}); "
-                        "nothing of this step was released. Free space, then run `userdp "
-                        "ledger repair RUN_DIR` to drop the partial line"
-                    ) from exc
                 raise LedgerWriteError(
                     f"ledger {self.path}: writing a record failed ({exc.strerror or exc}); the "
                     "file is as it was before this record, and nothing of it was released"

@@ -11,9 +11,10 @@ it.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
+
+from userdp.accounting.durable import append_durably
 
 __all__ = [
     "RELEASE_JOURNAL",
@@ -51,15 +52,7 @@ def append_release_journal(
         directory.mkdir(parents=True, exist_ok=True)
         line = (json.dumps(entry) + "\n").encode()
         with open(path, "ab", buffering=0) as handle:
-            end = handle.tell()
-            try:
-                view = memoryview(line)
-                while view:
-                    view = view[handle.write(view) :]
-                os.fsync(handle.fileno())
-            except OSError:
-                os.ftruncate(handle.fileno(), end)  # no torn line: the step is not recorded
-                raise
+            append_durably(handle.fileno(), line)  # all of the line, or the step is not recorded
     except OSError as exc:  # nothing of the step has left: it is not broadcast
         raise OSError(
             exc.errno,

@@ -1,12 +1,16 @@
-"""atomic_write: the target holds the old content or the new one, and no temporary is left."""
+"""atomic_write: the target holds the old content or the new one, and no temporary is left;
+append_durably: all of a record is appended and fsync'd, or the file is as it was."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
 import pytest
 from userdp.accounting.durable import (
+    TornAppendError,
+    append_durably,
     atomic_write,
     atomic_write_bytes,
     atomic_write_json,
@@ -79,3 +83,55 @@ def test_a_published_folder_is_fsynced_then_renamed_and_never_overwritten(tmp_pa
     with pytest.raises(OSError):
         publish_directory(again, tmp_path / "target")
     assert (tmp_path / "target" / "keep").read_bytes() == b"k" and again.is_dir()
+
+
+def _disk_full_after(monkeypatch, nbytes):
+    """os.write writes ``nbytes`` of what it is given, then fails like a full disk."""
+    real = os.write
+
+    def write(fd, data):
+        real(fd, bytes(data[:nbytes]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", write)
+
+
+def test_an_append_is_written_whole_and_fsynced(tmp_path, monkeypatch):
+    path = tmp_path / "released.jsonl"
+    path.write_bytes(b"one\n")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    with open(path, "ab", buffering=0) as handle:
+        append_durably(handle.fileno(), b"two\n")
+        assert synced == [handle.fileno()]
+    assert path.read_bytes() == b"one\ntwo\n"
+
+
+def test_a_failed_append_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    """A partial record reached the file, then ENOSPC: the partial bytes are cut off again."""
+    path = tmp_path / "ledger.jsonl"
+    path.write_bytes(b"one\n")
+    with open(path, "ab", buffering=0) as handle:
+        _disk_full_after(monkeypatch, 3)
+        with pytest.raises(OSError, match="No space") as raised:
+            append_durably(handle.fileno(), b"a long record\n")
+        monkeypatch.undo()
+    assert not isinstance(raised.value, TornAppendError)
+    assert path.read_bytes() == b"one\n"
+
+
+def test_a_failed_undo_is_a_torn_append_naming_both_errors(tmp_path, monkeypatch):
+    path = tmp_path / "ledger.jsonl"
+    path.write_bytes(b"one\n")
+    with open(path, "ab", buffering=0) as handle:
+        _disk_full_after(monkeypatch, 3)
+        monkeypatch.setattr(
+            os, "ftruncate", lambda fd, n: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error"))
+        )
+        with pytest.raises(TornAppendError) as raised:
+            append_durably(handle.fileno(), b"a long record\n")
+        monkeypatch.undo()
+    assert raised.value.append_error.errno == errno.ENOSPC
+    assert raised.value.undo_error.errno == errno.EIO
+    assert path.read_bytes() == b"one\na l"  # the torn tail a repair (or a reader) must handle
