@@ -1,6 +1,6 @@
 """The privacy ledger's file format and its readers, without the accountant: a run's records,
-their hash chain, the phases they hold, repair of a crash's partial last line, and whether a
-privacy report still covers the ledger. ``userdp ledger verify`` and ``userdp ledger repair``
+their hash chain, the phases they hold, the partial last line a crash can leave, and whether
+a privacy report still covers the ledger. ``userdp ledger verify`` and ``userdp ledger repair``
 need nothing else, so they start without importing the accountants; the writer
 (:class:`userdp.accounting.ledger.Ledger`) appends in this format under the same lock.
 
