@@ -18,7 +18,9 @@ stream delivered them, so every member issues the same collectives in the same o
   whose named held sum is missing says so), so either all reduce or none does and the
   coordinator never takes a sum that lacks units. Then each member adds up the held task sums
   the coordinator accepted, bucket by bucket (float32), and reduces each bucket to the
-  coordinator. A member that cannot contribute, or whose collective fails, reports
+  coordinator; last, a vector with the norm of its own sum in its rank's slot (zeros
+  elsewhere), so the coordinator learns every member's norm and checks each against the
+  bound of the units it accepted from that member. A member that cannot contribute, or whose collective fails, reports
   ``TaskFailed`` for the reduce; a member that contributed sends nothing (the coordinator holds
   the sum when its own reduce completes).
 - ``GroupModel``: the leader (rank 0 of the members' group, the *source*) receives a model
@@ -68,6 +70,7 @@ class WorkerGroup:
         self.on_version = on_version
         self.generation = -1
         self.rank = -1
+        self.world_size = 0
         self._group: dist.ProcessGroupGloo | None = None
         """The members' group (the version broadcast)."""
         self._reducer: dist.ProcessGroupGloo | None = None
@@ -139,6 +142,7 @@ class WorkerGroup:
         # the previous generation's groups, dropped before the rendezvous
         self._group = self._reducer = None
         self.generation, self.rank = message.generation, message.rank
+        self.world_size = message.world_size
         host = message.store_host or self.default_host
         try:
             if not message.coordinator_root:
@@ -207,7 +211,7 @@ class WorkerGroup:
             if int(failures[0]):
                 return
             # each bucket's reduce runs while the next bucket is filled (two buckets in memory)
-            pending = None
+            pending, squared = None, 0.0
             for bucket in gloo.buckets(message.tensors):
                 sizes = [math.prod(_shape(m)) for m in bucket]
                 buffer = _in_place(held[0], bucket, sizes) if held else None
@@ -216,12 +220,19 @@ class WorkerGroup:
                 else:
                     buffer = torch.empty(sum(sizes), dtype=torch.float32)
                     self._fill(buffer, bucket, sizes, held, written=False)
+                # this member's share, measured before the reduce may overwrite the buffer
+                squared += float(buffer.square().sum(dtype=torch.float64))
                 work = self._reducer.reduce([buffer], gloo.reduce_options())
                 if pending is not None:
                     pending.wait()
                 pending = work
             if pending is not None:
                 pending.wait()
+            # ‖this member's sum‖ in its own slot: the coordinator checks every member's share
+            # against the bound of the units it accepted from it
+            norms = torch.zeros(self.world_size, dtype=torch.float64)
+            norms[self.rank] = math.sqrt(squared)
+            self._reducer.reduce([norms], gloo.reduce_options()).wait()
         except Exception as exc:  # the coordinator's own reduce fails too
             self._group = self._reducer = None
             self._error = f"reduce of step {message.step} failed: {exc}"

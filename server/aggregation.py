@@ -23,8 +23,9 @@ Under the collective data plane (``collective=True``) a task's sum stays on its 
 result carries the units and statistics only (``held``) and is judged as above, except its
 tensors. Once every group is done, :meth:`StepGather.held_by` names each worker's accepted sums,
 the workers reduce exactly those, and :meth:`StepGather.offer_reduced` checks the one reduced sum
-(names, shapes, finite values, and ‖sum‖ ≤ the bound of all the step's counted units) before
-:meth:`StepGather.result` returns it. A result of the other plane (a streamed sum when the task
+(names, shapes, finite values, and ‖sum‖ ≤ the bound of all the step's counted units) and each
+member's share (the norm it reports of the sum it reduced ≤ the bound of the units accepted from
+it) before :meth:`StepGather.result` returns it. A result of the other plane (a streamed sum when the task
 said hold, or a held one when it did not) is rejected.
 """
 
@@ -145,6 +146,8 @@ class StepGather:
         self.retry = retry
         self._task_prefix = f"{step}." if retry == 0 else f"{step}r{retry}."
         self._held: dict[str, list[str]] = {}
+        self._held_counts: dict[str, int] = {}
+        """Worker → the counted units of its accepted held sums (its share's bound)."""
         self._reduced = False
         self.template = dict(template)
         self._groups = {g.group_id: _GroupState(g) for g in groups}
@@ -266,6 +269,8 @@ class StepGather:
         self._contributed.update(task.unit_ids)
         if result.held:
             self._held.setdefault(task.worker, []).append(f"{task.task_id}/{task.attempt}")
+            count = self._held_counts.get(task.worker, 0)
+            self._held_counts[task.worker] = count + result.task_sum.stats.count
         for name, value in tensors.items():
             self._sums[name].add_(value.to(torch.float64))
         task.live = False
@@ -343,17 +348,43 @@ class StepGather:
             raise RuntimeError(f"step {self.step}: shard groups not done")
         return {worker: list(keys) for worker, keys in self._held.items()}
 
-    def offer_reduced(self, tensors: Mapping[str, WireTensor | torch.Tensor]) -> str | None:
-        """Check the group's reduced sum of every accepted held sum and take it as the step's
-        sum; returns the problem (nothing taken) or None."""
+    def offer_reduced(
+        self,
+        tensors: Mapping[str, WireTensor | torch.Tensor],
+        member_norms: Mapping[str, float],
+    ) -> str | None:
+        """Check the group's reduced sum of every accepted held sum, and each member's share of
+        it (``member_norms``: worker → ‖the sum it reduced‖), and take it as the step's sum;
+        returns the problem (nothing taken) or None."""
         if not (self.collective and self.complete()) or self._reduced:
             return "no reduced sum is expected for this step now"
         problem = self._check_sum(tensors, self.stats.count, allow_float32=True)
         if problem is not None:
             return f"reduced sum: {problem}"
+        problem = self._check_members(member_norms)
+        if problem is not None:
+            return problem
         # kept as reduced (float32, already summed): the noise is added in at least float32
         self._sums = {name: _as_torch(tensors[name]) for name in self.template}
         self._reduced = True
+        return None
+
+    def _check_members(self, member_norms: Mapping[str, float]) -> str | None:
+        """Every member's share within the bound of the units accepted from it, as the gRPC
+        plane checks every task's sum: one worker that does not clip cannot hide in the others'
+        slack under the total's bound. A worker that holds accepted sums but reported no norm
+        (it was no member of the reduce) fails too."""
+        for worker in sorted(set(member_norms) | set(self._held)):
+            norm = member_norms.get(worker)
+            if norm is None:
+                return f"member {worker}: no norm reported for its held sums"
+            count = self._held_counts.get(worker, 0)
+            bound = contribution_bound(count, self.clip_norm, self.estimate_probes)
+            if not norm <= bound:  # a NaN norm fails too
+                return (
+                    f"member {worker}: sum norm {norm:.6g} exceeds the bound of its {count} "
+                    f"units = {bound:.6g} (units not clipped)"
+                )
         return None
 
     # ---- completion -----------------------------------------------------------------------------

@@ -67,8 +67,8 @@ class CollectiveFleet(Fleet):
 
     def _reduce(self, collect: StepGather, deadline: float) -> None:
         """The collective data plane: the members reduce their accepted held sums straight to
-        the coordinator (:mod:`userdp.server.group_root`), whose checked sum completes
-        ``collect``; :class:`StepAborted` (and a broken generation) when a member holding sums
+        the coordinator (:mod:`userdp.server.group_root`) with each member's norm; the sum,
+        checked as a whole and member by member, completes ``collect``; :class:`StepAborted` (and a broken generation) when a member holding sums
         is lost, a member cannot contribute, a collective fails, or the sum is bad or late.
         Members lost before the reduce that hold none are left out by a new generation."""
         plane, held = self.plane, collect.held_by()
@@ -84,7 +84,7 @@ class CollectiveFleet(Fleet):
             plane.form(live, self._rendezvous_s())
         if not plane.members:  # an empty cohort and no worker: nothing to reduce
             zeros = {n: torch.zeros(t.shape) for n, t in collect.template_tensors().items()}
-            problem = collect.offer_reduced(zeros)
+            problem = collect.offer_reduced(zeros, {})
             if problem is None:
                 return
             raise StepAborted(f"step {collect.step}: {problem}")
@@ -113,7 +113,10 @@ class CollectiveFleet(Fleet):
             reduce.start_buckets()
             problem = wait.until(reduce.completed) or reduce.problem()
             phases["reduce"] = time.perf_counter() - started - sum(phases.values())
-        problem = problem or collect.offer_reduced(reduce.sums)
+        if not problem:
+            # member r's norm in slot r: the messages went to the members in rank order
+            norms = dict(zip(messages, reduce.member_norms.tolist(), strict=True))
+            problem = collect.offer_reduced(reduce.sums, norms)
         if problem is None:
             self.reduce_seconds = time.perf_counter() - started
             phases["check"] = self.reduce_seconds - sum(phases.values())

@@ -16,7 +16,8 @@ protobuf copy and no worker that must send it alone.
   process at exit). Then it builds its rank, with the members already waiting; its collectives
   fail after the group's timeout, as the members' do.
 - :class:`RootReduce` is one reduce at the root: the failure count all-reduced with the members,
-  then one gloo reduce per bucket into the sum's own tensors. Every collective is issued
+  then one gloo reduce per bucket into the sum's own tensors, then one of the members' norms
+  (each member's norm in its rank's slot), which the gather checks member by member. Every collective is issued
   asynchronously; the coordinator polls them between events, so a member lost or a failure
   reported meanwhile is seen at once. A reduce given up while collectives are still in flight is
   handed to a thread that waits them out (each ends by the group's timeout at the latest), so the
@@ -100,6 +101,8 @@ class RootReduce:
         self.metas = list(metas)
         self.failures = torch.zeros(1)
         self.sums: dict[str, torch.Tensor] = {}
+        self.member_norms = torch.zeros(group.size() - 1, dtype=torch.float64)
+        """‖member r's sum‖ at index r (each member fills its own slot, the others are 0)."""
         self._works = [group.allreduce([self.failures])]
 
     def completed(self) -> bool:
@@ -115,12 +118,14 @@ class RootReduce:
         return ""
 
     def start_buckets(self) -> None:
-        """Issue one reduce per bucket into zeroed float32 buffers, which become :attr:`sums`."""
+        """Issue one reduce per bucket into zeroed float32 buffers, which become :attr:`sums`,
+        then the reduce of the members' norms (:attr:`member_norms`)."""
         for bucket in gloo.buckets(self.metas):
             shapes = {meta.name: gloo.shape(meta) for meta in bucket}
             buffer = torch.zeros(sum(map(math.prod, shapes.values())), dtype=torch.float32)
             self.sums.update(flat_views(buffer, shapes))
             self._works.append(self.group.reduce([buffer], gloo.reduce_options()))
+        self._works.append(self.group.reduce([self.member_norms], gloo.reduce_options()))
 
     def abandon(self) -> None:
         """Give the reduce up: collectives still in flight are waited out on a thread of their

@@ -290,8 +290,13 @@ def mutation_duplicate_discard_disabled(monkeypatch):
 @pytest.fixture
 def mutation_reduce_takes_every_held_sum(monkeypatch):
     """Collective data plane: a worker reduces every sum it holds for the step instead of the
-    ones the coordinator accepted, so a late result of a re-issued task counts twice."""
+    ones the coordinator accepted, so a late result of a re-issued task counts twice. (The
+    coordinator's check of each member's share is off too: it refuses the scenario's member,
+    accepted for no units, but a member accepted for units whose bound leaves slack for the
+    extra sum passes it, and only the exactly-once check sees that.)"""
     from userdp.clients.task_runner import TaskRunner
+
+    monkeypatch.setattr(StepGather, "_check_members", lambda self, member_norms: None)
 
     def take_held(self, step, gather, keys):
         with self._held_lock:
@@ -326,6 +331,13 @@ def mutation_closed_task_results_accepted(monkeypatch):
         return original(self, partial)
 
     monkeypatch.setattr(StepGather, "offer", offer)
+
+
+@pytest.fixture
+def mutation_collective_checks_only_the_total(monkeypatch):
+    """The collective plane checks only the reduced total against the step's count·C, not each
+    member's share of it."""
+    monkeypatch.setattr(StepGather, "_check_members", lambda self, member_norms: None)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import pytest
 from . import checks_budget as budget
 from . import checks_calibration as calibration
 from . import checks_clipping as clipping
+from . import checks_collective as collective
 from . import checks_coordinator as coordinator
 from . import checks_gather as gather
 from . import checks_hf as hf
@@ -91,6 +92,7 @@ CHECKS: dict[str, Callable[[object], None]] = {
             ),
         )
     },
+    "collective_member_unclipped": collective.check_collective_refuses_a_member_that_does_not_clip,
     "coordinator_replay_commitment": coordinator.check_coordinator_replay_commits_a_fresh_release,
     "uls_sampler_matches_accountant": _no_tmp(sampling.check_uls_sampler_matches_accountant),
     "els_sampler_matches_accountant": _no_tmp(sampling.check_els_sampler_matches_accountant),
@@ -382,6 +384,12 @@ CASES: list[Case] = [
         "mutation_unclipped_partial_accepted",
         r"a worker that does not clip",
         "unclipped_partial_rejected",
+    ),
+    *_cases(
+        "missing clipping",
+        "mutation_collective_checks_only_the_total",
+        r"a worker that does not clip hid in the others' slack",
+        "collective_member_unclipped",
     ),
     *_cases(
         "missing clipping",

@@ -189,3 +189,30 @@ def test_estimated_norms_still_reject_non_finite_partials():
     task, _ = g.issue("w1", ["7/a"], 0.0)
     bad = g.offer(_partial(task, 0, "w1", ("u1",), value=float("nan")))
     assert not bad.accepted and "non-finite" in bad.reason
+
+
+def test_a_reduced_sum_is_checked_member_by_member():
+    """The collective plane: a member's share over the bound of the units accepted from it is
+    refused even when the total is within the step's bound (the other member's slack), and so
+    is a member that holds accepted sums but reported no norm; within every bound it is taken."""
+
+    def held_gather():
+        groups = [ShardGroup("7/a", 7, "a", ("u1", "u2")), ShardGroup("7/b", 7, "b", ("u3",))]
+        g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, collective=True)
+        task_a, _ = g.issue("w1", ["7/a"], 0.0)  # two units: bound 2·C
+        task_b, _ = g.issue("w2", ["7/b"], 0.0)  # one unit: bound 1·C
+        for task, worker, units in ((task_a, "w1", ("u1", "u2")), (task_b, "w2", ("u3",))):
+            held = _partial(task, 0, worker, units, held=True, sums={})
+            assert g.offer(held).accepted
+        return g
+
+    total = {"w": torch.tensor([1.5, 0.0, 0.0])}  # within 3·C
+    refused = held_gather().offer_reduced(total, {"w1": 0.1, "w2": 1.5})
+    assert refused is not None and "member w2" in refused and "exceeds" in refused
+    missing = held_gather().offer_reduced(total, {"w1": 0.1})
+    assert missing is not None and "member w2: no norm" in missing
+    nan = held_gather().offer_reduced(total, {"w1": 0.1, "w2": float("nan")})
+    assert nan is not None and "member w2" in nan
+    g = held_gather()
+    assert g.offer_reduced(total, {"w1": 1.9, "w2": 0.9, "w3": 0.0}) is None
+    assert torch.equal(g.result().sums["w"], total["w"])

@@ -198,8 +198,9 @@ DATA_PLANES = {
         "collective (gloo)",
         "The workers reduced their clipped sums among themselves over a torch.distributed gloo "
         "group: each member saw un-noised partial sums of other members' contributions (about "
-        "1/(W + 1) of the coordinates of the cohort's sum), and the coordinator checked only "
-        "the reduced total against the cohort's count x C, not each worker's share. gloo "
+        "1/(W + 1) of the coordinates of the cohort's sum); the coordinator checked the reduced "
+        "total against the cohort's count x C and each worker's share (the norm the worker "
+        "reported for its sum) against its own units' count x C before adding noise. gloo "
         "traffic and the rendezvous store are neither encrypted nor authenticated: the "
         "guarantee assumes the workers and the coordinator ran on a network only they reach "
         "(docs/privacy.md, 'Trust boundary of the collective data plane').",
