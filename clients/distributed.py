@@ -25,6 +25,7 @@ from userdp.clients.batching import EngineError
 from userdp.clients.deepspeed_config import deepspeed_json_problem
 from userdp.clients.deepspeed_ops import build_startup_ops
 from userdp.clients.zero3 import partition_summary
+from userdp.proto.collectives import failure_count
 from userdp.proto.results import TaskSum
 from userdp.strategies.unit_stats import UnitStats
 
@@ -213,11 +214,10 @@ def split_units(costs: list[int], world_size: int) -> list[list[int]]:
 
 
 def any_rank_failed(failed: bool, device: torch.device) -> bool:
-    """Whether any rank of the default process group reports a failure (an all-reduce MAX of
-    one flag; every rank must call it once per task, failed or not)."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    """Whether any rank of the default process group reports a failure
+    (:func:`userdp.proto.collectives.failure_count`; every rank must call it once per task,
+    failed or not)."""
+    return failure_count(failed, device=device) > 0
 
 
 def raise_if_any_rank_failed(

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from userdp.clients.task_runner import task_failed
 from userdp.proto import gloo
 from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.collectives import broadcast_bytes, failure_count
 from userdp.proto.gloo import shape as _shape
 from userdp.proto.tensors import WireTensor
 
@@ -206,9 +207,7 @@ class WorkerGroup:
         try:
             # every rank learns first whether all members can contribute, so none starts the
             # data reduce alone and the coordinator never takes a sum that lacks units
-            failures = torch.tensor([1.0 if missing else 0.0])
-            self._reducer.allreduce([failures]).wait()
-            if int(failures[0]):
+            if failure_count(bool(missing), self._reducer):
                 return
             # each bucket's reduce runs while the next bucket is filled (two buckets in memory)
             pending, squared = None, 0.0
@@ -271,19 +270,6 @@ class WorkerGroup:
                 view.copy_(value) if i == 0 and not written else view.add_(value)
             offset += size
 
-    def _header(self, version: int, ok: bool, nbytes: int) -> torch.Tensor:
-        """(version, ok, byte count) from the source."""
-        header = torch.tensor([version, int(ok), nbytes], dtype=torch.int64)
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        self._group.broadcast([header], options).wait()
-        return header
-
-    def _bytes(self, data: torch.Tensor) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        self._group.broadcast([data], options).wait()
-
     def _broadcast(self, message: pb.GroupModel, tensors: Mapping[str, WireTensor] | None) -> None:
         if self._usable(message.generation):
             return  # the members fail their receive at the timeout and are resynced
@@ -294,10 +280,9 @@ class WorkerGroup:
                 if ok
                 else []
             )
-            nbytes = sum(p.size for p in parts)
-            self._header(message.model_version, ok, nbytes)
-            if ok:
-                self._bytes(torch.from_numpy(np.concatenate(parts)))
+            data = torch.from_numpy(np.concatenate(parts)) if ok else None
+            # the header says which version the source has and whether it has it
+            broadcast_bytes(data, group=self._group, header=(message.model_version, int(ok)))
         except Exception as exc:
             self._group, self._error = None, f"broadcast of version {message.model_version}: {exc}"
             log.warning("worker %s: %s", self.runner.worker_id, self._error)
@@ -307,11 +292,9 @@ class WorkerGroup:
         problem = self._usable(message.generation)
         if not problem:
             try:
-                header = self._header(version, False, 0)
-                if int(header[1]):  # the source sends its bytes: take them whatever they are
-                    data = torch.empty(int(header[2]), dtype=torch.uint8)
-                    self._bytes(data)
-                if int(header[0]) != version or not int(header[1]):
+                # every byte the source sends is taken, whatever it is
+                (sent, ok), data = broadcast_bytes(None, group=self._group, header=(version, 0))
+                if sent != version or not ok:
                     problem = f"the group's source did not have version {version}"
                 else:
                     tensors = self._split(message, data)

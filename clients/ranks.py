@@ -42,6 +42,7 @@ from userdp.clients.batching import EngineError
 from userdp.clients.distributed import raise_if_any_rank_failed
 from userdp.clients.zero3 import load_slice, rank_slice, slice_elements
 from userdp.proto import userdp_v1_pb2 as pb
+from userdp.proto.collectives import broadcast_bytes
 from userdp.proto.results import TaskSum
 from userdp.proto.tensors import WireTensor
 
@@ -97,21 +98,9 @@ class RankChannel:
 
     def _broadcast(self, data: bytes | bytearray | None) -> bytearray:
         """One byte string from rank 0 (``data``) to every rank (``None`` there, which gets it
-        back): its length, then its bytes."""
-        dist = torch.distributed
-        size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64)
-        size = size.to(self.device)
-        dist.broadcast(size, src=0)
-        length = int(size.item())
-        if length == 0:
-            return bytearray()
-        if data is None:
-            buffer = torch.empty(length, dtype=torch.uint8, device=self.device)
-        else:
-            writable = data if isinstance(data, bytearray) else bytearray(data)
-            buffer = torch.frombuffer(writable, dtype=torch.uint8).to(self.device)
-        dist.broadcast(buffer, src=0)
-        return bytearray() if data is not None else bytearray(buffer.cpu().numpy())
+        back)."""
+        _, received = broadcast_bytes(data, device=self.device)
+        return bytearray(received.numpy()) if data is None else bytearray()
 
 
 class BroadcastCompute:

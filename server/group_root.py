@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from userdp.proto import gloo
+from userdp.proto.collectives import start_failure_count
 from userdp.proto.tensors import flat_views
 
 log = logging.getLogger("userdp.server.coordinator")
@@ -99,11 +100,11 @@ class RootReduce:
     def __init__(self, group: dist.ProcessGroupGloo, metas: Sequence) -> None:
         self.group = group
         self.metas = list(metas)
-        self.failures = torch.zeros(1)
+        self.failures, counted = start_failure_count(False, group)
         self.sums: dict[str, torch.Tensor] = {}
         self.member_norms = torch.zeros(group.size() - 1, dtype=torch.float64)
         """‖member r's sum‖ at index r (each member fills its own slot, the others are 0)."""
-        self._works = [group.allreduce([self.failures])]
+        self._works = [counted]
 
     def completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
