@@ -315,22 +315,7 @@ class WorkerClient(TaskRunner):
                 kind = message.WhichOneof("kind")
                 if kind == "welcome":
                     welcomed = True
-                    self.session_chunk_bytes = chunk_bytes_within(
-                        self.chunk_bytes, message.welcome.max_message_bytes
-                    )
-                    if message.welcome.incarnation != self.incarnation:
-                        # a new coordinator process: our version number means nothing to it
-                        self.incarnation = message.welcome.incarnation
-                        with self._model_lock:
-                            self.model_version = -1
-                        if self._group is not None:
-                            self._group.forget_sources()
-                    self.sessions += 1
-                    beat.start()
-                    log.info("worker %s: connected to %s", self.worker_id, self.target)
-                    if self.on_welcome is not None:
-                        self.on_welcome()
-                    self._set_ready(message.welcome.model_version)
+                    self._on_welcome(message.welcome, beat)
                 elif kind == "task":
                     tasks.put(message.task)
                 elif kind == "cancel":
@@ -338,14 +323,8 @@ class WorkerClient(TaskRunner):
                 elif kind == "model_part":
                     model.add(message.model_part)
                 elif kind == "model_commit":
-                    commit = message.model_commit
-                    tensors = self._receive_version(model, commit)
+                    self._on_model_commit(model, message.model_commit, outbox)
                     model = ModelReceiver()
-                    ack = pb.ModelAck(model_version=self.model_version, rejected=tensors is None)
-                    outbox.put(pb.WorkerMessage(model_ack=ack))
-                    self._set_ready(commit.model_version)
-                    if self._group is not None:
-                        self._group.source_applied(commit.model_version, tensors)
                 elif kind in ("group_join", "group_reduce", "group_model"):
                     self._group_message(kind, getattr(message, kind), outbox)
                 elif kind == "drain":
@@ -371,6 +350,32 @@ class WorkerClient(TaskRunner):
             self._call = None
             channel.close()
         return welcomed
+
+    def _on_welcome(self, welcome: Any, beat: threading.Thread) -> None:
+        """A session's Welcome: its chunk size, a new coordinator's incarnation (our model
+        version means nothing to it), the heartbeats, and readiness at its model version."""
+        self.session_chunk_bytes = chunk_bytes_within(self.chunk_bytes, welcome.max_message_bytes)
+        if welcome.incarnation != self.incarnation:
+            self.incarnation = welcome.incarnation
+            with self._model_lock:
+                self.model_version = -1
+            if self._group is not None:
+                self._group.forget_sources()
+        self.sessions += 1
+        beat.start()
+        log.info("worker %s: connected to %s", self.worker_id, self.target)
+        if self.on_welcome is not None:
+            self.on_welcome()
+        self._set_ready(welcome.model_version)
+
+    def _on_model_commit(self, model: ModelReceiver, commit: Any, outbox: queue.Queue) -> None:
+        """A received model version: applied (or rejected), acknowledged, passed to the group."""
+        tensors = self._receive_version(model, commit)
+        ack = pb.ModelAck(model_version=self.model_version, rejected=tensors is None)
+        outbox.put(pb.WorkerMessage(model_ack=ack))
+        self._set_ready(commit.model_version)
+        if self._group is not None:
+            self._group.source_applied(commit.model_version, tensors)
 
     def _group_message(self, kind: str, message: Any, outbox: queue.Queue) -> None:
         """The collective data plane's messages (:mod:`userdp.clients.group_plane`)."""
