@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 from userdp.clients.grpc_client import WorkerClient
 from userdp.proto.allocator import keep_freed_memory
+from userdp.proto.layout import TensorLayout
 from userdp.proto.results import TaskSum
-from userdp.proto.tensors import flat_views
 from userdp.server.auth import Authorizer
 from userdp.server.coordinator import Coordinator, CoordinatorSettings, Population
 from userdp.server.group_plane import GroupPlane, GroupSettings
@@ -74,7 +74,7 @@ class SumCompute:
         accumulator returns them (:class:`userdp.clients.clipping.Accumulator`)."""
         numel = sum(math.prod(shape) for shape in self.shapes.values())
         value = 0.5 * task.clip_norm * len(task.unit_ids) / math.sqrt(numel)
-        sums = flat_views(torch.full((numel,), value), self.shapes)
+        sums = TensorLayout.of_shapes(self.shapes).views(torch.full((numel,), value))
         return TaskSum(sums=sums, stats=UnitStats(count=len(task.unit_ids)))
 
 

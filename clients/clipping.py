@@ -29,8 +29,8 @@ from userdp.clients.batching import (
     token_losses,
 )
 from userdp.clients.zero3 import Lockstep, param_numel, param_shape
+from userdp.proto.layout import TensorLayout
 from userdp.proto.results import TaskSum
-from userdp.proto.tensors import flat_views
 from userdp.strategies.unit_stats import UnitStats
 
 if TYPE_CHECKING:
@@ -77,7 +77,8 @@ class Accumulator:
         if device is None:
             device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         self.flat = torch.empty(size, dtype=torch.float32, device=device)
-        self.sums = flat_views(self.flat, {name: param_shape(p) for name, p in self.params.items()})
+        shapes = {name: param_shape(p) for name, p in self.params.items()}
+        self.sums = TensorLayout.of_shapes(shapes).views(self.flat)
         self._unwritten = set(self.sums)
         self._blocks: dict[tuple, torch.Tensor] = {}
         self._copy: HostCopy | None = None  # from :meth:`last_pass` on, with early_copy
@@ -198,7 +199,7 @@ class Accumulator:
             if self._copied < self.flat.numel():
                 copy.copy(self._copied, self.flat.numel())
             host = copy.wait()
-        return flat_views(host, {name: tensor.shape for name, tensor in self.sums.items()})
+        return TensorLayout.of_tensors(self.sums).views(host)
 
     def finish(self) -> None:
         """Make the device buffer ``flat`` hold every sum: the held block sums added, the

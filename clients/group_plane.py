@@ -51,7 +51,7 @@ from userdp.clients.task_runner import task_failed
 from userdp.proto import gloo
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.collectives import broadcast_bytes, failure_count
-from userdp.proto.gloo import shape as _shape
+from userdp.proto.layout import TensorLayout
 from userdp.proto.tensors import WireTensor
 
 log = logging.getLogger(__name__)
@@ -211,14 +211,13 @@ class WorkerGroup:
                 return
             # each bucket's reduce runs while the next bucket is filled (two buckets in memory)
             pending, squared = None, 0.0
-            for bucket in gloo.buckets(message.tensors):
-                sizes = [math.prod(_shape(m)) for m in bucket]
-                buffer = _in_place(held[0], bucket, sizes) if held else None
+            for bucket in gloo.buckets(TensorLayout.of_metas(message.tensors)):
+                buffer = _in_place(held[0], bucket) if held else None
                 if buffer is not None:  # the first held sum is the buffer: add the others
-                    self._fill(buffer, bucket, sizes, held[1:], written=True)
+                    self._fill(buffer, bucket, held[1:], written=True)
                 else:
-                    buffer = torch.empty(sum(sizes), dtype=torch.float32)
-                    self._fill(buffer, bucket, sizes, held, written=False)
+                    buffer = torch.empty(bucket.numel, dtype=torch.float32)
+                    self._fill(buffer, bucket, held, written=False)
                 # this member's share, measured before the reduce may overwrite the buffer
                 squared += float(buffer.square().sum(dtype=torch.float64))
                 work = self._reducer.reduce([buffer], gloo.reduce_options())
@@ -243,32 +242,25 @@ class WorkerGroup:
         held = self.runner.take_held(message.step, message.gather, list(message.held))
         if held is None:
             return [], f"step {message.step}: a held sum of {list(message.held)} is missing"
+        layout = TensorLayout.of_metas(message.tensors)
         for sums in held:
-            for meta in message.tensors:
-                value = sums.get(meta.name)
-                if value is None or value.numel() != math.prod(_shape(meta)):
-                    return [], f"step {message.step}: a held sum lacks tensor {meta.name!r}"
+            for name, size in zip(layout.names, layout.sizes, strict=True):
+                value = sums.get(name)
+                if value is None or value.numel() != size:
+                    return [], f"step {message.step}: a held sum lacks tensor {name!r}"
         return held, ""
 
     def _fill(
-        self,
-        buffer: torch.Tensor,
-        bucket: list,
-        sizes: list[int],
-        held: list[Mapping],
-        written: bool,
+        self, buffer: torch.Tensor, bucket: TensorLayout, held: list[Mapping], written: bool
     ) -> None:
-        """``buffer`` (+)= Σ over ``held`` of the bucket's tensors, flattened in order
+        """``buffer`` (+)= Σ over ``held`` of the bucket's tensors, laid out as ``bucket``
         (``written``: the buffer already holds a sum to add to)."""
-        offset = 0
-        for meta, size in zip(bucket, sizes, strict=True):
-            view = buffer[offset : offset + size]
+        for name, view in bucket.views(buffer).items():
             if not held and not written:
                 view.zero_()
             for i, sums in enumerate(held):
-                value = sums[meta.name].reshape(-1)
+                value = sums[name].reshape(view.shape)
                 view.copy_(value) if i == 0 and not written else view.add_(value)
-            offset += size
 
     def _broadcast(self, message: pb.GroupModel, tensors: Mapping[str, WireTensor] | None) -> None:
         if self._usable(message.generation):
@@ -297,7 +289,7 @@ class WorkerGroup:
                 if sent != version or not ok:
                     problem = f"the group's source did not have version {version}"
                 else:
-                    tensors = self._split(message, data)
+                    tensors = TensorLayout.of_metas(message.tensors).split_bytes(data.numpy())
             except Exception as exc:
                 self._group, self._error = None, f"receiving version {version}: {exc}"
                 problem = self._error
@@ -309,34 +301,16 @@ class WorkerGroup:
         if applied and self.on_version is not None:
             self.on_version(version)
 
-    def _split(self, message: pb.GroupModel, data: torch.Tensor) -> dict[str, WireTensor]:
-        """The version's tensors in ``data``, laid out as ``message`` says."""
-        sizes = [math.prod(_shape(m)) * _dtype(m.dtype).itemsize for m in message.tensors]
-        if sum(sizes) != data.numel():
-            raise ValueError(f"{data.numel()} bytes for tensors of {sum(sizes)}")
-        array, tensors, offset = data.numpy(), {}, 0
-        for meta, size in zip(message.tensors, sizes, strict=True):
-            tensors[meta.name] = WireTensor(meta.dtype, _shape(meta), array[offset : offset + size])
-            offset += size
-        return tensors
 
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown tensor dtype {name!r}")
-    return dtype
-
-
-def _in_place(sums: Mapping, bucket: list, sizes: list[int]) -> torch.Tensor | None:
+def _in_place(sums: Mapping, bucket: TensorLayout) -> torch.Tensor | None:
     """The bucket as one flat float32 view of ``sums``' own memory when its tensors lie there
     back to back in the bucket's order, as the engines' accumulator lays out a task's sums (one
     host buffer, a view per parameter); else None. A held sum is reduced once and then dropped,
     so the reduce may overwrite it: no copy of the model-size sum is made."""
-    first = sums[bucket[0].name]
+    first = sums[bucket.names[0]]
     storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for meta, size in zip(bucket, sizes, strict=True):
-        value = sums[meta.name]
+    for name, size in zip(bucket.names, bucket.sizes, strict=True):
+        value = sums[name]
         if (
             value.dtype != torch.float32
             or value.device.type != "cpu"
@@ -346,4 +320,4 @@ def _in_place(sums: Mapping, bucket: list, sizes: list[int]) -> torch.Tensor | N
         ):
             return None
         offset += size
-    return torch.as_strided(first, (sum(sizes),), (1,), first.storage_offset())
+    return torch.as_strided(first, (bucket.numel,), (1,), first.storage_offset())

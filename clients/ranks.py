@@ -44,7 +44,7 @@ from userdp.clients.zero3 import load_slice, rank_slice, slice_elements
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.proto.collectives import broadcast_bytes
 from userdp.proto.results import TaskSum
-from userdp.proto.tensors import WireTensor
+from userdp.proto.tensors import WireTensor, wire_itemsize
 
 log = logging.getLogger("userdp.worker")
 
@@ -215,7 +215,7 @@ def send_model_version(
     channel.send(header, [tensor.data for tensor, _ in whole])
     error: BaseException | None = None
     for tensor, size in sliced:
-        length = size * _width(tensor.dtype)
+        length = size * wire_itemsize(tensor.dtype)
         parts = None
         if error is None:
             try:
@@ -236,11 +236,6 @@ def _slice_size(param: torch.Tensor | None, tensor: WireTensor, world: int) -> i
     return size
 
 
-def _width(dtype: str) -> int:
-    """Bytes per element of a wire dtype."""
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-
-
 def receive_model_version(
     channel: RankChannel, header: Mapping[str, Any], payloads: Sequence[bytearray]
 ) -> tuple[dict[str, WireTensor], dict[str, WireTensor]]:
@@ -254,7 +249,9 @@ def receive_model_version(
     slices = {}
     for name, dtype, _shape, size in entries:
         if size:
-            slices[name] = WireTensor(dtype, (size,), channel.scatter(None, size * _width(dtype)))
+            slices[name] = WireTensor(
+                dtype, (size,), channel.scatter(None, size * wire_itemsize(dtype))
+            )
     return whole, slices
 
 

@@ -30,7 +30,7 @@ import torch
 from userdp.clients.batching import EngineError
 from userdp.clients.clipping import Accumulator
 from userdp.clients.zero3 import is_partitioned, param_shape
-from userdp.proto.tensors import flat_views
+from userdp.proto.layout import TensorLayout
 
 
 def _group(params: dict[str, torch.Tensor]) -> torch.distributed.ProcessGroup | None:
@@ -126,14 +126,13 @@ def gather_to_first_rank(acc: ShardedAccumulator) -> dict[str, torch.Tensor]:
     one gather per parameter, in ``named_parameters`` order, on every rank."""
     if acc.cursor:
         raise EngineError("internal: a ZeRO-3 round was left open before the sums were taken")
-    shapes = {name: param_shape(acc.params[name]) for name in acc.order}
+    layout = TensorLayout.of_shapes({name: param_shape(acc.params[name]) for name in acc.order})
     first = acc.rank == 0
     host = None
     if first:
-        total = sum(math.prod(shape) for shape in shapes.values())
         pinned = next(iter(acc.sums.values())).device.type == "cuda"
-        host = torch.empty(total, dtype=torch.float32, pin_memory=pinned)
-    views = flat_views(host, shapes) if host is not None else {}
+        host = torch.empty(layout.numel, dtype=torch.float32, pin_memory=pinned)
+    views = layout.views(host) if host is not None else {}
     destination = torch.distributed.get_global_rank(acc.group, 0) if acc.group else 0
     for name in acc.order:
         shard = acc.sums[name]

@@ -17,14 +17,14 @@ order.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from userdp.proto.layout import TensorLayout
 
 BUCKET_ELEMENTS = 1 << 23
 """float32 elements per reduce (32 MiB): large enough for gloo's bandwidth, small enough that no
@@ -97,23 +97,10 @@ def client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timeout)
 
 
-def shape(meta: Any) -> tuple[int, ...]:
-    """A ``TensorMeta``'s shape."""
-    return tuple(int(d) for d in meta.shape)
-
-
-def buckets(metas: Iterable[Any]) -> list[list]:
-    """Consecutive ``TensorMeta`` grouped into buckets of at least :data:`BUCKET_ELEMENTS`
-    elements (the last may be smaller; a tensor is never split)."""
-    out: list[list] = [[]]
-    size = 0
-    for meta in metas:
-        if size >= BUCKET_ELEMENTS:
-            out.append([])
-            size = 0
-        out[-1].append(meta)
-        size += math.prod(shape(meta))
-    return [b for b in out if b]
+def buckets(layout: TensorLayout) -> list[TensorLayout]:
+    """The reduce's buckets: consecutive tensors of ``layout`` in buckets of at least
+    :data:`BUCKET_ELEMENTS` elements (the last may be smaller; a tensor is never split)."""
+    return layout.buckets(BUCKET_ELEMENTS)
 
 
 def reduce_options() -> dist.ReduceOptions:

@@ -39,6 +39,20 @@ _NUMPY_DTYPES: dict[str, np.dtype] = {
 WIRE_DTYPES: tuple[str, ...] = tuple(_NUMPY_DTYPES)
 FLOAT_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
 
+
+def wire_itemsize(dtype: str) -> int:
+    """Bytes per element of the wire dtype ``dtype``."""
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is None:
+        raise ValueError(f"unknown tensor dtype {dtype!r}; allowed: {WIRE_DTYPES}")
+    return numpy_dtype.itemsize
+
+
+def wire_dtype(tensor: Any) -> str:
+    """The wire name of a torch tensor's dtype ("float32", "bfloat16", ...)."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("userdp.proto.tensors assumes a little-endian host")
 
@@ -89,7 +103,7 @@ def _as_wire(tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
-    name = str(t.dtype).removeprefix("torch.")
+    name = wire_dtype(t)
     if name not in _NUMPY_DTYPES:
         raise TypeError(f"dtype {t.dtype} cannot be sent; allowed: {WIRE_DTYPES}")
     if name == "bfloat16":
@@ -264,15 +278,3 @@ def chunks_sha256(chunks: Iterable[pb.TensorChunk]) -> str:
             )
         digest.update(chunk.data)
     return _combine({name: d.hexdigest() for name, d in running.items()})
-
-
-def flat_views(flat: Any, shapes: Mapping[str, Any]) -> dict[str, Any]:
-    """One view per name into consecutive slices of the 1-D tensor ``flat`` (``shapes`` in
-    order): a task's sums in one buffer, as the engines lay them out and the collective plane
-    reduces them."""
-    views, offset = {}, 0
-    for name, shape in shapes.items():
-        size = math.prod(shape)
-        views[name] = flat[offset : offset + size].view(shape)
-        offset += size
-    return views

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from scipy import stats
 from userdp.proto.results import TaskResult
-from userdp.proto.tensors import FLOAT_DTYPES, WireTensor
+from userdp.proto.tensors import FLOAT_DTYPES, WireTensor, wire_dtype
 from userdp.server.planning import ShardGroup
 from userdp.strategies.step import CohortSum
 from userdp.strategies.unit_stats import UnitStats
@@ -306,7 +306,7 @@ class StepGather:
         squared = 0.0
         for name, spec in self.template.items():
             value = tensors[name]
-            dtype = value.dtype if isinstance(value, WireTensor) else str(value.dtype)[6:]
+            dtype = value.dtype if isinstance(value, WireTensor) else wire_dtype(value)
             shape = tuple(value.shape)
             expected = {spec.dtype, "float32"} if allow_float32 else {spec.dtype}
             if dtype not in expected or dtype not in FLOAT_DTYPES:
@@ -410,7 +410,4 @@ def _as_torch(value: WireTensor | torch.Tensor) -> torch.Tensor:
 
 def template_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     """The task-sum template of a set of trainable parameters."""
-    return {
-        name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        for name, t in tensors.items()
-    }
+    return {name: TensorSpec(tuple(t.shape), wire_dtype(t)) for name, t in tensors.items()}

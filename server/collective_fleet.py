@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable, Mapping
 
 import torch
+from userdp.proto.layout import TensorLayout
 from userdp.server.aggregation import StepGather
 from userdp.server.fleet import Fleet, StepAborted
-from userdp.server.group_plane import GroupPlane, tensor_metas
+from userdp.server.group_plane import GroupPlane
 from userdp.server.group_root import RootReduce
 from userdp.server.registry import (
     Event,
@@ -89,7 +90,7 @@ class CollectiveFleet(Fleet):
                 return
             raise StepAborted(f"step {collect.step}: {problem}")
         started = time.perf_counter()
-        metas = tensor_metas(collect.template_tensors(), dtype="float32")
+        metas = TensorLayout.of_tensors(collect.template_tensors(), "float32").metas()
         task_id, messages = plane.reduce_messages(
             collect.step, collect.retry, self.model_version, held, metas
         )
@@ -154,7 +155,9 @@ class CollectiveFleet(Fleet):
         }:
             plane.broken("a member is lost or the leader missed the last version")
             return ()
-        messages = plane.model_messages(self.model_version, tensor_metas(trainable))
+        messages = plane.model_messages(
+            self.model_version, TensorLayout.of_tensors(trainable).metas()
+        )
         for worker, message in messages.items():
             sessions[worker].send(message)
             sessions[worker].sent_version = self.model_version

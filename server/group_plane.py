@@ -45,7 +45,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from userdp.proto import userdp_v1_pb2 as pb
 from userdp.server.group_root import ReduceRoot
@@ -68,18 +67,6 @@ class GroupSettings:
     """Every collective of the group fails after this long (a member died)."""
     store_bind: str = "0.0.0.0"  # noqa: S104 - the store serves workers on other hosts
     """The address the store listens on."""
-
-
-def tensor_metas(tensors: Mapping[str, torch.Tensor], dtype: str | None = None) -> list:
-    """The ``TensorMeta`` layout of ``tensors`` in their order (``dtype``: override)."""
-    return [
-        pb.TensorMeta(
-            name=name,
-            dtype=dtype or str(t.dtype).removeprefix("torch."),
-            shape=list(t.shape),
-        )
-        for name, t in tensors.items()
-    ]
 
 
 class GroupPlane:

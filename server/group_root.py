@@ -27,7 +27,6 @@ protobuf copy and no worker that must send it alone.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Sequence
 
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 from userdp.proto import gloo
 from userdp.proto.collectives import start_failure_count
-from userdp.proto.tensors import flat_views
+from userdp.proto.layout import TensorLayout
 
 log = logging.getLogger("userdp.server.coordinator")
 
@@ -99,7 +98,7 @@ class RootReduce:
 
     def __init__(self, group: dist.ProcessGroupGloo, metas: Sequence) -> None:
         self.group = group
-        self.metas = list(metas)
+        self.layout = TensorLayout.of_metas(metas)
         self.failures, counted = start_failure_count(False, group)
         self.sums: dict[str, torch.Tensor] = {}
         self.member_norms = torch.zeros(group.size() - 1, dtype=torch.float64)
@@ -121,10 +120,9 @@ class RootReduce:
     def start_buckets(self) -> None:
         """Issue one reduce per bucket into zeroed float32 buffers, which become :attr:`sums`,
         then the reduce of the members' norms (:attr:`member_norms`)."""
-        for bucket in gloo.buckets(self.metas):
-            shapes = {meta.name: gloo.shape(meta) for meta in bucket}
-            buffer = torch.zeros(sum(map(math.prod, shapes.values())), dtype=torch.float32)
-            self.sums.update(flat_views(buffer, shapes))
+        for bucket in gloo.buckets(self.layout):
+            buffer = torch.zeros(bucket.numel, dtype=torch.float32)
+            self.sums.update(bucket.views(buffer))
             self._works.append(self.group.reduce([buffer], gloo.reduce_options()))
         self._works.append(self.group.reduce([self.member_norms], gloo.reduce_options()))
 

@@ -74,9 +74,9 @@ def test_collective_plane_matches_the_reference_and_broadcasts_through_the_group
     fills = []  # (held sums added to the buffer, the buffer was a held sum's own memory)
     original_fill = group_plane.WorkerGroup._fill
 
-    def fill(self, buffer, bucket, sizes, held, written):
+    def fill(self, buffer, bucket, held, written):
         fills.append((len(held), written))
-        original_fill(self, buffer, bucket, sizes, held, written)
+        original_fill(self, buffer, bucket, held, written)
 
     monkeypatch.setattr(group_plane.WorkerGroup, "_fill", fill)
     sent = _count_model_parts(monkeypatch)
@@ -134,9 +134,9 @@ def test_a_member_holding_two_sums_reduces_both(tmp_path, monkeypatch, flat):
     fills = []
     original_fill = group_plane.WorkerGroup._fill
 
-    def fill(self, buffer, bucket, sizes, held, written):
+    def fill(self, buffer, bucket, held, written):
         fills.append((self.runner.worker_id, len(held), written))
-        original_fill(self, buffer, bucket, sizes, held, written)
+        original_fill(self, buffer, bucket, held, written)
 
     monkeypatch.setattr(group_plane.WorkerGroup, "_fill", fill)
     loop = make_loopback(tmp_path, settings=SETTINGS, group=GROUP)
@@ -196,8 +196,8 @@ def test_a_reduced_sum_over_the_bound_aborts_the_step(tmp_path, monkeypatch):
 
     original = group_plane.WorkerGroup._fill
 
-    def unclipped(self, buffer, bucket, sizes, held, written):
-        original(self, buffer, bucket, sizes, held, written)
+    def unclipped(self, buffer, bucket, held, written):
+        original(self, buffer, bucket, held, written)
         buffer *= 100.0  # a worker whose sums were never clipped
 
     monkeypatch.setattr(group_plane.WorkerGroup, "_fill", unclipped)

@@ -112,10 +112,10 @@ class ToyCompute:
             tokens=len(norms),
         )
         if self.flat:
-            from userdp.proto.tensors import flat_views
+            from userdp.proto.layout import TensorLayout
 
             buffer = torch.cat([sums[name].reshape(-1).float() for name in SHAPES])
-            sums = flat_views(buffer, SHAPES)
+            sums = TensorLayout.of_shapes(SHAPES).views(buffer)
         return TaskSum(sums=sums, stats=stats)
 
 
