@@ -28,6 +28,7 @@ __all__ = [
     "OPTIONAL_KEYS",
     "PluginError",
     "check_config_rules",
+    "check_engine",
     "check_strategy_keys",
     "constructor_parameters",
     "strategy_class",
@@ -167,6 +168,12 @@ def check_config_rules(cls: type[Strategy], strategy: Any, selection: str) -> No
             f"strategy.bands (a banded C) goes with strategy.sampling = {allowed} for "
             f"strategy.name = {name!r}, got {strategy.sampling!r}"
         )
+
+
+def check_engine(cls: type[Strategy], strategy: Any) -> None:
+    """``strategy.engine = "randomized"`` needs a class accounted for estimated norms
+    (``estimates_norms``); checked when a run builds its strategy (a worker's engine may be
+    configured alone)."""
     if strategy.engine == "randomized" and not cls.estimates_norms:
         raise PluginError(
             "strategy.engine = 'randomized' estimates norms, which needs its own accountant: "

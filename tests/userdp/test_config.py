@@ -91,6 +91,8 @@ def test_shuffle_allowed_only_when_acknowledged() -> None:
         ("[model]\nzero_stage = 4\n", "model.zero_stage must be 0, 1, 2 or 3, got 4"),
         ("[model]\nlora_dropout = 0.05\n", "model.lora_dropout = 0.05: only 0 is supported"),
         ("[model]\ndeepspeed_config = 'no.json'\n", "/no.json' is not a file"),
+        ("[strategy]\nengine = 'randomized'\n", "strategy.engine = 'randomized' estimates norms"),
+        ("[strategy]\nname = 'els'\nbands = 4\n", "strategy.bands is set, but"),
     ],
 )
 def test_config_check_cli_exit_code_and_one_line(tmp_path, capsys, content, expected) -> None:

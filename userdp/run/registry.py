@@ -34,6 +34,7 @@ from userdp.strategies.catalogue import (
     BUILTIN_STRATEGIES,
     PluginError,
     check_config_rules,
+    check_engine,
     check_strategy_keys,
     constructor_parameters,
     strategy_class,
@@ -202,6 +203,7 @@ def check_strategy(config: Config) -> None:
     arguments userdp would pass (without building it)."""
     cls = strategy_class(config.strategy.name, config.strategy.plugin_path)
     check_config_rules(cls, config.strategy, config.data.selection)
+    check_engine(cls, config.strategy)
     strategy_arguments(cls, config, num_users=1000, noise_multiplier=1.0, delta=1e-6)
 
 
@@ -224,6 +226,7 @@ def build_strategy(
     sigma = 1.0 if calibrate is not None else float(noise_multiplier)
     cls = strategy_class(config.strategy.name, config.strategy.plugin_path)
     check_config_rules(cls, config.strategy, config.data.selection)
+    check_engine(cls, config.strategy)
     kwargs = strategy_arguments(cls, config, num_users, sigma, delta)
     try:
         strategy = cls(**kwargs)
