@@ -272,28 +272,7 @@ class Coordinator:
         state: dict[str, Any] = {}
 
         def gather(planned: PlannedStep) -> CohortSum:
-            phase("plan")
-            groups = plan_groups(step, list(planned.cohort.unit_ids), self.population.shard_of_unit)
-            spec = planned.task
-            collect = StepGather(
-                step,
-                self.model_version,
-                groups,
-                self.template,
-                spec.clip_norm,
-                estimate_probes=spec.probes if spec.engine == "randomized" else 0,
-                collective=self.fleet.holds_sums,
-                retry=self._retries,
-            )
-            phase("gather")
-            self.fleet.gather(collect, spec)
-            cohort_sum = collect.result()
-            state.update(gather=collect, groups=len(groups))
-            summed = {  # noise is added in at least fp32, even for bf16/fp16 parameters
-                name: t.to(torch.promote_types(self.params[name].dtype, torch.float32))
-                for name, t in cohort_sum.sums.items()
-            }
-            return CohortSum(summed, cohort_sum.stats)
+            return self._gather(step, planned, phase, state)
 
         replay = self._charged_unreleased == step  # charged before a crash, never released
         planned, _, release = run_step(
@@ -340,6 +319,34 @@ class Coordinator:
             sum(times.values()),
         )
         return report
+
+    def _gather(
+        self, step: int, planned: PlannedStep, phase: Callable[[str], None], state: dict
+    ) -> CohortSum:
+        """The step's cohort sum from the fleet's workers (:class:`StepGather` checks every
+        contribution); ``state`` keeps the gather and its group count for the step's report."""
+        phase("plan")
+        groups = plan_groups(step, list(planned.cohort.unit_ids), self.population.shard_of_unit)
+        spec = planned.task
+        collect = StepGather(
+            step,
+            self.model_version,
+            groups,
+            self.template,
+            spec.clip_norm,
+            estimate_probes=spec.probes if spec.engine == "randomized" else 0,
+            collective=self.fleet.holds_sums,
+            retry=self._retries,
+        )
+        phase("gather")
+        self.fleet.gather(collect, spec)
+        cohort_sum = collect.result()
+        state.update(gather=collect, groups=len(groups))
+        summed = {  # noise is added in at least fp32, even for bf16/fp16 parameters
+            name: t.to(torch.promote_types(self.params[name].dtype, torch.float32))
+            for name, t in cohort_sum.sums.items()
+        }
+        return CohortSum(summed, cohort_sum.stats)
 
     def _commitment(self, step: int, release: Any, replay: bool) -> str:
         """The release's commitment: the one the ledger recorded with this step's charge (not
