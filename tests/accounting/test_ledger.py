@@ -78,7 +78,9 @@ def test_truncated_last_line_is_reported_not_dropped(tmp_path):
     _write(path, steps=2)
     whole = path.read_bytes()
     path.write_bytes(whole + b'{"type":"step","step":3,"mech')
-    with pytest.raises(LedgerTruncatedError, match="line 4 is incomplete.*userdp ledger repair RUN_DIR"):
+    with pytest.raises(
+        LedgerTruncatedError, match="line 4 is incomplete.*userdp ledger repair RUN_DIR"
+    ):
         Ledger.open(path)
     assert path.read_bytes().endswith(b'"mech')  # untouched
     with pytest.raises(LedgerTruncatedError):
