@@ -114,6 +114,10 @@ class PrivateRun:
         )
         self.model = model
         self.params = engine.trainable_parameters()
+        # the strategy's view of the parameters, on the host like the coordinator's: it reads
+        # only their names, shapes and dtypes (the noisy mean goes to .grad), so it is made once
+        # (a CPU model's tensors themselves; a GPU model's copied once, not every step)
+        self.host_params = {name: p.detach().cpu() for name, p in self.params.items()}
         perplexities = None
         if config.data.selection in PERPLEXITY_SELECTIONS:  # under the initial model
             perplexities = example_perplexities(
@@ -157,14 +161,13 @@ class PrivateRun:
             sums = {name: value.detach().float().cpu() for name, value in result.sums.items()}
             return sums, result.stats
 
-        cpu_params = {name: p.detach().cpu() for name, p in self.params.items()}
         was_training = self.model.training
         self.model.eval()
         try:
             record = run_local_step(
                 self.strategy,
                 step,
-                cpu_params,
+                self.host_params,
                 self.data.population,
                 gather,
                 ledger=self.ledger,
