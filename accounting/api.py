@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 # Bump when any accountant's numbers may change (it keys the on-disk calibration cache).
-ACCOUNTANT_VERSION = "4"
+ACCOUNTANT_VERSION = "5"
 
 
 class AccountantUnavailableError(ValueError):

@@ -14,6 +14,12 @@ methods that apply, each an upper bound on ε(δ):
   Mechanisms", arXiv 2410.06266, Lemma 3.2) — the hockey-stick divergence is jointly convex, so
   the b-mode mixture is no worse than its worst mode, in both directions. Deterministic, exact
   (closed form), loose: it ignores the sampling;
+- ``sampling-free Rényi DP`` (correlated C): exact Rényi moments of the dominating pair in the
+  remove direction and a harmonic-mean bound in the add direction, summed over count vectors by
+  a dynamic program that keeps two off-diagonals of its Gram matrix exactly and bounds the rest
+  (:mod:`userdp.accounting.balls_in_bins_renyi`). Deterministic, any δ, about 2 CPU s at
+  b = 128; amplified, and close for a C with few bands at moderate ε; loose for a wide Gram
+  matrix (BLT) or a large ε, where the other methods win;
 - ``Monte Carlo EVR`` (correlated C): Estimate-Verify-Release on the dominating pair
   (:func:`userdp.accounting.balls_in_bins.certified_epsilon`): an upper bound except with
   probability at most δ over its verification samples. Its draws grow as 1/δ, so it is attempted
@@ -35,7 +41,7 @@ from typing import Any
 
 import numpy as np
 from scipy import special
-from userdp.accounting import balls_in_bins, random_allocation
+from userdp.accounting import balls_in_bins, balls_in_bins_renyi, random_allocation
 from userdp.accounting.calibration import _cached
 from userdp.accounting.mechanisms import BallsInBinsMechanism
 
@@ -52,8 +58,9 @@ __all__ = [
 
 RANDOM_ALLOCATION = "random-allocation PLD"
 NO_AMPLIFICATION = "no amplification"
+RENYI = "sampling-free Rényi DP"
 MONTE_CARLO = "Monte Carlo EVR"
-METHODS = (RANDOM_ALLOCATION, NO_AMPLIFICATION, MONTE_CARLO)
+METHODS = (RANDOM_ALLOCATION, RENYI, NO_AMPLIFICATION, MONTE_CARLO)
 
 MONTE_CARLO_DRAW_LIMIT = 6 * 10**7
 """Estimate plus verification draws (each a b-dimensional sample) above which the Monte Carlo
@@ -182,8 +189,12 @@ def _compute(mechanism: BallsInBinsMechanism, epochs: int, delta: float) -> Cert
     if bounds is not None:
         candidates[RANDOM_ALLOCATION] = bounds[0]
         skipped[MONTE_CARLO] = "the random-allocation PLD applies (deterministic, tighter)"
+        skipped[RENYI] = "the random-allocation PLD applies (deterministic, tighter)"
     else:
         skipped[RANDOM_ALLOCATION] = "correlated noise (C ≠ I)"
+        candidates[RENYI] = balls_in_bins_renyi.renyi_epsilon(
+            pair.gram, pair.compositions, sigma, delta
+        ).epsilon
         draws = monte_carlo_draws(pair.compositions, delta)
         if draws > MONTE_CARLO_DRAW_LIMIT:
             skipped[MONTE_CARLO] = (

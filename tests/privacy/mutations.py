@@ -911,6 +911,33 @@ def mutation_pld_repair_lowers_delta(monkeypatch):
 
 
 @pytest.fixture
+def mutation_renyi_add_as_remove(monkeypatch):
+    """The balls-in-bins Rényi accountant takes the add direction's moment with the remove
+    direction's sign (as if D_α(Q‖P) were the remove moment one order down)."""
+    from userdp.accounting import balls_in_bins_renyi
+
+    real = balls_in_bins_renyi.log_moments
+    monkeypatch.setattr(
+        balls_in_bins_renyi, "log_moments", lambda bound, sigma, k, sign: real(bound, sigma, k, -1)
+    )
+
+
+@pytest.fixture
+def mutation_renyi_drops_far_entries(monkeypatch):
+    """The balls-in-bins Rényi accountant ignores the Gram entries beyond its two off-diagonals
+    instead of bounding them."""
+    from userdp.accounting import balls_in_bins_renyi
+
+    real = balls_in_bins_renyi.banded_bound
+
+    def banded_bound(gram):
+        kept = real(gram)
+        return dataclasses.replace(kept, quad=kept.diag.copy())
+
+    monkeypatch.setattr(balls_in_bins_renyi, "banded_bound", banded_bound)
+
+
+@pytest.fixture
 def mutation_split_product_drops_remainder(monkeypatch):
     """The tensor-core book-keeping splits R·c into one bf16 part only (the remainder zeroed):
     an error of up to 2⁻⁸ of each product."""

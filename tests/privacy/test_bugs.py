@@ -32,6 +32,7 @@ from . import checks_model_noise as model_noise
 from . import checks_noise as noise
 from . import checks_pld as pld
 from . import checks_randomized as randomized
+from . import checks_renyi as renyi
 from . import checks_run_epsilon as run_epsilon
 from . import checks_sampling as sampling
 from . import checks_tensor_cores as tensor_cores
@@ -131,6 +132,7 @@ CHECKS: dict[str, Callable[[object], None]] = {
         tensor_cores.check_split_book_keeping_product_within_its_bound
     ),
     "fast_pld_repair_raises_delta": _no_tmp(pld.check_fast_pld_repair_raises_delta),
+    "renyi_bound_covers_the_pair": _no_tmp(renyi.check_renyi_bound_covers_the_pair),
     **{
         f"calibrated_noise_{name.split(':')[-1].lower()}": partial(
             calibration.check_calibrated_noise_follows_the_ledger, name
@@ -640,6 +642,18 @@ CASES: list[Case] = [
         "fast_pld_repair_raises_delta",
     ),
     *_cases(
+        "accountant bound below the true divergence",
+        "mutation_renyi_add_as_remove",
+        r"the Rényi program's moment is below the exact sum over tuples: \d bins, sign 1",
+        "renyi_bound_covers_the_pair",
+    ),
+    *_cases(
+        "accountant bound below the true divergence",
+        "mutation_renyi_drops_far_entries",
+        r"the Rényi program's moment is below the exact sum",
+        "renyi_bound_covers_the_pair",
+    ),
+    *_cases(
         "tensor-core book-keeping split product incomplete",
         "mutation_split_product_drops_remainder",
         r"split product of R·c is incomplete",
@@ -687,6 +701,7 @@ CASES: list[Case] = [
 
 REQUIRED_BUGS = frozenset(
     {
+        "accountant bound below the true divergence",
         "missing clipping",
         "clipping after averaging (batch-level)",
         "ULS clipping per example instead of per user",
