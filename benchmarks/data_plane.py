@@ -52,6 +52,7 @@ from userdp.server.group_plane import GroupPlane, GroupSettings
 from userdp.server.grpc_server import serve
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import ResultReceived, WorkerRegistry, WorkerSession
+from userdp.server.sum_plane import StreamedPlane
 from userdp.strategies.unit_stats import UnitStats
 
 TENSORS = 25
@@ -177,10 +178,10 @@ def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
             population.shard_sha256,
             max_partial_bytes=2 * 4 * num_params + (1 << 20),
         )
-        group = (
+        sum_plane = (
             GroupPlane(GroupSettings(store_bind="127.0.0.1", timeout_s=600.0))
             if plane == "collective"
-            else None
+            else StreamedPlane()
         )
         coordinator = Coordinator(
             strategy=strategy,
@@ -193,7 +194,7 @@ def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
             settings=CoordinatorSettings(
                 checkpoint_every=10**9, step_deadline_s=3600, task_deadline_s=1800
             ),
-            group=group,
+            plane=sum_plane,
         )
         coordinator.resume()
         procs = [
@@ -217,8 +218,8 @@ def bench_plane(plane: str, workers: int, num_params: int, steps: int) -> dict:
                 now = time.perf_counter()
                 walls.append(now - last[0])
                 last[0] = now
-                reduces.append(getattr(coordinator.fleet, "reduce_seconds", float("nan")))
-                phases.append(dict(getattr(coordinator.fleet, "reduce_phases", {})))
+                reduces.append(getattr(sum_plane, "reduce_seconds", float("nan")))
+                phases.append(dict(getattr(sum_plane, "reduce_phases", {})))
 
             coordinator.run(1 + steps, on_step=stamp)
             tcp_sent, tcp_received = tcp_delta(sockets, tcp_bytes(os.getpid()))

@@ -19,9 +19,10 @@ contributes exactly once; :meth:`StepGather.result` re-checks that before anythi
 The running sum is kept in float64 so the released sum does not depend on arrival order beyond
 float64 rounding. Memory is one model-sized buffer, whatever the number of tasks.
 
-Under the collective data plane (``collective=True``) a task's sum stays on its worker: the
-result carries the units and statistics only (``held``) and is judged as above, except its
-tensors. Once every group is done, :meth:`StepGather.held_by` names each worker's accepted sums,
+Under the collective data plane (``arrival`` :attr:`SumArrival.REDUCED
+<userdp.server.sum_plane.SumArrival.REDUCED>`, as the fleet's plane says) a task's sum stays on its
+worker: the result carries the units and statistics only (``held``) and is judged as above,
+except its tensors. Once every group is done, :meth:`StepGather.held_by` names each worker's accepted sums,
 the workers reduce exactly those, and :meth:`StepGather.offer_reduced` checks the one reduced sum
 (names, shapes, finite values, and ‖sum‖ ≤ the bound of all the step's counted units) and each
 member's share (the norm it reports of the sum it reduced ≤ the bound of the units accepted from
@@ -40,6 +41,7 @@ from scipy import stats
 from userdp.proto.results import TaskResult
 from userdp.proto.tensors import FLOAT_DTYPES, WireTensor, wire_dtype
 from userdp.server.planning import ShardGroup
+from userdp.server.sum_plane import SumArrival
 from userdp.strategies.step import CohortSum
 from userdp.strategies.unit_stats import UnitStats
 
@@ -127,13 +129,13 @@ class StepGather:
         clip_norm: float,
         *,
         estimate_probes: int = 0,
-        collective: bool = False,
+        arrival: SumArrival = SumArrival.IN_RESULTS,
         retry: int = 0,
     ) -> None:
-        """``collective``: the collective data plane (the module docstring). ``retry``: how many
-        gathers of this step were aborted before (task ids of a retry differ from the aborted
-        gathers', so a worker never mistakes one for a task it was told to cancel or a sum it
-        holds).
+        """``arrival``: how the sums arrive, as the data plane says (the module docstring).
+        ``retry``: how many gathers of this step were aborted before (task ids of a retry differ
+        from the aborted gathers', so a worker never mistakes one for a task it was told to
+        cancel or a sum it holds).
         ``estimate_probes`` > 0: units were clipped by norms ESTIMATED with that many Gaussian
         probes (randomized clipping), so a unit may legitimately contribute C·Z with Z > 1
         (covered by its accountant): the norm bound is :func:`contribution_bound`'s for k
@@ -142,7 +144,7 @@ class StepGather:
         self.model_version = model_version
         self.clip_norm = float(clip_norm)
         self.estimate_probes = int(estimate_probes)
-        self.collective = bool(collective)
+        self.arrival = arrival
         self.retry = retry
         self._task_prefix = f"{step}." if retry == 0 else f"{step}r{retry}."
         self._held: dict[str, list[str]] = {}
@@ -253,7 +255,7 @@ class StepGather:
         if not task.live:
             return Verdict(False, False, f"duplicate or late: task {task.task_id} is closed")
         problem = self._check(result, task.unit_ids)
-        if problem is None and result.held != self.collective:
+        if problem is None and result.held != (self.arrival is SumArrival.REDUCED):
             problem = (
                 "the sum was held on the worker, but this step streams sums"
                 if result.held
@@ -356,7 +358,7 @@ class StepGather:
         """Check the group's reduced sum of every accepted held sum, and each member's share of
         it (``member_norms``: worker → ‖the sum it reduced‖), and take it as the step's sum;
         returns the problem (nothing taken) or None."""
-        if not (self.collective and self.complete()) or self._reduced:
+        if self.arrival is not SumArrival.REDUCED or not self.complete() or self._reduced:
             return "no reduced sum is expected for this step now"
         problem = self._check_sum(tensors, self.stats.count, allow_float32=True)
         if problem is not None:
@@ -399,7 +401,7 @@ class StepGather:
             raise RuntimeError(f"step {self.step}: shard groups not done")
         if self._contributed != set(self._unit_owner):
             raise ExactlyOnceViolation(f"step {self.step}: contributed units != cohort units")
-        if self.collective and not self._reduced:
+        if self.arrival is SumArrival.REDUCED and not self._reduced:
             raise RuntimeError(f"step {self.step}: the group's reduced sum has not arrived")
         return CohortSum(self._sums, self.stats)
 

@@ -62,9 +62,7 @@ from userdp.accounting.ledger import BudgetExceededError
 from userdp.proto.codec import task_proto as task_proto  # the simulator imports it from here
 from userdp.server.aggregation import StepGather, template_of
 from userdp.server.checkpoint import save_checkpoint
-from userdp.server.collective_fleet import CollectiveFleet
 from userdp.server.fleet import Fleet, StepAborted
-from userdp.server.group_plane import GroupPlane
 from userdp.server.planning import plan_groups
 from userdp.server.population import Population
 from userdp.server.publisher import ModelPublisher
@@ -73,6 +71,7 @@ from userdp.server.release_journal import append_release_journal, read_release_r
 from userdp.server.resume_point import ResumeError as ResumeError  # tests import it from here
 from userdp.server.resume_point import continue_after_lost_steps, restore_resume_point
 from userdp.server.startup import WorkerProgress
+from userdp.server.sum_plane import StreamedPlane, SumPlane
 from userdp.strategies.release_commitment import release_sha256
 from userdp.strategies.step import CohortSum, ExecutionOptions, PlannedStep, run_step
 from userdp.strategies.unit_stats import UnitStats
@@ -145,11 +144,13 @@ class Coordinator:
         options: ExecutionOptions | None = None,
         fault_hook: Callable[[str, int], None] | None = None,
         test_only_disable_noise: bool = False,
-        group: GroupPlane | None = None,
+        plane: SumPlane | None = None,
         data_check: Callable[[], None] | None = None,
     ) -> None:
-        """``group``: the collective data plane (:mod:`userdp.server.group_plane`); None = every
-        worker streams its sums to this process and receives each version from it.
+        """``plane``: how sums and versions travel (:mod:`userdp.server.sum_plane`): a
+        :class:`~userdp.server.group_plane.GroupPlane` for the collective data plane; None = the
+        gRPC plane (every worker streams its sums to this process and receives each version
+        from it).
         ``data_check``: raises when the run's data is gone, which ends :meth:`run` before the
         step under way releases anything (:class:`~userdp.server.fleet.Fleet`)."""
         self.strategy = strategy
@@ -165,10 +166,8 @@ class Coordinator:
         self.fault_hook = fault_hook
         self._no_noise = bool(test_only_disable_noise)
         shards = frozenset(population.shard_sha256)
-        self.fleet = (
-            Fleet(registry, publisher, shards, settings, data_check)
-            if group is None
-            else CollectiveFleet(registry, publisher, shards, settings, data_check, plane=group)
+        self.fleet = Fleet(
+            registry, publisher, shards, settings, plane or StreamedPlane(), data_check
         )
         self.template = template_of(params)
         self.step = 0
@@ -335,7 +334,7 @@ class Coordinator:
             self.template,
             spec.clip_norm,
             estimate_probes=spec.probes if spec.engine == "randomized" else 0,
-            collective=self.fleet.holds_sums,
+            arrival=self.fleet.plane.arrival,
             retry=self._retries,
         )
         phase("gather")

@@ -17,11 +17,15 @@ coordinator (:mod:`userdp.server.coordinator`) owns one and calls it at three po
 - :meth:`Fleet.broadcast` (phase ``broadcast``): the new version's tensors to every worker that
   held the previous one, streamed while they are encoded.
 
-Under the collective data plane (:class:`userdp.server.collective_fleet.CollectiveFleet`) the gather
-first makes the step's workers one process group and gives tasks to its members only, which hold
-their sums; once every group is done the members reduce the accepted sums straight to the
-coordinator, and that one reduced sum completes the gather; and a broadcast sends the version to
-the group's leader, which passes it on through the group (:mod:`userdp.server.group_plane`).
+Where the data planes differ the fleet asks its sum plane (:mod:`userdp.server.sum_plane`):
+which workers get tasks, what a gather needs before its first task and once every group is done,
+what an event means to the plane, and who gets a version over gRPC. Under the gRPC plane every
+result carries its sum and every version streams from here; under the collective plane
+(:mod:`userdp.server.group_plane`) the gather first makes the step's workers one process group
+and gives tasks to its members only, which hold their sums; once every group is done the members
+reduce the accepted sums straight to the coordinator, and that one reduced sum completes the
+gather; and a broadcast sends the version to the group's leader, which passes it on through the
+group.
 
 Between steps :meth:`Fleet.pump_events` handles queued events and :meth:`Fleet.wait_for_workers`
 waits until every shard has an in-sync holder. A worker whose model version is not the current
@@ -56,6 +60,7 @@ from userdp.server.registry import (
     WorkerSession,
 )
 from userdp.server.startup import StartupWait, WorkerProgress
+from userdp.server.sum_plane import SumArrival, SumPlane
 from userdp.strategies.base import TaskSpec
 
 if TYPE_CHECKING:  # the coordinator imports this module
@@ -76,10 +81,8 @@ class Fleet:
     """The workers of one coordinator and the current model version (see the module docstring).
 
     ``shards``: every shard of the population (the start-up wait needs a holder of each);
-    ``settings``: the coordinator's deadlines, attempts and waits."""
-
-    holds_sums = False
-    """Tasks say ``hold``: the worker keeps the sum for a reduce (the collective plane)."""
+    ``settings``: the coordinator's deadlines, attempts and waits; ``plane``: how sums and
+    versions travel (:mod:`userdp.server.sum_plane`)."""
 
     def __init__(
         self,
@@ -87,6 +90,7 @@ class Fleet:
         publisher: ModelPublisher,
         shards: frozenset[str],
         settings: CoordinatorSettings,
+        plane: SumPlane,
         data_check: Callable[[], None] | None = None,
     ) -> None:
         """``data_check``: raises when the run's data is gone (the shard folder deleted or
@@ -96,6 +100,7 @@ class Fleet:
         self.publisher = publisher
         self.shards = shards
         self.settings = settings
+        self.plane = plane
         self.data_check = data_check
         self._data_checked = -math.inf
         self.model_version = 0
@@ -113,13 +118,13 @@ class Fleet:
         for session in self.registry.sessions():
             if session.sent_version != self.model_version:
                 self.resync(session)
-        self._await_acks(self._ack_wait())
+        self._await_acks(self.plane.ack_wait_s(self.settings))
 
     def gather(self, collect: StepGather, spec: TaskSpec) -> None:
         """Run the step's tasks until ``collect`` is complete; :class:`StepAborted` when it
         cannot be (see the module docstring)."""
         deadline = time.monotonic() + self.settings.step_deadline_s
-        self._before_gather()
+        self.plane.start_gather(self.eligible(), self.settings)
         while not collect.complete():
             now = time.monotonic()
             if now > deadline:
@@ -147,7 +152,7 @@ class Fleet:
             except queue.Empty:
                 continue
             self.handle(event, collect)
-        self._after_gather(collect, deadline)
+        self.plane.complete_gather(self, collect, deadline)
 
     def _check_data(self, force: bool = False) -> None:
         """Run ``data_check`` (at most every :data:`DATA_CHECK_S` unless ``force``)."""
@@ -157,33 +162,16 @@ class Fleet:
         self._data_checked = now
         self.data_check()
 
-    def _before_gather(self) -> None:
-        """Before a gather's first task (the collective plane forms its group here)."""
-
-    def _after_gather(self, collect: StepGather, deadline: float) -> None:
-        """Once every shard group is done (the collective plane reduces the held sums here)."""
-
-    def _group_broadcast(
-        self, targets: list[WorkerSession], trainable: Mapping[str, object]
-    ) -> tuple[str, ...]:
-        """The workers that get the version another way than over gRPC from here (the leader
-        first, which still does): none on this plane."""
-        return ()
-
-    def _ack_wait(self) -> float:
-        return self.settings.ack_wait_s
-
     def broadcast(self, trainable: Mapping[str, object]) -> None:
         """Publish the current version's ``trainable`` tensors and stream them, as they are
         encoded, to every worker that was sent the version before (it is eligible again once it
-        acknowledges); the others are resynced at the next :meth:`sync`. Under the collective
-        data plane with a working group, the members get it through the group instead: the
-        leader over gRPC, the others from the leader."""
+        acknowledges); the others are resynced at the next :meth:`sync`. The plane says which of
+        them get it over gRPC from here (under the collective data plane with a working group,
+        only the leader of the members, which passes it on through the group)."""
         targets = [s for s in self.registry.sessions() if s.sent_version == self.model_version - 1]
-        via_group = self._group_broadcast(targets, trainable)
+        direct = self.plane.broadcast(self, targets, trainable)
         for session in targets:
             session.sent_version = self.model_version
-        direct = [s for s in targets if s.worker_id not in via_group or s.worker_id == via_group[0]]
 
         def send(message: pb.CoordinatorMessage) -> None:
             for session in direct:
@@ -200,16 +188,12 @@ class Fleet:
             if not s.draining and s.model_version == self.model_version
         }
 
-    def _task_workers(self) -> dict[str, WorkerSession]:
-        """The sessions a task may go to (the collective plane: its group's members only)."""
-        return self.eligible()
-
     def _dispatch(self, collect: StepGather, spec: TaskSpec) -> None:
         """Batch pending shard groups into one task per chosen worker and send them."""
         pending = collect.pending()
         if not pending:
             return
-        eligible = self._task_workers()
+        eligible = self.plane.task_workers(self.eligible())
         holders = {w: s.shards for w, s in eligible.items()}
         load: dict[str, int] = defaultdict(int)
         for task_id, _, worker, _ in collect.outstanding():
@@ -228,7 +212,7 @@ class Fleet:
                 self.model_version,
                 collect.task_units(task_id),
                 self.settings.task_deadline_s,
-                hold=self.holds_sums,
+                hold=self.plane.arrival is SumArrival.REDUCED,
                 gather=collect.retry,
             )
             eligible[worker].send(pb.CoordinatorMessage(task=task))
@@ -310,7 +294,10 @@ class Fleet:
             self.pump_events(0.05)
 
     def handle(self, event: Event, collect: StepGather | None) -> None:
-        """Act on one event; ``collect`` is the running step's gather (None between steps)."""
+        """Act on one event, after the plane (:meth:`SumPlane.observe
+        <userdp.server.sum_plane.SumPlane.observe>`); ``collect`` is the running step's gather
+        (None between steps)."""
+        self.plane.observe(event)
         if isinstance(event, ResultReceived):
             if collect is None:
                 return

@@ -30,6 +30,7 @@ from userdp.server.grpc_server import ListenError, RunningServer, serve
 from userdp.server.population import Population
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import WorkerRegistry
+from userdp.server.sum_plane import StreamedPlane, SumPlane
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def start_coordinator(
     registry = WorkerRegistry()
     publisher = ModelPublisher(chunk_bytes=chunk_bytes_within(1 << 20, max_message_bytes))
     partial_bytes = sum(t.numel() * t.element_size() for t in params.values())
-    group = _group_plane(config.coordinator)
+    plane = _sum_plane(config.coordinator)
     _check_port("coordinator.port", config.coordinator.host, config.coordinator.port)
     try:
         server = serve(
@@ -136,7 +137,7 @@ def start_coordinator(
         ),
         options=options,
         test_only_disable_noise=test_only_disable_noise,
-        group=group,
+        plane=plane,
         data_check=data_check,
     )
     try:
@@ -147,10 +148,11 @@ def start_coordinator(
     return RunningCoordinator(coordinator, server)
 
 
-def _group_plane(config: Any) -> GroupPlane | None:
-    """The collective data plane's rendezvous for ``coordinator.data_plane = "collective"``."""
+def _sum_plane(config: Any) -> SumPlane:
+    """The data plane of ``coordinator.data_plane``: gRPC, or the collective plane with its
+    rendezvous."""
     if config.data_plane != "collective":
-        return None
+        return StreamedPlane()
     settings = GroupSettings(
         store_port=config.group_port, timeout_s=config.group_timeout_s, store_bind=config.host
     )

@@ -19,6 +19,7 @@ from userdp.server.group_plane import GroupPlane
 from userdp.server.grpc_server import RunningServer, serve
 from userdp.server.publisher import ModelPublisher
 from userdp.server.registry import WorkerRegistry
+from userdp.server.sum_plane import StreamedPlane
 from userdp.strategies.base import Release
 
 from . import toy
@@ -158,7 +159,7 @@ def make_loopback(
         or CoordinatorSettings(step_deadline_s=30, task_deadline_s=10, worker_startup_s=300),
         fault_hook=fault_hook,
         test_only_disable_noise=no_noise,
-        group=GroupPlane(group) if group is not None else None,
+        plane=GroupPlane(group) if group is not None else StreamedPlane(),
         data_check=data_check,
     )
     try:

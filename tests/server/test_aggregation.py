@@ -8,6 +8,7 @@ import torch
 from userdp.proto.results import TaskResult, TaskSum
 from userdp.server.aggregation import ExactlyOnceViolation, StepGather, TensorSpec
 from userdp.server.planning import ShardGroup, assign_groups, choose_worker, plan_groups
+from userdp.server.sum_plane import SumArrival
 from userdp.strategies.unit_stats import UnitStats
 
 TEMPLATE = {"w": TensorSpec((3,), "float32")}
@@ -198,7 +199,7 @@ def test_a_reduced_sum_is_checked_member_by_member():
 
     def held_gather():
         groups = [ShardGroup("7/a", 7, "a", ("u1", "u2")), ShardGroup("7/b", 7, "b", ("u3",))]
-        g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, collective=True)
+        g = StepGather(7, 4, groups, TEMPLATE, clip_norm=1.0, arrival=SumArrival.REDUCED)
         task_a, _ = g.issue("w1", ["7/a"], 0.0)  # two units: bound 2·C
         task_b, _ = g.issue("w2", ["7/b"], 0.0)  # one unit: bound 1·C
         for task, worker, units in ((task_a, "w1", ("u1", "u2")), (task_b, "w2", ("u3",))):

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 from userdp.proto import gloo
-from userdp.server.collective_fleet import CollectiveFleet
 from userdp.server.coordinator import Coordinator
 from userdp.server.fleet import StepAborted
+from userdp.server.group_plane import GroupPlane
 from userdp.server.release_journal import read_release_records
 
 from userdp import cli
@@ -99,11 +99,11 @@ def test_a_worker_killed_inside_the_bucketed_reduce_aborts_the_step_everywhere(
             time.sleep(0.01)
 
     aborted_at: list[float] = []
-    reduce = CollectiveFleet._reduce
+    reduce = GroupPlane.complete_gather
 
-    def reduce_timing_the_abort(fleet, collect, deadline):
+    def reduce_timing_the_abort(plane, fleet, collect, deadline):
         try:
-            return reduce(fleet, collect, deadline)
+            return reduce(plane, fleet, collect, deadline)
         except StepAborted:
             aborted_at.append(time.time())
             raise
@@ -127,7 +127,7 @@ def test_a_worker_killed_inside_the_bucketed_reduce_aborts_the_step_everywhere(
         return phase(self, name, step, times, started)
 
     monkeypatch.setattr(grpc_workers, "_spawn_workers", spawn_and_keep)
-    monkeypatch.setattr(CollectiveFleet, "_reduce", reduce_timing_the_abort)
+    monkeypatch.setattr(GroupPlane, "complete_gather", reduce_timing_the_abort)
     monkeypatch.setattr(Coordinator, "_phase", phase_recorded)
     monkeypatch.setattr(Coordinator, "wait_for_workers", wait_for_all_three)
     killer = threading.Thread(target=kill_the_victim_in_its_reduce, daemon=True)

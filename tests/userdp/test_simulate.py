@@ -462,7 +462,7 @@ def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
     (nothing charged) and is retried by a group of the survivors. The run is interrupted after
     step 2 and run again: it resumes from its checkpoint with fresh workers and a new group.
     Without noise it ends with the in-process model, each step in the ledger once."""
-    from userdp.server.collective_fleet import CollectiveFleet
+    from userdp.server.group_plane import GroupPlane
 
     from userdp.run import grpc_workers
     from userdp.run.grpc_workers import kill_tree
@@ -478,7 +478,11 @@ def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
         }
     )
     spawned: list = []
-    spawn, reduce, on_step = grpc_workers._spawn_workers, CollectiveFleet._reduce, RunLoop.on_step
+    spawn, reduce, on_step = (
+        grpc_workers._spawn_workers,
+        GroupPlane.complete_gather,
+        RunLoop.on_step,
+    )
 
     def spawn_and_keep(loop, address):
         spawned[:] = spawn(loop, address)
@@ -486,11 +490,11 @@ def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
 
     killed: list = []
 
-    def reduce_killing_worker_1_once(fleet, collect, deadline):
+    def reduce_killing_worker_1_once(plane, fleet, collect, deadline):
         if collect.step == 1 and not killed:
             kill_tree(spawned[1])
-            killed.append(fleet.plane.generation)
-        return reduce(fleet, collect, deadline)
+            killed.append(plane.generation)
+        return reduce(plane, fleet, collect, deadline)
 
     def interrupt_after_step_2(self, step, *args):
         on_step(self, step, *args)
@@ -498,7 +502,7 @@ def test_collective_plane_survives_a_worker_killed_in_the_reduce_and_resumes(
             raise KeyboardInterrupt
 
     monkeypatch.setattr(grpc_workers, "_spawn_workers", spawn_and_keep)
-    monkeypatch.setattr(CollectiveFleet, "_reduce", reduce_killing_worker_1_once)
+    monkeypatch.setattr(GroupPlane, "complete_gather", reduce_killing_worker_1_once)
     monkeypatch.setattr(RunLoop, "on_step", interrupt_after_step_2)
     out = tmp_path / "sim"
     first = run(config, out, mode="grpc", quiet=True, test_only_disable_noise=True)
