@@ -121,10 +121,10 @@ class GroupPlane:
         """Reduces started (each has its own task id)."""
         self.reduce_seconds = 0.0
         """The last reduce that ended well: from the members' ``GroupReduce`` to the checked
-        reduced sum."""
+        reduced sum (the sum of its :attr:`reduce_phases`)."""
         self.reduce_phases: dict[str, float] = {}
-        """The last reduce's parts (seconds): waiting for the rendezvous, the failure count, the
-        buckets' reduce, the gather's checks."""
+        """The last reduce's parts (:attr:`GroupRoot.phases
+        <userdp.server.group_root.GroupRoot.phases>`)."""
 
     def _store_host(self) -> str:
         """Where the coordinator itself reaches its store."""
@@ -297,7 +297,7 @@ class GroupPlane:
         )
         self.reduce_phases = root.phases
         if not problem:
-            self.reduce_seconds = root.seconds
+            self.reduce_seconds = sum(root.phases.values())
             return
         self._broken(problem)
         raise StepAborted(f"step {collect.step}: the workers' reduce failed: {problem}")

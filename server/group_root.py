@@ -67,12 +67,9 @@ class GroupRoot:
         self.members, self.generation, self.timeout_s = members, generation, timeout_s
         self.group: dist.ProcessGroupGloo | None = None
         self.error = ""
-        self.seconds = 0.0
-        """The last reduce that ended well: from the members' ``GroupReduce`` to the checked
-        reduced sum."""
         self.phases: dict[str, float] = {}
-        """The last reduce's parts (seconds): waiting for the rendezvous, the failure count, the
-        buckets' reduce, the gather's checks."""
+        """The last reduce's parts (seconds), from the members' ``GroupReduce`` on: waiting for
+        the rendezvous, the failure count, the buckets' reduce, the gather's checks."""
         self._ready = threading.Event()
         self._cancelled = threading.Event()
         threading.Thread(
@@ -155,8 +152,7 @@ class GroupRoot:
             norms = dict(zip(self.members, reduce.member_norms.tolist(), strict=True))
             problem = collect.offer_reduced(reduce.sums, norms)
         if problem is None:
-            self.seconds = time.perf_counter() - started
-            phases["check"] = self.seconds - sum(phases.values())
+            phases["check"] = time.perf_counter() - started - sum(phases.values())
             return ""
         if reduce is not None:
             reduce.abandon()
