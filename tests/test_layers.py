@@ -14,6 +14,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_LINES = 450
+MAX_FUNCTION_LINES = 80
+"""The longest function of the worker (``clients/``) and the coordinator (``server/``)."""
 LAYERS = {"accounting": 0, "strategies": 1, "proto": 2, "clients": 3, "server": 3}
 """userdp.<sub> -> layer; every other module of the package is the app (4)."""
 GENERATED = {"userdp.proto.userdp_v1_pb2", "userdp.proto.userdp_v1_pb2_grpc"}
@@ -168,6 +170,21 @@ def test_no_package_module_is_over_the_line_limit() -> None:
         and (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     )
     assert not long, f"modules over {MAX_LINES} lines (one module, one idea): {long}"
+
+
+def test_no_function_of_the_worker_or_the_coordinator_is_over_the_line_limit() -> None:
+    """A long function in ``clients/`` or ``server/`` hides steps that deserve names."""
+    long, seen = [], 0
+    for folder in ("clients", "server"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    seen += 1
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines})")
+    assert seen > 100, f"read only {seen} functions in clients/ and server/"
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
 def test_the_graph_sees_known_edges() -> None:
