@@ -9,18 +9,22 @@ and for a tuple of k bins drawn uniformly with replacement let n be its count ve
   E_Q[L^α] = E_n exp((nᵀGn − diag(G)·n)/(2σ²)), since E_Q[Π ℓ] multiplies Gaussian moment
   generating functions (the identity behind Rényi accounting of mixtures, as in Mironov, Talwar &
   Zhang, "Rényi Differential Privacy of the Sampled Gaussian Mechanism", arXiv 1908.10530, §3).
-- **Add** (Q against P), an upper bound at every integer order α ≥ 2: E_Q[(Q/P)^(α−1)] with
-  1/L ≤ (1/b)·Σᵢ 1/ℓᵢ (the harmonic mean is at most the arithmetic mean), whose (α−1)-th power
-  expands the same way: E_n exp((nᵀGn + diag(G)·n)/(2σ²)) over tuples of α − 1 bins.
+- **Add** (Q against P), upper bounds at every integer order α ≥ 2, the smaller of two:
+  the geometric mean, 1/L ≤ exp(−⟨m̄, y⟩/σ² + ḡ/(2σ²)) (m̄ the mean mode, ḡ the mean of
+  diag(G); arithmetic ≥ geometric mean), a closed form (:func:`geometric_add_divergences`); and
+  the harmonic mean, 1/L ≤ (1/b)·Σᵢ 1/ℓᵢ, whose (α−1)-th power expands like the remove moment:
+  E_n exp((nᵀGn + diag(G)·n)/(2σ²)) over tuples of α − 1 bins.
 
-Both are sums over count vectors. For a Gram matrix whose non-zero entries lie within two
+Both sums run over count vectors. For a Gram matrix whose non-zero entries lie within two
 diagonals of the main one (a C with at most three bands) the sum is a dynamic program over the
 bins with the last two counts as state (:func:`log_moments`): O(b·K⁴) for orders up to K. Every
-other entry is bounded, never dropped on the optimistic side: 2g·nᵢnⱼ ≤ g·(nᵢ² + nⱼ²) for g > 0
-moves it onto the diagonal (this includes the entries that couple the last bins to the first ones
-when the bins repeat over epochs), and g·nᵢnⱼ ≤ 0 for g < 0 (counts are non-negative). The
-program is exact for C = I and for C with at most three bands except those wrap-around entries;
-for a C whose Gram matrix is wide (BLT) it is loose, and the accountant's other methods win.
+other ("far") entry g is bounded, never on the optimistic side, for a spread r ≥ 0
+(:func:`banded_bound`): g ≤ r + (g − r)⁺, where r times every far pair's nᵢnⱼ sums exactly to
+r·(u² − Σnᵢ² − the near pairs) and the excess goes onto the diagonal by 2h·nᵢnⱼ ≤ h(nᵢ² + nⱼ²)
+(counts are non-negative). The far entries include those that couple the last bins to the
+first when the bins repeat over epochs. Two spreads are tried, 0 (everything onto the diagonal:
+right for a few bands) and the largest far entry (nothing onto it: right for a wide Gram matrix
+such as a BLT's), and each direction takes its smaller bound.
 
 Each direction's Rényi bound becomes (ε, δ) by the conversion of Canonne, Kamath & Steinke, "The
 Discrete Gaussian for Differential Privacy" (arXiv 2004.00010), Proposition 12, minimised over
@@ -42,8 +46,10 @@ __all__ = [
     "RenyiEpsilon",
     "banded_bound",
     "epsilon_from_renyi",
+    "geometric_add_divergences",
     "log_moments",
     "renyi_epsilon",
+    "spreads",
 ]
 
 MAX_ORDER = 32
@@ -55,27 +61,43 @@ ROUNDING_SLACK = 1e-9
 
 @dataclasses.dataclass(frozen=True)
 class BandedBound:
-    """The quadratic form bounding nᵀGn on count vectors: Σ quad·n² + 2Σ near1·nᵢnᵢ₊₁ +
-    2Σ near2·nᵢnᵢ₊₂, with ``diag`` = diag(G) for the linear term."""
+    """The quadratic form bounding nᵀGn on count vectors n with Σ n = u: Σ quad·n² +
+    2Σ near1·nᵢnᵢ₊₁ + 2Σ near2·nᵢnᵢ₊₂ + spread·u², with ``diag`` = diag(G) for the linear term."""
 
     diag: np.ndarray
     quad: np.ndarray
     near1: np.ndarray
     near2: np.ndarray
+    spread: float = 0.0
 
 
-def banded_bound(gram: np.ndarray) -> BandedBound:
-    """Keep G's first two off-diagonals exactly; move every other positive entry onto the
-    diagonal (2g·nᵢnⱼ ≤ g·(nᵢ² + nⱼ²)) and drop every negative one (module docstring)."""
+def banded_bound(gram: np.ndarray, spread: float = 0.0) -> BandedBound:
+    """Keep G's first two off-diagonals (i, i+1), (i, i+2) exactly and bound every other
+    ("far") entry g, for a ``spread`` r ≥ 0: g ≤ r + (g − r)⁺. The r part of all far pairs is
+    r·(u² − Σnᵢ² − Σ over near pairs), exactly; the excess goes onto the diagonal by
+    2h·nᵢnⱼ ≤ h·(nᵢ² + nⱼ²). r = 0 moves every positive far entry onto the diagonal and drops
+    the negative ones; r = the largest far entry moves none (for a wide Gram matrix: BLT)."""
     gram = np.asarray(gram, dtype=np.float64)
+    if spread < 0:
+        raise ValueError(f"spread must be non-negative, got {spread}")
     b = gram.shape[0]
     diag = np.diag(gram).copy()
     far = np.triu(gram, k=3) + np.tril(gram, k=-3)
-    far_positive = np.where(far > 0, far, 0.0)
-    quad = diag + far_positive.sum(axis=1)
-    near1 = np.array([gram[i, i + 1] for i in range(b - 1)])
-    near2 = np.array([gram[i, i + 2] for i in range(b - 2)])
-    return BandedBound(diag, quad, near1, near2)
+    excess = np.where(far > spread, far - spread, 0.0)
+    has_far = b > 3
+    r = spread if has_far else 0.0
+    quad = diag - r + excess.sum(axis=1)
+    near1 = np.array([gram[i, i + 1] for i in range(b - 1)]) - r
+    near2 = np.array([gram[i, i + 2] for i in range(b - 2)]) - r
+    return BandedBound(diag, quad, near1, near2, r)
+
+
+def spreads(gram: np.ndarray) -> tuple[float, ...]:
+    """The spreads :func:`renyi_epsilon` tries: 0 and the largest far entry (when positive)."""
+    gram = np.asarray(gram, dtype=np.float64)
+    far = np.triu(gram, k=3)
+    largest = float(far.max()) if far.size and gram.shape[0] > 3 else 0.0
+    return (0.0, largest) if largest > 0 else (0.0,)
 
 
 def log_moments(bound: BandedBound, sigma: float, max_count: int, sign: int) -> np.ndarray:
@@ -100,7 +122,7 @@ def log_moments(bound: BandedBound, sigma: float, max_count: int, sign: int) -> 
                 before = logsumexp(f[: size - kp] + (c2 * kp) * counts, axis=2)
                 new[kp:, kp, :] = before + (c1 * kp) * counts + own[kp]
             f = new
-    total = logsumexp(f.reshape(size, -1), axis=1)
+    total = logsumexp(f.reshape(size, -1), axis=1) + bound.spread * counts**2 / (2 * s2)
     return total + gammaln(counts + 1) - counts * math.log(b)
 
 
@@ -109,6 +131,17 @@ def _own(bound: BandedBound, i: int, counts: np.ndarray, s2: float, sign: int) -
     return (bound.quad[i] * counts**2 + sign * bound.diag[i] * counts) / (2 * s2) - gammaln(
         counts + 1
     )
+
+
+def geometric_add_divergences(gram: np.ndarray, sigma: float, orders: np.ndarray) -> np.ndarray:
+    """The add direction's closed-form bound: Q/P = 1/L ≤ 1/(geometric mean of the ℓᵢ) =
+    exp(−⟨m̄, y⟩/σ² + ḡ/(2σ²)), m̄ the mean mode and ḡ the mean of diag(G), so
+    D_α(Q‖P) ≤ (α − 1)·‖m̄‖²/(2σ²) + ḡ/(2σ²), with ‖m̄‖² = 1ᵀG1/b². Tighter than the harmonic
+    bound when the modes' likelihood ratios spread widely (large ‖mᵢ‖/σ)."""
+    b = gram.shape[0]
+    mean_mode_sq = float(gram.sum()) / b**2
+    mean_norm_sq = float(np.trace(gram)) / b
+    return ((orders - 1) * mean_mode_sq + mean_norm_sq) / (2 * sigma**2)
 
 
 def epsilon_from_renyi(orders: np.ndarray, divergences: np.ndarray, delta: float) -> float:
@@ -133,11 +166,23 @@ def renyi_epsilon(
 ) -> RenyiEpsilon:
     """The sampling-free ε(δ) bound of ``compositions`` copies of the pair with Gram matrix
     ``gram`` at noise multiplier ``sigma`` (Rényi divergences add under composition)."""
-    bound = banded_bound(gram)
+    gram = np.asarray(gram, dtype=np.float64)
     orders = np.arange(2, max_order + 1, dtype=np.float64)
-    remove = log_moments(bound, sigma, max_order, -1)[2:] / (orders - 1)
-    add = log_moments(bound, sigma, max_order - 1, +1)[1:] / (orders - 1)
-    eps_remove = epsilon_from_renyi(orders, compositions * remove, delta)
+    bounds = [banded_bound(gram, spread) for spread in spreads(gram)]
+    eps_remove = min(
+        epsilon_from_renyi(
+            orders,
+            compositions * log_moments(bound, sigma, max_order, -1)[2:] / (orders - 1),
+            delta,
+        )
+        for bound in bounds
+    )
+    add = geometric_add_divergences(gram, sigma, orders)
     eps_add = epsilon_from_renyi(orders, compositions * add, delta)
+    if eps_add > eps_remove:  # only then can the program's add bound lower the answer
+        for bound in bounds:
+            harmonic = log_moments(bound, sigma, max_order - 1, +1)[1:] / (orders - 1)
+            add = np.minimum(add, harmonic)
+        eps_add = epsilon_from_renyi(orders, compositions * add, delta)
     worst = max(eps_remove, eps_add)
     return RenyiEpsilon(worst * (1 + ROUNDING_SLACK), eps_remove, eps_add)

@@ -925,16 +925,42 @@ def mutation_renyi_add_as_remove(monkeypatch):
 @pytest.fixture
 def mutation_renyi_drops_far_entries(monkeypatch):
     """The balls-in-bins Rényi accountant ignores the Gram entries beyond its two off-diagonals
-    instead of bounding them."""
+    instead of bounding them (at every spread)."""
     from userdp.accounting import balls_in_bins_renyi
 
     real = balls_in_bins_renyi.banded_bound
 
-    def banded_bound(gram):
-        kept = real(gram)
+    def banded_bound(gram, spread=0.0):
+        kept = real(gram, 0.0)
         return dataclasses.replace(kept, quad=kept.diag.copy())
 
     monkeypatch.setattr(balls_in_bins_renyi, "banded_bound", banded_bound)
+
+
+@pytest.fixture
+def mutation_renyi_spread_not_charged(monkeypatch):
+    """The balls-in-bins Rényi accountant lowers the near entries by the spread r but never
+    adds r·u², the far pairs' share."""
+    from userdp.accounting import balls_in_bins_renyi
+
+    real = balls_in_bins_renyi.banded_bound
+    monkeypatch.setattr(
+        balls_in_bins_renyi,
+        "banded_bound",
+        lambda gram, spread=0.0: dataclasses.replace(real(gram, spread), spread=0.0),
+    )
+
+
+@pytest.fixture
+def mutation_renyi_geometric_add_drops_norm_term(monkeypatch):
+    """The balls-in-bins Rényi accountant's closed-form add bound loses its ḡ/(2σ²) term."""
+    from userdp.accounting import balls_in_bins_renyi
+
+    def geometric(gram, sigma, orders):
+        b = gram.shape[0]
+        return (orders - 1) * float(gram.sum()) / b**2 / (2 * sigma**2)
+
+    monkeypatch.setattr(balls_in_bins_renyi, "geometric_add_divergences", geometric)
 
 
 @pytest.fixture
