@@ -60,8 +60,9 @@ GROUP_PRIVACY_CAVEAT = (
 )
 MONTE_CARLO_CAVEAT = (
     "ε comes from the balls-in-bins accountant: the smallest certified upper bound among its "
-    "methods (random-allocation PLD for C = I, the Gaussian bound without amplification, Monte "
-    "Carlo Estimate-Verify-Release), never a Monte Carlo point estimate."
+    "methods (random-allocation PLD for C = I, sampling-free Rényi DP for correlated C, the "
+    "Gaussian bound without amplification, Monte Carlo Estimate-Verify-Release), never a Monte "
+    "Carlo point estimate."
 )
 NON_PRIVATE_HYPERPARAMETERS_CAVEAT = (
     "The clip norm and other hyperparameters were chosen without spending privacy budget; tuning "
