@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["data", "scale", "strategies", "noise"]  # a few seconds each in quick mode
 
 
+@pytest.mark.slow  # the benchmark scripts themselves (run_all runs them too)
 def test_the_quick_benchmarks_run_and_record_their_rows(tmp_path):
     out = subprocess.run(
         [

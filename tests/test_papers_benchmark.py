@@ -44,6 +44,7 @@ def test_a_private_run_learns_the_population_mean(tmp_path, monkeypatch) -> None
         assert result["error"] < 0.25 * float(mu @ mu), (method, result)
 
 
+@pytest.mark.slow  # BLT + balls-in-bins runs: also the privacy suite's run_states_one_certified_epsilon
 def test_group_privacy_and_matrix_mechanism_runs_learn_the_population_mean(
     tmp_path, monkeypatch
 ) -> None:
@@ -103,6 +104,7 @@ def test_verdicts_follow_the_rows() -> None:
     }
 
 
+@pytest.mark.slow  # the script end to end; its runs' paths are the default tests above
 def test_quick_mode_writes_every_claim_and_renders_again(tmp_path) -> None:
     """The smoke test of the script itself: every claim runs end to end, writes its JSON, table
     (with a verdict per finding) and plot, and ``--render`` rebuilds them from the JSON alone."""

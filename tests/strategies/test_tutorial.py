@@ -45,6 +45,7 @@ def test_the_tutorial_shows_the_example_files_verbatim():
             assert body == (REPO / name).read_text(encoding="utf-8"), f"{name} differs from docs"
 
 
+@pytest.mark.slow  # the same plugin runs in process in the default suite (the tutorial's Python)
 def test_the_tutorial_commands_run_the_plugin_over_grpc(workdir):
     for line in blocks()["shell"].strip().splitlines():
         argv = shlex.split(line)

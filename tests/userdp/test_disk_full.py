@@ -96,6 +96,7 @@ def run_full_disk_case(tmp_path, disk, point, call):
     shutil.rmtree(run)
 
 
+@pytest.mark.slow  # a whole run; the ledger's own disk-full append: tests/accounting/test_ledger_faults.py
 def test_disk_full_during_a_ledger_append(tmp_path, small_disk):
     run_full_disk_case(tmp_path, small_disk, "ledger", 3)  # header, step 0, then step 1
 
