@@ -18,7 +18,7 @@ methods that apply, each an upper bound on ε(δ):
   the remove direction and bounded (geometric or harmonic mean) in the add direction, summed
   over count vectors by a dynamic program that keeps two off-diagonals of its Gram matrix
   exactly and bounds the rest (:mod:`userdp.accounting.balls_in_bins_renyi`). Deterministic,
-  any δ, 2–5 CPU s at b = 128; amplified (at σ = 4, b = 128, E = 16 about 0.6× the Gaussian
+  any δ, 4–5 CPU s at b = 128; amplified (at σ = 4, b = 128, E = 16 about 0.33× the Gaussian
   bound for a 3-band C and 0.8× for a 2-buffer BLT), looser than Monte Carlo where that runs;
 - ``Monte Carlo EVR`` (correlated C): Estimate-Verify-Release on the dominating pair
   (:func:`userdp.accounting.balls_in_bins.certified_epsilon`): an upper bound except with

@@ -21,10 +21,13 @@ bins with the last two counts as state (:func:`log_moments`): O(b·K⁴) for ord
 other ("far") entry g is bounded, never on the optimistic side, for a spread r ≥ 0
 (:func:`banded_bound`): g ≤ r + (g − r)⁺, where r times every far pair's nᵢnⱼ sums exactly to
 r·(u² − Σnᵢ² − the near pairs) and the excess goes onto the diagonal by 2h·nᵢnⱼ ≤ h(nᵢ² + nⱼ²)
-(counts are non-negative). The far entries include those that couple the last bins to the
-first when the bins repeat over epochs. Two spreads are tried, 0 (everything onto the diagonal:
-right for a few bands) and the largest far entry (nothing onto it: right for a wide Gram matrix
-such as a BLT's), and each direction takes its smaller bound.
+(counts are non-negative). When the bins repeat over epochs a banded C's Gram matrix is cyclic:
+three entries tie the last two bins to the first two. A second, cyclic program keeps them exactly
+by carrying the first two bins' counts in its state (O(b·K⁶), orders up to
+:data:`CYCLIC_MAX_ORDER`); the straight one bounds them like the far entries. Two spreads are
+tried, 0 (everything onto the diagonal: right for a few bands) and the largest far entry
+(nothing onto it: right for a wide Gram matrix such as a BLT's), and each direction takes, order
+by order, its smallest bound among these forms.
 
 Each direction's Rényi bound becomes (ε, δ) by the conversion of Canonne, Kamath & Steinke, "The
 Discrete Gaussian for Differential Privacy" (arXiv 2004.00010), Proposition 12, minimised over
@@ -41,6 +44,7 @@ import numpy as np
 from scipy.special import gammaln, logsumexp
 
 __all__ = [
+    "CYCLIC_MAX_ORDER",
     "MAX_ORDER",
     "ROUNDING_SLACK",
     "RenyiEpsilon",
@@ -53,7 +57,12 @@ __all__ = [
 ]
 
 MAX_ORDER = 32
-"""Largest Rényi order tried: the program costs O(b·K⁴) (about 2 CPU s at b = 128, K = 32)."""
+"""Largest Rényi order tried: the straight program costs O(b·K⁴) (about 1 CPU s at b = 128,
+K = 32)."""
+
+CYCLIC_MAX_ORDER = 8
+"""Largest order of the cyclic program, O(b·K⁶) (under a CPU second at b = 128, K = 8): the
+orders that matter where the wrap-around entries weigh most (moderate ε)."""
 
 ROUNDING_SLACK = 1e-9
 """Relative amount ε is rounded up by: the program's float64 log-sum-exps lose ~1e-15 each."""
@@ -69,27 +78,40 @@ class BandedBound:
     near1: np.ndarray
     near2: np.ndarray
     spread: float = 0.0
+    wrap: tuple[float, float, float] | None = None
+    """Cyclic form only: the entries (b−1, 0), (b−2, 0), (b−1, 1) kept exactly."""
 
 
-def banded_bound(gram: np.ndarray, spread: float = 0.0) -> BandedBound:
+def banded_bound(gram: np.ndarray, spread: float = 0.0, cyclic: bool = False) -> BandedBound:
     """Keep G's first two off-diagonals (i, i+1), (i, i+2) exactly and bound every other
     ("far") entry g, for a ``spread`` r ≥ 0: g ≤ r + (g − r)⁺. The r part of all far pairs is
     r·(u² − Σnᵢ² − Σ over near pairs), exactly; the excess goes onto the diagonal by
     2h·nᵢnⱼ ≤ h·(nᵢ² + nⱼ²). r = 0 moves every positive far entry onto the diagonal and drops
-    the negative ones; r = the largest far entry moves none (for a wide Gram matrix: BLT)."""
+    the negative ones; r = the largest far entry moves none (for a wide Gram matrix: BLT).
+    ``cyclic`` (b ≥ 5) also keeps the three entries that tie the last two bins to the first two
+    exactly (the bins repeat over epochs, so the Gram matrix of a banded C is cyclic)."""
     gram = np.asarray(gram, dtype=np.float64)
     if spread < 0:
         raise ValueError(f"spread must be non-negative, got {spread}")
     b = gram.shape[0]
+    cyclic = cyclic and b >= 5
     diag = np.diag(gram).copy()
     far = np.triu(gram, k=3) + np.tril(gram, k=-3)
+    wrap = None
+    if cyclic:
+        wrap_at = ((b - 1, 0), (b - 2, 0), (b - 1, 1))
+        wrap = tuple(float(gram[i, j]) for i, j in wrap_at)
+        for i, j in wrap_at:
+            far[i, j] = far[j, i] = 0.0
     excess = np.where(far > spread, far - spread, 0.0)
-    has_far = b > 3
+    has_far = b > (5 if cyclic else 3)
     r = spread if has_far else 0.0
     quad = diag - r + excess.sum(axis=1)
     near1 = np.array([gram[i, i + 1] for i in range(b - 1)]) - r
     near2 = np.array([gram[i, i + 2] for i in range(b - 2)]) - r
-    return BandedBound(diag, quad, near1, near2, r)
+    if wrap is not None:
+        wrap = (wrap[0] - r, wrap[1] - r, wrap[2] - r)
+    return BandedBound(diag, quad, near1, near2, r, wrap)
 
 
 def spreads(gram: np.ndarray) -> tuple[float, ...]:
@@ -103,7 +125,10 @@ def spreads(gram: np.ndarray) -> tuple[float, ...]:
 def log_moments(bound: BandedBound, sigma: float, max_count: int, sign: int) -> np.ndarray:
     """log E_n exp((nᵀĜn + sign·diag·n)/(2σ²)) for k = 0..max_count bins drawn uniformly with
     replacement (n their count vector, Ĝ the ``bound``'s form): sign −1 is the remove moment,
-    +1 the add bound. A program over the bins whose state is (balls so far, last two counts)."""
+    +1 the add bound. A program over the bins whose state is (balls so far, last two counts),
+    and for a cyclic form also the first two bins' counts (O(b·K⁶): for small K only)."""
+    if bound.wrap is not None:
+        return _cyclic_log_moments(bound, sigma, max_count, sign)
     s2 = sigma * sigma
     b = len(bound.diag)
     counts = np.arange(max_count + 1, dtype=np.float64)
@@ -123,6 +148,39 @@ def log_moments(bound: BandedBound, sigma: float, max_count: int, sign: int) -> 
                 new[kp:, kp, :] = before + (c1 * kp) * counts + own[kp]
             f = new
     total = logsumexp(f.reshape(size, -1), axis=1) + bound.spread * counts**2 / (2 * s2)
+    return total + gammaln(counts + 1) - counts * math.log(b)
+
+
+def _cyclic_log_moments(bound: BandedBound, sigma: float, max_count: int, sign: int) -> np.ndarray:
+    """:func:`log_moments` of a cyclic form: the first two bins' counts (k0, k1) stay in the state
+    so that the wrap-around entries are charged exactly at the end."""
+    s2 = sigma * sigma
+    b = len(bound.diag)
+    counts = np.arange(max_count + 1, dtype=np.float64)
+    size = max_count + 1
+    # f[k0, k1, u, kl, k2]: bins 0..i hold u balls, bin 0 k0, bin 1 k1, bin i kl, bin i-1 k2
+    f = np.full((size,) * 5, -np.inf)
+    own0, own1 = _own(bound, 0, counts, s2, sign), _own(bound, 1, counts, s2, sign)
+    for k0 in range(size):
+        for k1 in range(size - k0):
+            f[k0, k1, k0 + k1, k1, k0] = own0[k0] + own1[k1] + bound.near1[0] * k0 * k1 / s2
+    with np.errstate(invalid="ignore"):
+        for i in range(2, b):
+            c1, c2 = bound.near1[i - 1] / s2, bound.near2[i - 2] / s2
+            own = _own(bound, i, counts, s2, sign)
+            new = np.full_like(f, -np.inf)
+            for kp in range(size):
+                before = logsumexp(f[:, :, : size - kp] + (c2 * kp) * counts, axis=4)
+                new[:, :, kp:, kp, :] = before + (c1 * kp) * counts + own[kp]
+            f = new
+    last_first, second_last_first, last_second = (w / s2 for w in bound.wrap)
+    k0 = counts[:, None, None, None, None]
+    k1 = counts[None, :, None, None, None]
+    kl = counts[None, None, None, :, None]
+    k2 = counts[None, None, None, None, :]
+    f = f + last_first * kl * k0 + second_last_first * k2 * k0 + last_second * kl * k1
+    total = logsumexp(np.moveaxis(f, 2, 0).reshape(size, -1), axis=1)
+    total = total + bound.spread * counts**2 / (2 * s2)
     return total + gammaln(counts + 1) - counts * math.log(b)
 
 
@@ -161,6 +219,24 @@ class RenyiEpsilon:
     add: float
 
 
+def _smallest_divergences(gram: np.ndarray, sigma: float, max_order: int, sign: int) -> np.ndarray:
+    """At each order 2..``max_order`` the smallest Rényi bound of one direction (sign −1 remove,
+    +1 the harmonic add bound) among the forms tried: each spread, straight (orders up to
+    ``max_order``) and cyclic (orders up to :data:`CYCLIC_MAX_ORDER`)."""
+    orders = np.arange(2, max_order + 1, dtype=np.float64)
+    best = np.full(len(orders), np.inf)
+    shift = 2 if sign < 0 else 1  # the add bound at order α is the moment of α − 1 bins
+    for spread in spreads(gram):
+        for cyclic, top in ((False, max_order), (True, min(max_order, CYCLIC_MAX_ORDER))):
+            bound = banded_bound(gram, spread, cyclic)
+            if cyclic and bound.wrap is None:
+                continue
+            moments = log_moments(bound, sigma, top - (2 - shift), sign)[shift:]
+            divergences = moments / (orders[: len(moments)] - 1)
+            best[: len(moments)] = np.minimum(best[: len(moments)], divergences)
+    return best
+
+
 def renyi_epsilon(
     gram: np.ndarray, compositions: int, sigma: float, delta: float, max_order: int = MAX_ORDER
 ) -> RenyiEpsilon:
@@ -168,21 +244,12 @@ def renyi_epsilon(
     ``gram`` at noise multiplier ``sigma`` (Rényi divergences add under composition)."""
     gram = np.asarray(gram, dtype=np.float64)
     orders = np.arange(2, max_order + 1, dtype=np.float64)
-    bounds = [banded_bound(gram, spread) for spread in spreads(gram)]
-    eps_remove = min(
-        epsilon_from_renyi(
-            orders,
-            compositions * log_moments(bound, sigma, max_order, -1)[2:] / (orders - 1),
-            delta,
-        )
-        for bound in bounds
-    )
+    remove = _smallest_divergences(gram, sigma, max_order, -1)
+    eps_remove = epsilon_from_renyi(orders, compositions * remove, delta)
     add = geometric_add_divergences(gram, sigma, orders)
     eps_add = epsilon_from_renyi(orders, compositions * add, delta)
     if eps_add > eps_remove:  # only then can the program's add bound lower the answer
-        for bound in bounds:
-            harmonic = log_moments(bound, sigma, max_order - 1, +1)[1:] / (orders - 1)
-            add = np.minimum(add, harmonic)
+        add = np.minimum(add, _smallest_divergences(gram, sigma, max_order, +1))
         eps_add = epsilon_from_renyi(orders, compositions * add, delta)
     worst = max(eps_remove, eps_add)
     return RenyiEpsilon(worst * (1 + ROUNDING_SLACK), eps_remove, eps_add)

@@ -21,7 +21,11 @@ from userdp.accounting.balls_in_bins_certified import (
 from userdp.accounting.correlation_spec import CorrelationSpec
 from userdp.accounting.mechanisms import BallsInBinsMechanism
 
+from tests.privacy.checks_renyi import enumerated_log_moment
+
 BANDED = CorrelationSpec.of("banded", coefs=[1.0, 0.6, 0.3])
+
+
 BLT = CorrelationSpec.of("blt", buf_decay=[0.9, 0.5], output_scale=[0.3, 0.2])
 
 
@@ -85,3 +89,20 @@ def test_identity_leaves_renyi_to_the_random_allocation_pld():
     mechanism = BallsInBinsMechanism(2.0, 16, 2, "fixed")
     certified = certified_epsilon(mechanism, 2, 1e-5, use_cache=False)
     assert certified.candidates[RENYI] is None and "random-allocation" in certified.skipped[RENYI]
+
+
+def test_the_cyclic_program_keeps_the_wrap_around_exactly():
+    """A Gram matrix with two off-diagonals and the entries that tie the last bins to the first
+    (a banded C's when bins repeat): the cyclic program is the exact sum over every tuple."""
+    ring = 3.0 * np.eye(7) + sum(
+        weight * (np.roll(np.eye(7), shift, axis=1) + np.roll(np.eye(7), -shift, axis=1))
+        for shift, weight in ((1, 1.5), (-2, 0.8))
+    )
+    for sign in (-1, +1):
+        computed = renyi.log_moments(renyi.banded_bound(ring, 0.0, cyclic=True), 1.3, 4, sign)
+        straight = renyi.log_moments(renyi.banded_bound(ring, 0.0), 1.3, 4, sign)
+        for k in range(5):
+            exact = enumerated_log_moment(ring, 1.3, k, sign)
+            assert computed[k] == pytest.approx(exact, rel=1e-12, abs=1e-12)
+            assert straight[k] >= exact
+        assert straight[4] > computed[4] + 0.1  # the straight form pays for the wrap-around

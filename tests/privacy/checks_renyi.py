@@ -4,9 +4,10 @@
 the dominating pair P = (1/b)·Σᵢ N(mᵢ, σ²I), Q = N(0, σ²I), summed over count vectors by a
 dynamic program. Two checks against references computed here, independently of that program:
 
-* the program's log moments, at each spread it tries, are at least the exact sums over every
-  tuple of bins (enumerated), for a Gram matrix with positive and negative entries far from the
-  diagonal, which the program bounds instead of keeping;
+* the program's log moments, for each form it tries (each spread, straight and cyclic), are at
+  least the exact sums over every tuple of bins (enumerated), for Gram matrices whose entries far
+  from the diagonal, which the program bounds or keeps as wrap-around, are of both signs or all
+  positive;
 * for two- and three-mode pairs in the plane, the Rényi divergences by quadrature on a fine grid:
   the remove bound equals the true D_α(P‖Q), and each add bound (the program's harmonic one and
   the geometric-mean closed form) is at least the true D_α(Q‖P).
@@ -29,7 +30,7 @@ ORDERS = (2, 3, 5)
 TOLERANCE = 1e-6
 
 
-def _enumerated(gram: np.ndarray, sigma: float, k: int, sign: int) -> float:
+def enumerated_log_moment(gram: np.ndarray, sigma: float, k: int, sign: int) -> float:
     b = gram.shape[0]
     total = [
         (n @ gram @ n + sign * np.diag(gram) @ n) / (2 * sigma**2)
@@ -54,18 +55,26 @@ def _quadrature(modes: np.ndarray, sigma: float, alpha: int, direction: str) -> 
 
 def check_renyi_bound_covers_the_pair() -> None:
     rng = np.random.default_rng(7)
-    modes = rng.normal(size=(9, 6))
-    gram = modes.T @ modes  # entries of both signs at every offset
-    assert (np.triu(gram, 3) > 0).any() and (np.triu(gram, 3) < 0).any()
-    assert len(renyi.spreads(gram)) == 2
-    for spread, sign in itertools.product(renyi.spreads(gram), (-1, +1)):
-        computed = renyi.log_moments(renyi.banded_bound(gram, spread), 1.6, 4, sign)
-        for k in range(5):
-            exact = _enumerated(gram, 1.6, k, sign)
-            assert computed[k] >= exact - TOLERANCE * abs(exact), (
-                f"the Rényi program's moment is below the exact sum over tuples: {k} bins, "
-                f"sign {sign}, spread {spread:.3g}: {computed[k]:.9g} < {exact:.9g}"
-            )
+    mixed = rng.normal(size=(9, 6))
+    positive = rng.random(size=(9, 6))
+    ring = 3.0 * np.eye(7) + sum(  # a banded C's Gram matrix when bins repeat: cyclic
+        weight * (np.roll(np.eye(7), shift, axis=1) + np.roll(np.eye(7), -shift, axis=1))
+        for shift, weight in ((1, 1.5), (2, 0.8))
+    )
+    # far entries of both signs; all positive; only the wrap-around ones
+    for gram in (mixed.T @ mixed, positive.T @ positive, ring):
+        assert len(renyi.spreads(gram)) == 2
+        forms = itertools.product(renyi.spreads(gram), (False, True), (-1, +1))
+        for spread, cyclic, sign in forms:
+            bound = renyi.banded_bound(gram, spread, cyclic)
+            computed = renyi.log_moments(bound, 1.6, 4, sign)
+            for k in range(5):
+                exact = enumerated_log_moment(gram, 1.6, k, sign)
+                assert computed[k] >= exact - TOLERANCE * abs(exact), (
+                    f"the Rényi program's moment is below the exact sum over tuples: {k} bins, "
+                    f"sign {sign}, spread {spread:.3g}, cyclic {cyclic}: {computed[k]:.9g} < "
+                    f"{exact:.9g}"
+                )
     for modes, sigma in (
         (np.array([[1.0, 0.0], [0.0, 1.0]]), 1.0),
         (np.array([[2.0, 0.0], [0.0, 2.0]]), 1.0),

@@ -930,8 +930,8 @@ def mutation_renyi_drops_far_entries(monkeypatch):
 
     real = balls_in_bins_renyi.banded_bound
 
-    def banded_bound(gram, spread=0.0):
-        kept = real(gram, 0.0)
+    def banded_bound(gram, spread=0.0, cyclic=False):
+        kept = real(gram, 0.0, cyclic)
         return dataclasses.replace(kept, quad=kept.diag.copy())
 
     monkeypatch.setattr(balls_in_bins_renyi, "banded_bound", banded_bound)
@@ -947,8 +947,25 @@ def mutation_renyi_spread_not_charged(monkeypatch):
     monkeypatch.setattr(
         balls_in_bins_renyi,
         "banded_bound",
-        lambda gram, spread=0.0: dataclasses.replace(real(gram, spread), spread=0.0),
+        lambda gram, spread=0.0, cyclic=False: dataclasses.replace(
+            real(gram, spread, cyclic), spread=0.0
+        ),
     )
+
+
+@pytest.fixture
+def mutation_renyi_wrap_not_charged(monkeypatch):
+    """The balls-in-bins Rényi accountant's cyclic program leaves out the wrap-around entries
+    (last bins to first) that it took out of the far ones."""
+    from userdp.accounting import balls_in_bins_renyi
+
+    real = balls_in_bins_renyi.banded_bound
+
+    def banded_bound(gram, spread=0.0, cyclic=False):
+        kept = real(gram, spread, cyclic)
+        return kept if kept.wrap is None else dataclasses.replace(kept, wrap=(0.0, 0.0, 0.0))
+
+    monkeypatch.setattr(balls_in_bins_renyi, "banded_bound", banded_bound)
 
 
 @pytest.fixture
