@@ -130,32 +130,19 @@ def log_moments(bound: BandedBound, sigma: float, max_count: int, sign: int) -> 
     if bound.wrap is not None:
         return _cyclic_log_moments(bound, sigma, max_count, sign)
     s2 = sigma * sigma
-    b = len(bound.diag)
     counts = np.arange(max_count + 1, dtype=np.float64)
     size = max_count + 1
     # f[u, k1, k2]: log weight of u balls in bins 0..i with count k1 in bin i and k2 in bin i-1
     f = np.full((size, size, size), -np.inf)
     f[counts.astype(int), counts.astype(int), 0] = _own(bound, 0, counts, s2, sign)
-    with np.errstate(invalid="ignore"):
-        for i in range(1, b):
-            c1 = bound.near1[i - 1] / s2
-            c2 = bound.near2[i - 2] / s2 if i >= 2 else 0.0
-            own = _own(bound, i, counts, s2, sign)
-            new = np.full_like(f, -np.inf)
-            for kp in range(size):
-                # new[u, kp, k1] = logsumexp_k2 (f[u - kp, k1, k2] + c2·k2·kp) + c1·k1·kp + own(kp)
-                before = logsumexp(f[: size - kp] + (c2 * kp) * counts, axis=2)
-                new[kp:, kp, :] = before + (c1 * kp) * counts + own[kp]
-            f = new
-    total = logsumexp(f.reshape(size, -1), axis=1) + bound.spread * counts**2 / (2 * s2)
-    return total + gammaln(counts + 1) - counts * math.log(b)
+    f = _sweep(bound, f, 1, counts, s2, sign)
+    return _normalized(bound, logsumexp(f.reshape(size, -1), axis=1), counts, s2)
 
 
 def _cyclic_log_moments(bound: BandedBound, sigma: float, max_count: int, sign: int) -> np.ndarray:
     """:func:`log_moments` of a cyclic form: the first two bins' counts (k0, k1) stay in the state
     so that the wrap-around entries are charged exactly at the end."""
     s2 = sigma * sigma
-    b = len(bound.diag)
     counts = np.arange(max_count + 1, dtype=np.float64)
     size = max_count + 1
     # f[k0, k1, u, kl, k2]: bins 0..i hold u balls, bin 0 k0, bin 1 k1, bin i kl, bin i-1 k2
@@ -164,24 +151,41 @@ def _cyclic_log_moments(bound: BandedBound, sigma: float, max_count: int, sign: 
     for k0 in range(size):
         for k1 in range(size - k0):
             f[k0, k1, k0 + k1, k1, k0] = own0[k0] + own1[k1] + bound.near1[0] * k0 * k1 / s2
-    with np.errstate(invalid="ignore"):
-        for i in range(2, b):
-            c1, c2 = bound.near1[i - 1] / s2, bound.near2[i - 2] / s2
-            own = _own(bound, i, counts, s2, sign)
-            new = np.full_like(f, -np.inf)
-            for kp in range(size):
-                before = logsumexp(f[:, :, : size - kp] + (c2 * kp) * counts, axis=4)
-                new[:, :, kp:, kp, :] = before + (c1 * kp) * counts + own[kp]
-            f = new
+    f = _sweep(bound, f, 2, counts, s2, sign)
     last_first, second_last_first, last_second = (w / s2 for w in bound.wrap)
     k0 = counts[:, None, None, None, None]
     k1 = counts[None, :, None, None, None]
     kl = counts[None, None, None, :, None]
     k2 = counts[None, None, None, None, :]
     f = f + last_first * kl * k0 + second_last_first * k2 * k0 + last_second * kl * k1
-    total = logsumexp(np.moveaxis(f, 2, 0).reshape(size, -1), axis=1)
+    return _normalized(bound, logsumexp(np.moveaxis(f, 2, 0).reshape(size, -1), axis=1), counts, s2)
+
+
+def _sweep(
+    bound: BandedBound, f: np.ndarray, first: int, counts: np.ndarray, s2: float, sign: int
+) -> np.ndarray:
+    """Add bins ``first``.. to the program's table f[..., u, k_last, k_before_last] (leading axes
+    carried along untouched): each bin's own factor and its couplings to the two bins before."""
+    size = len(counts)
+    with np.errstate(invalid="ignore"):
+        for i in range(first, len(bound.diag)):
+            c1 = bound.near1[i - 1] / s2
+            c2 = bound.near2[i - 2] / s2 if i >= 2 else 0.0
+            own = _own(bound, i, counts, s2, sign)
+            new = np.full_like(f, -np.inf)
+            for kp in range(size):
+                # new[u, kp, k1] = logsumexp_k2 (f[u - kp, k1, k2] + c2·k2·kp) + c1·k1·kp + own(kp)
+                before = logsumexp(f[..., : size - kp, :, :] + (c2 * kp) * counts, axis=-1)
+                new[..., kp:, kp, :] = before + (c1 * kp) * counts + own[kp]
+            f = new
+    return f
+
+
+def _normalized(bound: BandedBound, total: np.ndarray, counts: np.ndarray, s2: float) -> np.ndarray:
+    """The program's sums over count vectors, by balls u, as log E over uniform u-tuples: the
+    spread's r·u², the multinomial u!, and b^−u."""
     total = total + bound.spread * counts**2 / (2 * s2)
-    return total + gammaln(counts + 1) - counts * math.log(b)
+    return total + gammaln(counts + 1) - counts * math.log(len(bound.diag))
 
 
 def _own(bound: BandedBound, i: int, counts: np.ndarray, s2: float, sign: int) -> np.ndarray:
